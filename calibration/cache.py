@@ -1,0 +1,52 @@
+"""Where masa-compress keeps downloaded assets (text, converted models) between runs.
+
+One root for everything, so a user can inspect or delete it in one place, and CI can point it at
+a cached folder with a single environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+#: Environment variable that overrides the cache root (e.g. a CI cache folder or a shared disk).
+CACHE_ENV = "MASA_CACHE"
+
+
+def cache_dir() -> Path:
+    """Return the cache root: ``$MASA_CACHE`` if set, else ``~/.cache/masa-compress``.
+
+    The folder is not created here (callers create the subfolder they write to), so that merely
+    asking for the path never touches the disk.
+    """
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "masa-compress"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one.
+
+    Two commands may fill the cache at the same time, and a run may be interrupted: writing to a
+    temporary file in the same folder and ``os.replace``-ing it (atomic on POSIX and Windows) means
+    a half-written cache file can never be read back as valid.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp creates the file 0600; a cache file is ordinary data, readable like any other.
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, path)
+    except BaseException:
+        # Leave no stray temporary file behind, whatever interrupted us.
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,182 @@
+"""Parameter accounting and rank allocation for the residual factors (method.md, stage 5).
+
+All ranks index discarded-energy tails from `whitening.discarded_energy`: `tail[r]` is the squared
+(whitened) error of keeping rank `r`, for `r = 0..min(out, in)`. A rank-`r` factor pair of an
+`out×in` matrix stores `r·(out + in)` numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Shape = tuple[int, int]  # (out, in)
+Tail = torch.Tensor | Sequence[float]
+
+
+def lowrank_params(out: int, in_: int, rank: int) -> int:
+    """Numbers stored by rank-`rank` factors `A (out, r)`, `B (r, in)` of an `out×in` matrix."""
+    if min(out, in_, rank) < 0:
+        raise ValueError(f"negative size: out={out}, in={in_}, rank={rank}")
+    return rank * (out + in_)
+
+
+def max_rank_within(out: int, in_: int, budget: int) -> int:
+    """Largest rank whose factors fit in `budget` numbers, at most `min(out, in)`, at least 0."""
+    if out <= 0 or in_ <= 0:
+        raise ValueError(f"matrix sizes must be positive, got out={out}, in={in_}")
+    return max(0, min(min(out, in_), budget // (out + in_)))
+
+
+@dataclass(frozen=True)
+class PairSplit:
+    """Ranks chosen for the two matrices of a pair, e.g. (Q, K) or (V, O)."""
+
+    rank_a: int
+    rank_b: int
+    error: float  # tail_a[rank_a] + tail_b[rank_b]
+    params: int  # lowrank_params of both; never above the pair budget
+    initial: tuple[int, int]  # the equal-fraction starting ranks (r_a0, r_b0)
+
+
+def _as_list(tail: Tail, shape: Shape, name: str) -> list[float]:
+    """The tail as Python floats (the walk is scalar work), checked against the matrix shape."""
+    values = tail.detach().to(torch.float64).tolist() if isinstance(tail, torch.Tensor) else list(tail)
+    out, in_ = shape
+    if out <= 0 or in_ <= 0:
+        raise ValueError(f"{name}: matrix sizes must be positive, got {shape}")
+    if len(values) != min(out, in_) + 1:
+        raise ValueError(
+            f"{name}: a tail for a {out}x{in_} matrix has min(out, in) + 1 = {min(out, in_) + 1} entries, "
+            f"got {len(values)}"
+        )
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{name}: non-finite discarded energy")
+    return [float(v) for v in values]
+
+
+def _initial_ranks(shape_a: Shape, shape_b: Shape, pair_budget: int) -> tuple[int, int]:
+    """Algorithm 1's start: each matrix keeps the same fraction of its dense size.
+
+    With `frac = pair_budget / (oA·iA + oB·iB)` (the paper's `1 - β`),
+    `r = floor(frac · o·i / (o + i))`, capped at `min(o, i)`. Computed in integers so the floor is
+    exact; the two costs are then at most `frac` of each dense size, so their sum fits the budget.
+    """
+    (out_a, in_a), (out_b, in_b) = shape_a, shape_b
+    dense = out_a * in_a + out_b * in_b
+    r_a = min(min(out_a, in_a), (pair_budget * out_a * in_a) // (dense * (out_a + in_a)))
+    r_b = min(min(out_b, in_b), (pair_budget * out_b * in_b) // (dense * (out_b + in_b)))
+    return r_a, r_b
+
+
+def _pair_setup(
+    tail_a: Tail, tail_b: Tail, shape_a: Shape, shape_b: Shape, pair_budget: int
+) -> tuple[list[float], list[float], int, int, tuple[int, int]]:
+    if pair_budget < 0:
+        raise ValueError(f"pair_budget must be >= 0, got {pair_budget}")
+    ta = _as_list(tail_a, shape_a, "tail_a")
+    tb = _as_list(tail_b, shape_b, "tail_b")
+    return ta, tb, sum(shape_a), sum(shape_b), _initial_ranks(shape_a, shape_b, pair_budget)
+
+
+def balance_pair_paper(
+    tail_a: Tail, tail_b: Tail, shape_a: Shape, shape_b: Shape, pair_budget: int
+) -> PairSplit:
+    """Algorithm 1 of the paper, made budget-exact.
+
+    Start from the equal-fraction ranks `(r_a0, r_b0)` and move rank between the two matrices one
+    step at a time along `r_a + r_b = r_a0 + r_b0`, in both directions (the paper only moves rank
+    from A to B, and stops at `r_a = 1`; method.md asks for moves "from one matrix of the pair to
+    the other", and rank 0 is a valid choice). Every split with ranks in `[0, min(out, in)]` and cost
+    `r_a·(oA+iA) + r_b·(oB+iB) ≤ pair_budget` is visited (under GQA the two costs per rank differ,
+    so some splits on the line cost more than the start). Keeps the split with the smallest
+    `tail_a[r_a] + tail_b[r_b]`; a split replaces the best only when strictly better, and splits are
+    visited by increasing distance from the start, A→B first, so ties go to the split closest to
+    the start, and then to the one with the smaller `r_a`.
+    """
+    ta, tb, cost_a, cost_b, (r_a0, r_b0) = _pair_setup(tail_a, tail_b, shape_a, shape_b, pair_budget)
+    max_a, max_b = len(ta) - 1, len(tb) - 1
+    total = r_a0 + r_b0
+
+    best = (r_a0, r_b0)
+    best_error = ta[r_a0] + tb[r_b0]
+    # Distance d from the start: first r_a0 - d (A→B, the paper's move), then r_a0 + d (B→A).
+    for step in range(1, total + 1):
+        for r_a in (r_a0 - step, r_a0 + step):
+            r_b = total - r_a
+            if not (0 <= r_a <= max_a and 0 <= r_b <= max_b):
+                continue
+            if r_a * cost_a + r_b * cost_b > pair_budget:
+                continue
+            error = ta[r_a] + tb[r_b]
+            if error < best_error:
+                best, best_error = (r_a, r_b), error
+    r_a, r_b = best
+    return PairSplit(r_a, r_b, best_error, r_a * cost_a + r_b * cost_b, (r_a0, r_b0))
+
+
+def balance_pair_bruteforce(
+    tail_a: Tail, tail_b: Tail, shape_a: Shape, shape_b: Shape, pair_budget: int
+) -> PairSplit:
+    """Reference for `balance_pair_paper`: every split on `r_a + r_b = r_a0 + r_b0` within budget.
+
+    Minimizes `(error, |r_a - r_a0|, r_a)`, the same objective and tie-break as the walk.
+    """
+    ta, tb, cost_a, cost_b, (r_a0, r_b0) = _pair_setup(tail_a, tail_b, shape_a, shape_b, pair_budget)
+    total = r_a0 + r_b0
+    candidates = [
+        (ta[r_a] + tb[total - r_a], abs(r_a - r_a0), r_a)
+        for r_a in range(0, total + 1)
+        if r_a < len(ta) and total - r_a < len(tb) and r_a * cost_a + (total - r_a) * cost_b <= pair_budget
+    ]
+    # The start itself is always a candidate (see _initial_ranks), so the list is never empty.
+    error, _, r_a = min(candidates)
+    r_b = total - r_a
+    return PairSplit(r_a, r_b, error, r_a * cost_a + r_b * cost_b, (r_a0, r_b0))
+
+
+def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], budget: int) -> dict[str, int]:
+    """Greedy ranks for many matrices under one budget: a candidate improvement over Algorithm 1.
+
+    Repeatedly raises by one the rank with the largest discarded-energy reduction per parameter,
+    `(tail[r] - tail[r+1]) / (out + in)`, among the steps that still fit; the total never exceeds
+    `budget`. A matrix stops growing at `min(out, in)`, when its next step no longer fits (steps of
+    one matrix all cost the same and the remaining budget only shrinks), or when its next step
+    removes no energy. Ties go to the matrix listed first in `tails`.
+
+    Tails from an SVD are convex (σ sorted), so each matrix's gains per step decrease and the
+    greedy order is optimal when all matrices cost the same per rank; with different costs it is
+    optimal for the budget it has spent before its first skipped step (a knapsack bound).
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if set(tails) != set(shapes):
+        raise ValueError(f"tails and shapes name different matrices: {sorted(tails)} vs {sorted(shapes)}")
+    lists = {name: _as_list(tail, shapes[name], name) for name, tail in tails.items()}
+    costs = {name: sum(shapes[name]) for name in lists}
+    order = {name: i for i, name in enumerate(lists)}
+    ranks = dict.fromkeys(lists, 0)
+    remaining = budget
+
+    def push(heap: list[tuple[float, int, str]], name: str) -> None:
+        r = ranks[name]
+        tail = lists[name]
+        if r + 1 < len(tail) and tail[r] - tail[r + 1] > 0.0:
+            # heapq is a min-heap: negate the gain per parameter.
+            heapq.heappush(heap, (-(tail[r] - tail[r + 1]) / costs[name], order[name], name))
+
+    heap: list[tuple[float, int, str]] = []
+    for name in lists:
+        push(heap, name)
+    while heap:
+        _, _, name = heapq.heappop(heap)
+        if costs[name] > remaining:
+            continue  # this matrix can never grow again: drop it
+        ranks[name] += 1
+        remaining -= costs[name]
+        push(heap, name)
+    return ranks

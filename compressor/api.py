@@ -1,0 +1,332 @@
+"""The library API that the CLI wraps: evaluate a model, compress a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compressor.calibration.sources import load_documents
+from compressor.calibration.windows import bos_token_id_for, evaluation_windows, tokenize_documents
+from compressor.evaluate import PerplexityResult, evaluate_perplexity
+from compressor.models import LoadedModel, load_model, resolve_model
+from compressor.recipes.schema import EvaluationSettings, Recipe
+
+
+@dataclass
+class EvalSettings:
+    text: str | None = None
+    seq_len: int | None = None
+    max_tokens: int | None = None
+    batch_size: int = 1
+
+
+def resolve_eval_settings(settings: EvalSettings, recipe: Recipe | None) -> EvaluationSettings:
+    """User options override the recipe; the recipe overrides the built-in defaults."""
+    base = recipe.evaluation if recipe else EvaluationSettings()
+    return EvaluationSettings(
+        source=settings.text or base.source,
+        seq_len=settings.seq_len or base.seq_len,
+        max_tokens=settings.max_tokens if settings.max_tokens is not None else base.max_tokens,
+    )
+
+
+def evaluation_token_windows(tokenizer, evaluation: EvaluationSettings) -> tuple[torch.Tensor, str]:
+    """Held-out text → non-overlapping windows of `seq_len` tokens (BOS only where the tokenizer adds one)."""
+    source = load_documents(evaluation.source, split="evaluation")
+    ids = tokenize_documents(tokenizer, source.documents)
+    windows = evaluation_windows(
+        ids, evaluation.seq_len, max_tokens=evaluation.max_tokens, bos_id=bos_token_id_for(tokenizer)
+    )
+    return windows, source.name
+
+
+def evaluate_loaded(
+    loaded: LoadedModel, evaluation: EvaluationSettings, batch_size: int = 1, progress: bool = True
+) -> PerplexityResult:
+    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation)
+    result = evaluate_perplexity(loaded.model, windows, batch_size=batch_size, progress=progress)
+    result.text = text_name
+    return result
+
+
+def evaluate(
+    model: str,
+    settings: EvalSettings | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> tuple[PerplexityResult, LoadedModel]:
+    """Resolve, load and evaluate a model spec (alias, path, hub id or compressed checkpoint)."""
+    settings = settings or EvalSettings()
+    source = resolve_model(model)
+    evaluation = resolve_eval_settings(settings, source.recipe)
+    loaded = load_model(source, device=device, dtype=dtype, progress=progress)
+    return evaluate_loaded(loaded, evaluation, settings.batch_size, progress), loaded
+
+
+# ------------------------------------------------------------------------------------------------------
+# Compression
+
+
+@dataclass
+class CompressOptions:
+    """Everything a compression run can be told; None means "the recipe's value"."""
+
+    ratio: float = 0.2
+    method: str | None = None
+    groups: int | None = None
+    bases: int | None = None
+    largest_group_bases: int | None = None
+    end_boundaries: bool | None = None
+    logit_lens: str | None = None
+    allocation: str | None = None
+    calib: str | None = None
+    calib_samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+    eval_text: str | None = None
+    eval_seq_len: int | None = None
+    eval_max_tokens: int | None = None
+    evaluate: bool = True
+    out: str | None = None
+    overwrite: bool = False
+    save: bool = True
+    recipe_file: str | None = None
+    batch_size: int = 1
+
+
+@dataclass
+class CompressionRun:
+    """The result of `compress`: numbers for the summary table and `--json`, and the compressed model."""
+
+    summary: dict
+    model: object = None
+    tokenizer: object = None
+    outcome: object = None
+
+
+def _override(settings, **values):
+    """A copy of a pydantic settings object with the non-None values replaced (and re-validated)."""
+    from pydantic import ValidationError
+
+    from compressor.errors import UserError
+
+    data = settings.model_dump()
+    data.update({k: v for k, v in values.items() if v is not None})
+    try:
+        return type(settings).model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise UserError(f"invalid --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+
+
+def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
+    """Merge recipe and options into validated (calibration, evaluation, compression) settings."""
+    from compressor.recipes.schema import CalibrationSettings, CompressionSettings
+
+    base_cal = recipe.calibration if recipe else CalibrationSettings()
+    base_eval = recipe.evaluation if recipe else EvaluationSettings()
+    base_comp = recipe.compression if recipe else CompressionSettings()
+    calibration = _override(
+        base_cal,
+        source=options.calib,
+        samples=options.calib_samples,
+        seq_len=options.seq_len,
+        seed=options.seed,
+    )
+    evaluation = _override(base_eval, source=options.eval_text, seq_len=options.eval_seq_len)
+    if options.eval_max_tokens is not None:
+        evaluation = evaluation.model_copy(update={"max_tokens": options.eval_max_tokens or None})
+    compression = _override(
+        base_comp,
+        method=options.method,
+        groups=options.groups,
+        bases=options.bases,
+        largest_group_bases=options.largest_group_bases,
+        end_boundaries=options.end_boundaries,
+        logit_lens=options.logit_lens,
+        allocation=options.allocation,
+    )
+    return calibration, evaluation, compression
+
+
+def default_output_dir(source_name: str, method: str, ratio: float) -> str:
+    import re
+
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name.rstrip("/").split("/")[-1]).strip("-") or "model"
+    return f"out/{stem}-{method}-r{ratio:g}"
+
+
+def check_output_dir(out: str, overwrite: bool) -> None:
+    """Fail before any heavy work if the output directory cannot be written."""
+    import os
+    from pathlib import Path
+
+    from compressor.errors import UserError
+
+    path = Path(out)
+    if path.exists() and not overwrite:
+        raise UserError(f"output directory '{out}' already exists: pass --overwrite or choose another --out")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output path '{out}' exists and is not a directory: choose another --out")
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise UserError(
+            f"output directory '{out}' cannot be written ({parent} is not writable): choose another --out"
+        )
+
+
+def peak_rss_gb() -> float:
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
+
+
+def compress(
+    model: str,
+    options: CompressOptions,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> CompressionRun:
+    """The main job: calibrate, compress, evaluate before/after, and write the checkpoint."""
+    import time
+
+    from compressor import __version__
+    from compressor.adapters import get_adapter
+    from compressor.calibration.windows import calibration_windows
+    from compressor.capture import collect_statistics
+    from compressor.errors import UserError
+    from compressor.pipeline import METHODS, compress_model
+    from compressor.plan import check_feasible_before_calibration
+    from compressor.progress import note
+    from compressor.recipes.schema import load_recipe_file
+
+    start_all = time.perf_counter()
+    seconds: dict[str, float] = {}
+    if not 0.0 < options.ratio < 1.0:
+        raise UserError(
+            f"--ratio {options.ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
+        )
+    recipe = load_recipe_file(options.recipe_file) if options.recipe_file else None
+    source = resolve_model(model, recipe)
+    recipe = recipe or source.recipe
+    calibration, evaluation, compression = resolve_run_settings(options, recipe)
+    if compression.method not in METHODS:
+        raise UserError(f"unknown --method '{compression.method}': use one of {', '.join(METHODS)}")
+    out = options.out or default_output_dir(
+        recipe.name if recipe else source.location, compression.method, options.ratio
+    )
+    if options.save:
+        check_output_dir(out, options.overwrite)
+    # Text sources are read (and validated) before the model is loaded.
+    calib_text = load_documents(calibration.source, split="calibration")
+
+    t = time.perf_counter()
+    loaded = load_model(source, device=device, dtype=dtype, progress=progress)
+    seconds["load"] = time.perf_counter() - t
+    adapter = get_adapter(loaded.model)
+    if compression.method.startswith("masa"):
+        check_feasible_before_calibration(
+            options.ratio,
+            adapter.attention_parameter_count(),
+            adapter.geometry,
+            adapter.num_layers,
+            compression.groups,
+            compression.bases,
+            compression.largest_group_bases,
+            compression.singletons == "compress",
+        )
+    bos = bos_token_id_for(loaded.tokenizer)
+    calib_ids = tokenize_documents(loaded.tokenizer, calib_text.documents)
+    calib_windows = calibration_windows(
+        calib_ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos
+    )
+    eval_windows, eval_name = (
+        evaluation_token_windows(loaded.tokenizer, evaluation) if options.evaluate else (None, "")
+    )
+
+    model_params_before = sum(p.numel() for p in loaded.model.parameters())
+    attention_before = adapter.attention_parameter_count()
+    ppl_before = None
+    if options.evaluate:
+        result = evaluate_perplexity(
+            loaded.model, eval_windows, options.batch_size, progress, "Perplexity (original)"
+        )
+        seconds["eval_before"] = result.seconds
+        ppl_before = result.ppl
+
+    stats = collect_statistics(loaded.model, adapter, calib_windows, options.batch_size, progress)
+    seconds["calibration"] = stats.seconds
+    outcome = compress_model(loaded.model, adapter, stats, compression, options.ratio, progress)
+    seconds.update(outcome.seconds)
+    del stats
+    plan = outcome.plan
+
+    ppl_after = None
+    if options.evaluate:
+        result = evaluate_perplexity(
+            loaded.model, eval_windows, options.batch_size, progress, "Perplexity (compressed)"
+        )
+        seconds["eval_after"] = result.seconds
+        ppl_after = result.ppl
+
+    summary = {
+        "tool_version": __version__,
+        "model": source.describe(),
+        "recipe": recipe.name if recipe else None,
+        "method": compression.method,
+        "ratio_requested": options.ratio,
+        "achieved_ratio": plan.achieved_ratio(),
+        "attention_params_before": attention_before,
+        "attention_params_after": plan.attention_params_after(),
+        "model_params_before": model_params_before,
+        "model_params_after": sum(p.numel() for p in loaded.model.parameters()),
+        "ppl_before": ppl_before,
+        "ppl_after": ppl_after,
+        "settings": {
+            "calibration": {
+                **calibration.model_dump(),
+                "text": calib_text.name,
+                "fingerprint": calib_text.fingerprint,
+            },
+            "evaluation": {**evaluation.model_dump(), "text": eval_name},
+            "compression": compression.model_dump(),
+        },
+        "plan": plan.to_dict(),
+        "report": outcome.report,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "out": None,
+    }
+    if options.save:
+        from compressor.checkpoint import save_compressed
+
+        t = time.perf_counter()
+        metadata = {k: v for k, v in summary.items() if k not in ("plan",)}
+        metadata["source"] = {
+            "spec": source.spec,
+            "kind": source.kind,
+            "location": source.location,
+            "revision": source.revision,
+        }
+        path = save_compressed(
+            loaded.model,
+            plan,
+            out,
+            tokenizer=loaded.tokenizer,
+            metadata=metadata,
+            overwrite=options.overwrite,
+        )
+        seconds["save"] = time.perf_counter() - t
+        summary["out"] = str(path)
+        note(f"[green]Wrote[/] {path}", progress)
+    seconds["total"] = time.perf_counter() - start_all
+    summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    summary["peak_rss_gb"] = round(peak_rss_gb(), 3)
+    return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)

@@ -1,0 +1,119 @@
+"""Stage 1: calibration capture with hooks that reduce on the fly (never all activations in memory).
+
+Per layer: C_attn = Σ xᵀx over the q/k/v input (post input_layernorm), C_o = Σ zᵀz over the o_proj
+input, both accumulated in fp64; and the token-mean of each block's output per window (for grouping).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compressor.adapters import DecoderAdapter
+from compressor.errors import NumericalError
+from compressor.progress import progress_bar
+
+
+@dataclass
+class CalibrationStats:
+    attn_autocorr: list[torch.Tensor]  # L × (hidden, hidden) fp64: input of q/k/v
+    o_autocorr: list[torch.Tensor]  # L × (heads*head_dim, same) fp64: input of o_proj
+    block_output_means: torch.Tensor  # (L, N, hidden) fp32: token-mean of each block's output per window
+    tokens: int
+    windows: int
+    seconds: float = 0.0
+
+    def to(self, device: torch.device) -> CalibrationStats:
+        return CalibrationStats(
+            [c.to(device) for c in self.attn_autocorr],
+            [c.to(device) for c in self.o_autocorr],
+            self.block_output_means.to(device),
+            self.tokens,
+            self.windows,
+            self.seconds,
+        )
+
+
+class _Accumulator:
+    """Owns the hooks; always removes them (also on error)."""
+
+    def __init__(self, adapter: DecoderAdapter, n_windows: int, device: torch.device):
+        self.adapter = adapter
+        geometry = adapter.geometry
+        q_out, _ = geometry.shape("q_proj")
+        f64 = {"dtype": torch.float64, "device": device}
+        self.attn = [torch.zeros(geometry.hidden_size, geometry.hidden_size, **f64) for _ in adapter.layers]
+        self.o = [torch.zeros(q_out, q_out, **f64) for _ in adapter.layers]
+        self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
+        self.window_offset = 0
+        self.handles: list = []
+
+    def _gram_into(self, target: torch.Tensor, x: torch.Tensor, where: str) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        if not torch.isfinite(x).all():
+            raise NumericalError(f"non-finite activations at the input of {where} during calibration")
+        if x.device.type == "cpu":
+            target.addmm_(x.double().T, x.double())
+        else:  # fp32 on accelerators (fast), summed into the fp64 accumulator per batch
+            target.add_((x.float().T @ x.float()).double())
+
+    def __enter__(self) -> _Accumulator:
+        for i, layer in enumerate(self.adapter.layers):
+            q = self.adapter.projection(i, "q_proj")
+            o = self.adapter.projection(i, "o_proj")
+            self.handles.append(
+                q.register_forward_pre_hook(
+                    lambda m, a, i=i: self._gram_into(self.attn[i], a[0], f"layer {i} q_proj")
+                )
+            )
+            self.handles.append(
+                o.register_forward_pre_hook(
+                    lambda m, a, i=i: self._gram_into(self.o[i], a[0], f"layer {i} o_proj")
+                )
+            )
+            self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
+        return self
+
+    def _block_mean(self, i: int, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (B, T, H)
+        n = hidden.shape[0]
+        self.means[i, self.window_offset : self.window_offset + n] = hidden.float().mean(dim=1).cpu()
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+@torch.no_grad()
+def collect_statistics(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    windows: torch.Tensor,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> CalibrationStats:
+    """Run the calibration windows (N, T) through the original model and reduce the statistics."""
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    n = windows.shape[0]
+    with (
+        _Accumulator(adapter, n, device) as acc,
+        progress_bar("Calibration", total=n, enabled=progress) as bar,
+    ):
+        for first in range(0, n, batch_size):
+            batch = windows[first : first + batch_size].to(device)
+            acc.window_offset = first
+            model(input_ids=batch, use_cache=False)
+            bar.advance(len(batch))
+    return CalibrationStats(
+        attn_autocorr=acc.attn,
+        o_autocorr=acc.o,
+        block_output_means=acc.means,
+        tokens=int(windows.numel()),
+        windows=n,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,186 @@
+"""`masa-compress compress` (also the bare `masa-compress MODEL ...`): the main job."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
+from compressor.pipeline import METHODS
+
+console = Console()
+
+
+def compress_command(
+    model: ModelArg,
+    ratio: Annotated[
+        float,
+        typer.Option("--ratio", "-r", help="Fraction of the attention parameters to remove, in (0, 1)."),
+    ] = 0.2,
+    method: Annotated[
+        str | None,
+        typer.Option("--method", "-m", help=f"One of: {', '.join(METHODS)} (default: the recipe's, masa)."),
+    ] = None,
+    groups: Annotated[
+        int | None, typer.Option("--groups", "-g", min=1, help="Groups of consecutive layers G (recipe: 3).")
+    ] = None,
+    bases: Annotated[
+        int | None,
+        typer.Option(
+            "--bases",
+            "-b",
+            min=0,
+            help="Shared atoms per group and projection B (recipe: 1; 0 = no sharing).",
+        ),
+    ] = None,
+    largest_group_bases: Annotated[
+        int | None,
+        typer.Option("--largest-group-bases", min=0, help="Atoms for the largest group (paper's best: 2)."),
+    ] = None,
+    end_boundaries: Annotated[
+        bool | None,
+        typer.Option(
+            "--end-boundaries/--no-end-boundaries",
+            help="May the first/last KL transitions be group boundaries (making the first/last layers "
+            "singletons kept whole)? Recipe default: yes (paper).",
+        ),
+    ] = None,
+    logit_lens: Annotated[
+        str | None,
+        typer.Option("--logit-lens", help="final_norm (standard logit lens, default) or raw (paper)."),
+    ] = None,
+    allocation: Annotated[
+        str | None,
+        typer.Option("--allocation", help="paper (Algorithm 1 per (Q,K)/(V,O) pair, default) or global."),
+    ] = None,
+    calib: Annotated[
+        str | None,
+        typer.Option(
+            "--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name."
+        ),
+    ] = None,
+    calib_samples: Annotated[
+        int | None,
+        typer.Option(
+            "--calib-samples", "-n", min=1, help="Calibration windows N (recipe: 64 for smollm2-135m)."
+        ),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", min=8, help="Tokens per calibration window T (recipe: 512).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")
+    ] = None,
+    eval_text: Annotated[
+        str | None, typer.Option("--eval-text", help="Evaluation text (default: held-out Wikipedia).")
+    ] = None,
+    eval_seq_len: Annotated[
+        int | None, typer.Option("--eval-seq-len", min=8, help="Evaluation window length (recipe: 512).")
+    ] = None,
+    eval_max_tokens: Annotated[
+        int | None,
+        typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (recipe: 40960; 0 = all)."),
+    ] = None,
+    no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the perplexity before/after.")] = False,
+    out: Annotated[
+        str | None,
+        typer.Option("--out", "-o", help="Checkpoint directory (default: out/<model>-<method>-r<ratio>)."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output directory.")
+    ] = False,
+    no_save: Annotated[
+        bool, typer.Option("--no-save", help="Do not write a checkpoint (measure only).")
+    ] = False,
+    recipe: Annotated[
+        str | None, typer.Option("--recipe", help="A recipe YAML file of your own (see recipes/).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compress MODEL's attention by RATIO, write a checkpoint, report perplexity before and after.
+
+    Example: `masa-compress smollm2-135m --ratio 0.2` (offline, ~5 min on 2 CPU cores).
+    """
+    from compressor.api import CompressOptions, compress
+
+    options = CompressOptions(
+        ratio=ratio,
+        method=method,
+        groups=groups,
+        bases=bases,
+        largest_group_bases=largest_group_bases,
+        end_boundaries=end_boundaries,
+        logit_lens=logit_lens,
+        allocation=allocation,
+        calib=calib,
+        calib_samples=calib_samples,
+        seq_len=seq_len,
+        seed=seed,
+        eval_text=eval_text,
+        eval_seq_len=eval_seq_len,
+        eval_max_tokens=eval_max_tokens,
+        evaluate=not no_eval,
+        out=out,
+        overwrite=overwrite,
+        save=not no_save,
+        recipe_file=recipe,
+        batch_size=batch_size,
+    )
+    run = compress(model, options, device=device, dtype=dtype, progress=not (quiet or as_json))
+    summary = run.summary
+    if as_json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "plan"}))
+        return
+    print_summary(summary)
+
+
+def _fmt_ppl(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def print_summary(summary: dict) -> None:
+    grouping = summary["report"].get("grouping")
+    if grouping:
+        console.print(
+            f"[bold]Groups[/] ({grouping['rule']}): "
+            + "  ".join(f"[{g[0]}]" if len(g) == 1 else f"[{g[0]}–{g[-1]}]" for g in grouping["groups"])
+        )
+    table = Table(title=f"masa-compress · {summary['model']} · method {summary['method']}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    table.add_row(
+        "attention parameters",
+        f"{summary['attention_params_before']:,}",
+        f"{summary['attention_params_after']:,}",
+    )
+    table.add_row(
+        "model parameters", f"{summary['model_params_before']:,}", f"{summary['model_params_after']:,}"
+    )
+    table.add_row(
+        "attention ratio removed",
+        f"requested {summary['ratio_requested']:.3f}",
+        f"achieved {summary['achieved_ratio']:.4f}",
+    )
+    table.add_row("perplexity", _fmt_ppl(summary["ppl_before"]), _fmt_ppl(summary["ppl_after"]))
+    console.print(table)
+    times = Table(title="time per stage (s)")
+    for stage in summary["seconds"]:
+        times.add_column(stage, justify="right")
+    times.add_row(*(f"{v:.1f}" for v in summary["seconds"].values()))
+    console.print(times)
+    console.print(
+        f"peak memory {summary['peak_rss_gb']:.2f} GB · checkpoint: {summary['out'] or '(not saved)'}"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compress")(compress_command)

@@ -1,0 +1,126 @@
+"""Replacement modules for attention projections, built at final shapes.
+
+- `SharedBasisLinear`: W_l = Σ_s c_ls D_s + A_l B_l. The atoms D (B, out, in) are ONE `nn.Parameter`
+  referenced by every layer of a group, so `model.parameters()` (which deduplicates) counts them once.
+- `LowRankLinear`: W ≈ A B (SVD-LLM and plain-SVD baselines, and compressed singleton layers).
+
+Both compute y = x Wᵀ + bias without materializing a dense per-layer weight for the residual:
+the low-rank part is applied as (x Bᵀ) Aᵀ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LowRankLinear(nn.Module):
+    """y = (x Bᵀ) Aᵀ + bias, with A (out, r) and B (r, in)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        kw = {"dtype": dtype, "device": device}
+        self.lowrank_a = nn.Parameter(torch.zeros(out_features, rank, **kw), requires_grad=False)
+        self.lowrank_b = nn.Parameter(torch.zeros(rank, in_features, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_factors(
+        cls, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, dtype, device
+    ) -> LowRankLinear:
+        module = cls(b.shape[1], a.shape[0], a.shape[1], bias=bias is not None, dtype=dtype, device=device)
+        module.lowrank_a.data.copy_(a)
+        module.lowrank_b.data.copy_(b)
+        if bias is not None:
+            module.bias.data.copy_(bias)
+        return module
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.lowrank_a @ self.lowrank_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(nn.functional.linear(x, self.lowrank_b), self.lowrank_a)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, rank={self.rank}, bias={self.bias is not None}"
+        )
+
+
+class SharedBasisLinear(nn.Module):
+    """y = x (Σ_s c_s D_s)ᵀ + (x Bᵀ) Aᵀ + bias, with the atoms D shared across a group's layers."""
+
+    def __init__(
+        self,
+        atoms: nn.Parameter,
+        rank: int,
+        bias: bool = False,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        n_atoms, out_features, in_features = atoms.shape
+        self.in_features, self.out_features, self.rank, self.n_atoms = (
+            in_features,
+            out_features,
+            rank,
+            n_atoms,
+        )
+        kw = {"dtype": dtype, "device": device}
+        self.atoms = atoms  # shared Parameter: registered here and in every other layer of the group
+        self.coefficients = nn.Parameter(torch.zeros(n_atoms, **kw), requires_grad=False)
+        self.lowrank_a = nn.Parameter(torch.zeros(out_features, rank, **kw), requires_grad=False)
+        self.lowrank_b = nn.Parameter(torch.zeros(rank, in_features, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw), requires_grad=False) if bias else None
+
+    def shared_weight(self) -> torch.Tensor:
+        # (B,) · (B, out, in) -> (out, in); B is 1 or 2, so this costs less than the matmul it feeds.
+        return torch.einsum("s,soi->oi", self.coefficients, self.atoms)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.shared_weight() + self.lowrank_a @ self.lowrank_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.numel() // self.in_features
+        if (
+            self.rank > 0
+            and tokens * (self.out_features + self.in_features) > self.out_features * self.in_features
+        ):
+            # Long inputs (prefill): building W = Σ c D + A B once costs out·in·r, less than applying the
+            # factors to every token (tokens·r·(out+in)). The weight is transient, never stored.
+            return nn.functional.linear(
+                x, torch.addmm(self.shared_weight(), self.lowrank_a, self.lowrank_b), self.bias
+            )
+        y = nn.functional.linear(x, self.shared_weight(), self.bias)
+        if self.rank > 0:
+            y = y + nn.functional.linear(nn.functional.linear(x, self.lowrank_b), self.lowrank_a)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, atoms={self.n_atoms} (shared), "
+            f"rank={self.rank}, bias={self.bias is not None}"
+        )
+
+
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """The effective (out, in) weight of any projection module."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    return module.dense_weight()
+
+
+def stored_parameter_count(modules: list[nn.Module]) -> int:
+    """Numbers stored by a set of modules, counting shared tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total

@@ -1,0 +1,265 @@
+"""Exact parameter accounting of a compression: what each projection will store.
+
+Counts are exact (no approximation like the paper's eq. 13): atoms (once per group and projection
+type), per-layer coefficients, residual factors, untouched dense weights and biases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from compressor.adapters import PROJECTIONS, AttentionGeometry
+from compressor.errors import UserError
+
+Mode = Literal["dense", "shared", "lowrank"]
+
+
+@dataclass
+class ProjectionPlan:
+    layer: int
+    projection: str
+    out_features: int
+    in_features: int
+    mode: Mode
+    group: int | None = None
+    n_atoms: int = 0
+    rank: int | None = None  # residual / low-rank rank; None until allocated
+    bias: int = 0  # numel of the bias, kept as is
+
+    @property
+    def dense_params(self) -> int:
+        return self.out_features * self.in_features
+
+    def params(self) -> int:
+        """Numbers stored for this projection, excluding shared atoms (counted once per group)."""
+        if self.mode == "dense":
+            return self.dense_params + self.bias
+        rank = self.rank or 0
+        return self.n_atoms + rank * (self.out_features + self.in_features) + self.bias
+
+
+@dataclass
+class GroupPlan:
+    index: int
+    layers: list[int]
+    n_atoms: int  # per projection type; 0 for singletons kept dense
+
+    @property
+    def singleton(self) -> bool:
+        return len(self.layers) == 1
+
+
+@dataclass
+class CompressionPlan:
+    method: str
+    ratio: float
+    attention_params_before: int
+    geometry: AttentionGeometry
+    groups: list[GroupPlan]
+    projections: list[ProjectionPlan] = field(default_factory=list)
+
+    # -- budget --------------------------------------------------------------------------------------
+    @property
+    def budget(self) -> int:
+        """At most (1-ρ)·P_attn numbers may be stored."""
+        return math.floor((1.0 - self.ratio) * self.attention_params_before)
+
+    def atom_params(self) -> int:
+        """Shared atoms, stored once per group and projection type (singleton groups have none).
+
+        Counted from the projections, since Matrix PCA may return fewer atoms than asked for a
+        projection type whose group weights have a lower numerical rank.
+        """
+        per_group = {(pp.group, pp.projection): pp.n_atoms for pp in self.projections if pp.mode == "shared"}
+        return sum(n * math.prod(self.geometry.shape(p)) for (_, p), n in per_group.items())
+
+    def coefficient_params(self) -> int:
+        return sum(pp.n_atoms for pp in self.projections if pp.mode == "shared")
+
+    def dense_params(self) -> int:
+        return sum(pp.params() for pp in self.projections if pp.mode == "dense")
+
+    def bias_params(self) -> int:
+        return sum(pp.bias for pp in self.projections if pp.mode != "dense")
+
+    def fixed_params(self) -> int:
+        """Everything but the residual / low-rank factors."""
+        return self.atom_params() + self.coefficient_params() + self.dense_params() + self.bias_params()
+
+    def residual_budget(self) -> int:
+        return self.budget - self.fixed_params()
+
+    def factor_params(self) -> int:
+        return sum(
+            (pp.rank or 0) * (pp.out_features + pp.in_features)
+            for pp in self.projections
+            if pp.mode != "dense"
+        )
+
+    def attention_params_after(self) -> int:
+        return self.fixed_params() + self.factor_params()
+
+    def achieved_ratio(self) -> float:
+        return 1.0 - self.attention_params_after() / self.attention_params_before
+
+    def ranks_allocated(self) -> bool:
+        return all(pp.rank is not None for pp in self.projections if pp.mode != "dense")
+
+    def get(self, layer: int, projection: str) -> ProjectionPlan:
+        return self._index[(layer, projection)]
+
+    @property
+    def _index(self) -> dict[tuple[int, str], ProjectionPlan]:
+        return {(pp.layer, pp.projection): pp for pp in self.projections}
+
+    def check_budget(self) -> None:
+        """Raise if the plan stores more than the budget (a bug, never a user error)."""
+        after = self.attention_params_after()
+        if after > self.budget:
+            raise AssertionError(f"plan exceeds its budget: {after} > {self.budget}")
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "ratio_requested": self.ratio,
+            "attention_params_before": self.attention_params_before,
+            "budget": self.budget,
+            "atoms": self.atom_params(),
+            "coefficients": self.coefficient_params(),
+            "dense_kept": self.dense_params(),
+            "biases": self.bias_params(),
+            "residual_budget": self.residual_budget(),
+            "residual_params": self.factor_params() if self.ranks_allocated() else None,
+            "attention_params_after": self.attention_params_after() if self.ranks_allocated() else None,
+            "achieved_ratio": self.achieved_ratio() if self.ranks_allocated() else None,
+            "groups": [{"index": g.index, "layers": g.layers, "atoms": g.n_atoms} for g in self.groups],
+            "projections": [asdict(pp) for pp in self.projections],
+        }
+
+
+def layer_dense_params(geometry: AttentionGeometry) -> int:
+    return sum(o * i for o, i in (geometry.shape(p) for p in PROJECTIONS))
+
+
+def shared_plan(
+    method: str,
+    ratio: float,
+    attention_params_before: int,
+    geometry: AttentionGeometry,
+    groups: list[list[int]],
+    bases: int,
+    largest_group_bases: int | None,
+    biases: dict[tuple[int, str], int],
+    compress_singletons: bool = False,
+) -> CompressionPlan:
+    """MASA layout: singleton groups dense (or low rank); other groups share B atoms per projection type
+    plus per-layer residuals."""
+    largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+    group_plans = []
+    projections = []
+    for g, layers in enumerate(groups):
+        n_atoms = (
+            0
+            if len(layers) == 1
+            else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
+        )
+        if len(layers) > 1 and n_atoms > len(layers):
+            raise UserError(
+                f"group {g} has {len(layers)} layers but {n_atoms} atoms were requested: use --bases ≤ {len(layers)}"
+            )
+        group_plans.append(GroupPlan(index=g, layers=layers, n_atoms=n_atoms))
+        for layer in layers:
+            for p in PROJECTIONS:
+                out, inp = geometry.shape(p)
+                if len(layers) == 1:
+                    mode: Mode = "lowrank" if compress_singletons else "dense"
+                elif n_atoms == 0:
+                    mode = "lowrank"
+                else:
+                    mode = "shared"
+                projections.append(
+                    ProjectionPlan(
+                        layer,
+                        p,
+                        out,
+                        inp,
+                        mode,
+                        group=g,
+                        n_atoms=n_atoms if mode == "shared" else 0,
+                        bias=biases.get((layer, p), 0),
+                    )
+                )
+    plan = CompressionPlan(method, ratio, attention_params_before, geometry, group_plans, projections)
+    _check_feasible(plan, groups, bases)
+    return plan
+
+
+def lowrank_plan(
+    method: str,
+    ratio: float,
+    attention_params_before: int,
+    geometry: AttentionGeometry,
+    n_layers: int,
+    biases: dict[tuple[int, str], int],
+) -> CompressionPlan:
+    """SVD baselines: every projection low rank, the same kept fraction of each matrix."""
+    projections = []
+    for layer in range(n_layers):
+        for p in PROJECTIONS:
+            out, inp = geometry.shape(p)
+            rank = min(min(out, inp), math.floor((1.0 - ratio) * out * inp / (out + inp)))
+            projections.append(
+                ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=biases.get((layer, p), 0))
+            )
+    plan = CompressionPlan(method, ratio, attention_params_before, geometry, [], projections)
+    plan.check_budget()
+    return plan
+
+
+def check_feasible_before_calibration(
+    ratio: float,
+    attention_params_before: int,
+    geometry: AttentionGeometry,
+    n_layers: int,
+    groups: int,
+    bases: int,
+    largest_group_bases: int | None,
+    compress_singletons: bool,
+) -> None:
+    """Fail before any heavy work when no grouping into `groups` groups can meet the budget.
+
+    The grouping needs calibration, but every group costs at least one layer's worth of numbers when it
+    holds atoms (B ≥ 1) or is a singleton kept whole: the cheapest layout gives a lower bound.
+    """
+    budget = math.floor((1.0 - ratio) * attention_params_before)
+    per_layer = layer_dense_params(geometry)
+    fewest_atoms = min(bases, largest_group_bases if largest_group_bases is not None else bases)
+    singleton_cost = 0 if compress_singletons else per_layer
+    shared_cost = fewest_atoms * per_layer
+    if groups >= n_layers:
+        lower_bound = n_layers * singleton_cost
+    else:  # at least one group holds several layers and shares atoms
+        lower_bound = (groups - 1) * min(singleton_cost, shared_cost) + shared_cost
+    if lower_bound > budget:
+        fitting = budget // per_layer
+        raise UserError(
+            f"--ratio {ratio:g} is infeasible with {groups} groups and {bases} atom(s): their atoms or whole "
+            f"layers alone need at least {lower_bound:,} of the {budget:,} numbers allowed; use --groups ≤ "
+            f"{max(fitting, 1)}, --bases 0, or --ratio ≤ {1 - lower_bound / attention_params_before:.3f}"
+        )
+
+
+def _check_feasible(plan: CompressionPlan, groups: list[list[int]], bases: int) -> None:
+    if plan.residual_budget() >= 0:
+        return
+    fixed = plan.fixed_params()
+    max_ratio = 1.0 - fixed / plan.attention_params_before
+    singles = sum(1 for g in groups if len(g) == 1)
+    raise UserError(
+        f"--ratio {plan.ratio:g} is infeasible with {len(groups)} groups ({singles} singleton layers kept whole) "
+        f"and {bases} atom(s): atoms, coefficients and whole layers alone need {fixed:,} of the "
+        f"{plan.budget:,} numbers allowed; use --ratio ≤ {max_ratio:.3f}, fewer atoms (--bases 0/1), or "
+        "groups without singletons (--no-end-boundaries)"
+    )

@@ -1,0 +1,431 @@
+"""Reports: grouping and atom-energy records, rich tables, `report.json` and PNG plots.
+
+Everything here is a pure function of plain dicts (the report of `pipeline.compress_model`, the summary of
+`api.compress`, the results of `inspection.inspect_statistics` / `plan_from_config`), so the same numbers go
+to the terminal, to JSON and to the pictures. Plots use matplotlib's object API with the Agg canvas (no
+pyplot, so no global backend switch and no display needed).
+
+Plot geometry (fixed, so that tests can check the files they open): `DPI` dots per inch; the run report's
+`grouping.png`, `energy.png` and `ranks.png` are `RUN_FIGSIZE` inches; `inspect`'s `grouping.png` adds
+`MAP_ROW_INCHES` per group count, and its `energy.png` is `INSPECT_ENERGY_FIGSIZE`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from compressor.adapters import PROJECTIONS
+from compressor.pca import captured_energy_fraction
+
+DPI = 100
+RUN_FIGSIZE = (10.0, 4.5)
+KL_PANEL_INCHES = 4.0
+MAP_ROW_INCHES = 0.32
+MAP_EXTRA_INCHES = 0.9
+INSPECT_ENERGY_FIGSIZE = (13.0, 4.5)
+ENERGY_CURVE_MAX_ATOMS = 8
+
+PROJECTION_COLORS = {"q_proj": "#4C72B0", "k_proj": "#DD8452", "v_proj": "#55A868", "o_proj": "#C44E52"}
+GROUP_COLORS = ("#9ecae1", "#c7e9c0")  # alternate shared groups
+SINGLETON_COLOR = "#fcbba1"  # layers kept whole
+
+
+# ------------------------------------------------------------------------------------------------------
+# Records
+
+
+def group_label(layers: Sequence[int]) -> str:
+    """`[3]` for a singleton, `[1–28]` for a range of consecutive layers."""
+    return f"[{layers[0]}]" if len(layers) == 1 else f"[{layers[0]}–{layers[-1]}]"
+
+
+def format_groups(groups: Sequence[Sequence[int]]) -> str:
+    return " ".join(group_label(g) for g in groups)
+
+
+def atoms_per_group(groups: Sequence[Sequence[int]], bases: int, largest_group_bases: int | None) -> list[int]:
+    """The atoms each group gets, by the rule of `plan.shared_plan`: singletons none (kept whole), the
+    largest group (earliest on ties) `largest_group_bases` when set, the others `bases`."""
+    largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+    return [
+        0 if len(layers) == 1 else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
+        for g, layers in enumerate(groups)
+    ]
+
+
+def energy_record(group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int) -> dict:
+    """One group's Matrix PCA energy for one projection type (the keys of the pipeline's `atom_energy`,
+    plus the layer range, the cumulative curve for 1..8 atoms and the total energy `Σ_l ‖W_l‖_F²`)."""
+    n_curve = min(len(layers), ENERGY_CURVE_MAX_ATOMS)
+    return {
+        "group": group,
+        "projection": projection,
+        "layers": len(layers),
+        "first_layer": layers[0],
+        "last_layer": layers[-1],
+        "atoms": n_atoms,
+        "energy_captured": captured_energy_fraction(eigenvalues, n_atoms),
+        "energy_curve": [captured_energy_fraction(eigenvalues, b) for b in range(1, n_curve + 1)],
+        "energy_total": float(eigenvalues.sum()),
+    }
+
+
+def pooled_energy(energy: Sequence[dict]) -> dict[str, float | None]:
+    """Per projection type, the energy captured over all shared groups together (Σ captured / Σ total)."""
+    out: dict[str, float | None] = {}
+    for p in PROJECTIONS:
+        rows = [e for e in energy if e["projection"] == p and e["atoms"] > 0]
+        total = sum(e["energy_total"] for e in rows)
+        out[p] = sum(e["energy_captured"] * e["energy_total"] for e in rows) / total if total > 0 else None
+    return out
+
+
+def write_json(path: Path, obj: object) -> Path:
+    """Indented JSON; values JSON cannot hold (paths, dtypes) are written as strings."""
+    path = Path(path)
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=DPI, facecolor="white")  # no bbox_inches="tight": the size stays as documented
+    return path
+
+
+def _draw_kl(ax, kl: Sequence[float], boundaries: Sequence[int], groups: Sequence[Sequence[int]]) -> None:
+    """KL of each transition drawn between its two layers; groups shaded; boundaries dashed and marked."""
+    n_layers = len(kl) + 1
+    x = [t + 0.5 for t in range(len(kl))]
+    for g, layers in enumerate(groups):
+        color = SINGLETON_COLOR if len(layers) == 1 else GROUP_COLORS[g % 2]
+        ax.axvspan(layers[0] - 0.5, layers[-1] + 0.5, color=color, alpha=0.5, lw=0)
+        ax.text(
+            (layers[0] + layers[-1]) / 2, 0.97, f"{layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–{layers[-1]}",
+            transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+        )
+    ax.plot(x, kl, "-o", color="#333333", ms=3.5, lw=1.2, label="KL(p_l ‖ p_{l+1})")
+    for i, t in enumerate(boundaries):
+        ax.axvline(t + 0.5, color="#d62728", ls="--", lw=1.2, label="boundary" if i == 0 else None)
+    if boundaries:
+        ax.plot([t + 0.5 for t in boundaries], [kl[t] for t in boundaries], "o", color="#d62728", ms=7)
+    positive = [v for v in kl if v > 0]
+    if positive and max(positive) / min(positive) > 50:
+        ax.set_yscale("log")
+    ax.set_xlim(-0.5, n_layers - 0.5)
+    step = max(1, math.ceil(n_layers / 30))
+    ax.set_xticks(range(0, n_layers, step))
+    ax.set_ylabel("KL between consecutive layers")
+    ax.grid(axis="y", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    from matplotlib.patches import Patch
+
+    handles.append(Patch(color=SINGLETON_COLOR, alpha=0.5, label="singleton (kept whole)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.88), fontsize=8, ncol=3, framealpha=0.9)
+
+
+def plot_grouping(
+    path: Path,
+    kl: Sequence[float],
+    boundaries: Sequence[int],
+    groups: Sequence[Sequence[int]],
+    title: str,
+    group_maps: Sequence[tuple[int, Sequence[Sequence[int]]]] | None = None,
+    highlight: int | None = None,
+) -> Path:
+    """KL per transition with the chosen boundaries; with `group_maps` [(G, groups)], a second panel shows
+    the groups chosen for every G (one row each, the `highlight` G in bold)."""
+    n_layers = len(kl) + 1
+    if not group_maps:
+        fig = _figure(*RUN_FIGSIZE)
+        ax = fig.add_subplot()
+    else:
+        map_height = MAP_EXTRA_INCHES + MAP_ROW_INCHES * len(group_maps)
+        fig = _figure(RUN_FIGSIZE[0], KL_PANEL_INCHES + map_height)
+        ax, ax_map = fig.subplots(2, 1, sharex=True, height_ratios=[KL_PANEL_INCHES, map_height])
+    _draw_kl(ax, kl, boundaries, groups)
+    ax.set_title(title, fontsize=10)
+    if not group_maps:
+        ax.set_xlabel("layer (each KL point sits between the two layers it compares)")
+        return _save(fig, path)
+    for row, (_, row_groups) in enumerate(group_maps):
+        for g, layers in enumerate(row_groups):
+            color = SINGLETON_COLOR if len(layers) == 1 else GROUP_COLORS[g % 2]
+            ax_map.broken_barh([(layers[0] - 0.5, len(layers))], (row - 0.4, 0.8), facecolors=color, edgecolor="white")
+            if len(layers) >= max(2, n_layers // 15):
+                ax_map.text((layers[0] + layers[-1]) / 2, row, str(len(layers)), ha="center", va="center", fontsize=7)
+    ax_map.set_yticks(range(len(group_maps)), [f"G={n}" for n, _ in group_maps], fontsize=8)
+    for label, (n, _) in zip(ax_map.get_yticklabels(), group_maps, strict=True):
+        if n == highlight:
+            label.set_fontweight("bold")
+    ax_map.set_ylim(len(group_maps) - 0.5, -0.5)
+    ax_map.set_xlabel("layer (numbers: group sizes; red: singletons kept whole)")
+    ax_map.set_title("groups for each G", fontsize=9)
+    return _save(fig, path)
+
+
+def _draw_energy_bars(ax, energy: Sequence[dict], groups: Sequence[Sequence[int]] | None) -> None:
+    shared = sorted({e["group"] for e in energy if e["atoms"] > 0})
+    width = 0.8 / len(PROJECTIONS)
+    for k, p in enumerate(PROJECTIONS):
+        values = []
+        for g in shared:
+            row = next((e for e in energy if e["group"] == g and e["projection"] == p), None)
+            values.append(100 * row["energy_captured"] if row else 0.0)
+        xs = [i + (k - 1.5) * width for i in range(len(shared))]
+        bars = ax.bar(xs, values, width, color=PROJECTION_COLORS[p], label=p)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+    labels = []
+    for g in shared:
+        row = next(e for e in energy if e["group"] == g)
+        first, last = (groups[g][0], groups[g][-1]) if groups else (row.get("first_layer"), row.get("last_layer"))
+        span = f"layers {first}–{last}" if first is not None else f"{row['layers']} layers"
+        labels.append(f"group {g}: {span}\n({row['layers']} layers, B={row['atoms']})")
+    ax.set_xticks(range(len(shared)), labels, fontsize=8)
+    top = max((100 * e["energy_captured"] for e in energy if e["atoms"] > 0), default=1.0)
+    ax.set_ylim(0, min(105.0, top * 1.25 + 1))
+    ax.set_ylabel("weight energy captured by the atoms (%)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=4, loc="upper right")
+
+
+def plot_energy(path: Path, energy: Sequence[dict], title: str, groups: Sequence[Sequence[int]] | None = None) -> Path:
+    """Bars: per shared group and projection type, the fraction of `Σ_l ‖W_l‖_F²` its B atoms capture."""
+    fig = _figure(*RUN_FIGSIZE)
+    ax = fig.add_subplot()
+    _draw_energy_bars(ax, energy, groups)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_inspect_energy(path: Path, inspection: dict, title: str) -> Path:
+    """Left: the highlighted G's groups as bars; right: the energy captured over all shared groups vs G."""
+    fig = _figure(*INSPECT_ENERGY_FIGSIZE)
+    ax_bars, ax_g = fig.subplots(1, 2, width_ratios=[3, 2])
+    chosen = next(g for g in inspection["groupings"] if g["n_groups"] == inspection["highlight"])
+    _draw_energy_bars(ax_bars, chosen["energy"], chosen["groups"])
+    ax_bars.set_title(f"{title} · G={chosen['n_groups']}", fontsize=10)
+    ns = [g["n_groups"] for g in inspection["groupings"]]
+    for p in PROJECTIONS:
+        pooled = [pooled_energy(g["energy"])[p] for g in inspection["groupings"]]
+        ax_g.plot(ns, [100 * v if v is not None else float("nan") for v in pooled], "-o", color=PROJECTION_COLORS[p], label=p, ms=4)
+    ax_g.set_xticks(ns)
+    ax_g.set_xlabel("number of groups G")
+    ax_g.set_ylabel("energy captured, all shared layers (%)")
+    ax_g.set_title("pooled over the shared groups", fontsize=10)
+    ax_g.grid(alpha=0.3)
+    ax_g.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_ranks(path: Path, projections: Sequence[dict], title: str) -> Path:
+    """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded."""
+    fig = _figure(*RUN_FIGSIZE)
+    ax = fig.add_subplot()
+    n_layers = 1 + max(pp["layer"] for pp in projections)
+    dense = sorted({pp["layer"] for pp in projections if pp["mode"] == "dense"})
+    for i, layer in enumerate(dense):
+        ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label="kept whole" if i == 0 else None)
+    for p in PROJECTIONS:
+        rows = sorted((pp["layer"], pp["rank"]) for pp in projections if pp["projection"] == p and pp["mode"] != "dense")
+        if rows:
+            ax.plot([r[0] for r in rows], [r[1] or 0 for r in rows], "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
+    ax.set_xlim(-0.5, n_layers - 0.5)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("rank of the residual factors")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=5)
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The report of a compression run
+
+
+def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
+    """Write `report.json` (the whole summary of `api.compress`) and the plots its report supports:
+    `grouping.png` (KL per transition, boundaries, groups) when it has a grouping, `energy.png` when it has
+    `atom_energy`, `ranks.png` when the plan has allocated ranks. Returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [write_json(out_dir / "report.json", summary)]
+    report = summary.get("report") or {}
+    title = f"{summary.get('model', '?')} · {summary.get('method', '?')} · ratio {summary.get('ratio_requested', '?')}"
+    grouping = report.get("grouping")
+    groups = grouping["groups"] if grouping else None
+    if grouping and grouping.get("kl"):
+        lens = grouping.get("logit_lens", "")
+        paths.append(
+            plot_grouping(
+                out_dir / "grouping.png", grouping["kl"], grouping["boundaries"], groups,
+                f"{title} · logit lens {lens} · groups {format_groups(groups)}",
+            )
+        )
+    if any(e.get("atoms", 0) > 0 for e in report.get("atom_energy") or []):
+        paths.append(plot_energy(out_dir / "energy.png", report["atom_energy"], f"{title} · energy captured per group", groups))
+    projections = (summary.get("plan") or {}).get("projections") or []
+    if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in projections):
+        paths.append(plot_ranks(out_dir / "ranks.png", projections, f"{title} · residual ranks"))
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
+def kl_table(inspection: dict) -> Table:
+    """One row per transition: its KL and the group counts G for which it is a boundary."""
+    table = Table(title=f"Logit-lens KL between consecutive layers (lens: {inspection['logit_lens']})")
+    table.add_column("transition", justify="right")
+    table.add_column("KL", justify="right")
+    table.add_column("boundary for G =")
+    for t, value in enumerate(inspection["kl"]):
+        used = [str(g["n_groups"]) for g in inspection["groupings"] if t in g["boundaries"]]
+        table.add_row(f"{t}→{t + 1}", f"{value:.4g}", ", ".join(used))
+    return table
+
+
+def groupings_table(inspection: dict) -> Table:
+    table = Table(title="Groups for each G (" + inspection["groupings"][0]["rule"].split(";")[0] + ")" if inspection["groupings"] else "Groups")
+    table.add_column("G", justify="right")
+    table.add_column("boundaries (transitions)")
+    table.add_column("groups")
+    table.add_column("sizes")
+    for g in inspection["groupings"]:
+        mark = "*" if g["n_groups"] == inspection["highlight"] else ""
+        table.add_row(
+            f"{g['n_groups']}{mark}", ", ".join(f"{t}→{t + 1}" for t in g["boundaries"]) or "—",
+            format_groups(g["groups"]), ", ".join(map(str, g["sizes"])),
+        )
+    return table
+
+
+def energy_table(inspection: dict) -> Table:
+    table = Table(title="Weight energy captured by the atoms, per group and projection type (singletons kept whole)")
+    table.add_column("G", justify="right")
+    table.add_column("group")
+    table.add_column("layers", justify="right")
+    table.add_column("atoms", justify="right")
+    for p in PROJECTIONS:
+        table.add_column(p, justify="right")
+    for g in inspection["groupings"]:
+        for index, layers in enumerate(g["groups"]):
+            rows = {e["projection"]: e for e in g["energy"] if e["group"] == index}
+            if not rows:
+                table.add_row(str(g["n_groups"]), group_label(layers), "1", "—", *("kept whole",) * len(PROJECTIONS))
+                continue
+            atoms = next(iter(rows.values()))["atoms"]
+            table.add_row(
+                str(g["n_groups"]), group_label(layers), str(len(layers)), str(atoms),
+                *(_pct(rows[p]["energy_captured"]) for p in PROJECTIONS),
+            )
+        table.add_section()
+    return table
+
+
+PLAN_ROWS = (
+    ("attention_params_before", "attention parameters before (P_attn)"),
+    ("budget", "budget ⌊(1-ρ)·P_attn⌋"),
+    ("atoms", "shared atoms"),
+    ("coefficients", "coefficients"),
+    ("dense_kept", "singleton weights kept whole"),
+    ("biases", "biases of compressed projections"),
+    ("residual_budget", "residual budget"),
+    ("residual_params", "residual factors"),
+    ("attention_params_after", "attention parameters after"),
+    ("attention_params_after_max", "attention parameters after, bound"),
+)
+
+
+def plan_tables(plan: dict) -> list:
+    """The plan as rich renderables: counts with their status, ranks, and the notes."""
+    from rich.text import Text
+
+    out: list = []
+    geo = plan["geometry"]
+    out.append(Text.assemble(
+        ("Plan ", "bold"), f"{plan['model']} · method {plan['method']}"
+        + (f" (allocation {plan['allocation']})" if plan.get("allocation") else "")
+        + f" · remove {plan['ratio_requested']:g} of the attention parameters",
+    ))
+    out.append(Text(
+        f"config: {plan['config_source']} · {plan['num_layers']} layers · hidden {geo['hidden_size']} · "
+        f"{geo['num_heads']} heads / {geo['num_kv_heads']} kv heads × {geo['head_dim']} · "
+        f"biases: {', '.join(plan['bias_projections']) or 'none'}"
+    ))
+    groups = plan["groups"]
+    if groups["layers"]:
+        out.append(Text.assemble(
+            ("Groups ", "bold"), (f"({groups['source']}) ", "yellow" if groups["source"] == "assumed" else "green"),
+            f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))} · "
+            f"atoms per group {', '.join(map(str, groups['atoms']))}",
+        ))
+        out.append(Text(f"  {groups['rule']}", style="dim"))
+    table = Table(title="Parameter budget (exact counts)")
+    table.add_column("quantity")
+    table.add_column("numbers", justify="right")
+    table.add_column("status")
+    for key, label in PLAN_ROWS:
+        if key in plan and plan[key] is not None:
+            table.add_row(label, f"{plan[key]:,}", plan["status"].get(key, ""))
+    if plan.get("achieved_ratio") is not None:
+        table.add_row("attention ratio removed", f"{plan['achieved_ratio']:.4f}", plan["status"].get("achieved_ratio", ""))
+    table.add_row("largest feasible ratio with these groups/atoms", f"{plan['max_ratio']:.4f}", plan["status"].get("max_ratio", ""))
+    out.append(table)
+    ranks = plan["ranks"]
+    if ranks["rows"]:
+        rt = Table(title=f"Ranks per layer: {ranks['kind']}")
+        rt.add_column("layers")
+        rt.add_column("mode")
+        for p in PROJECTIONS:
+            rt.add_column(p, justify="right")
+        rt.add_column("pair budgets (q,k) / (o,v)", justify="right")
+        for row in ranks["rows"]:
+            cells = [("whole" if row["mode"] == "dense" else "—" if row[p] is None else str(row[p])) for p in PROJECTIONS]
+            budgets = row.get("pair_budgets")
+            rt.add_row(
+                group_label(row["layers"]), row["mode"], *cells,
+                f"{budgets[0]:,} / {budgets[1]:,}" if budgets else "",
+            )
+        out.append(rt)
+    for tag, meaning in (plan.get("status_legend") or {}).items():
+        out.append(Text.assemble(("  " + tag, "bold"), f": {meaning}"))
+    verdict = Text.assemble(
+        ("feasible: ", "bold"),
+        ("yes", "bold green") if plan["feasible"] else ("no", "bold red"),
+        "" if plan["feasible"] else f" · {plan['reason']}",
+    )
+    out.append(verdict)
+    for alt in plan.get("alternatives") or []:
+        out.append(Text(
+            f"  fits: --groups {alt['groups']} --bases {alt['bases']} "
+            f"{'--end-boundaries' if alt['end_boundaries'] else '--no-end-boundaries'} "
+            f"(removes up to {alt['max_ratio']:.3f}; assumed groups {format_groups(alt['layers'])})"
+        ))
+    for note in plan.get("notes") or []:
+        out.append(Text(f"• {note}", style="dim"))
+    return out

@@ -1,0 +1,182 @@
+"""Whitened low-rank residuals (method.md, stage 4), as in SVD-LLM.
+
+With the input autocorrelation of a projection `C = Σ xᵀx = S Sᵀ` (Cholesky, `S` lower), the output
+error of a weight error `E` over the calibration tokens `X` is `‖E Xᵀ‖_F = ‖E S‖_F`. So the best
+rank-`r` approximation of a residual `ΔW` in output error comes from the SVD of `ΔW S`, and by
+Eckart–Young its error is the tail `Σ_{i≥r} σ_i²` of that SVD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compressor.errors import NumericalError
+
+# A Cholesky pivot `p_i` with `p_i² ≤ PIVOT_RTOL·C_ii` means channel i is, to working precision, a
+# linear combination of the earlier channels: `C` is numerically singular even though the
+# factorization "succeeded" (rounding leaves tiny positive pivots, measured at up to ~1e3·n·eps·C_ii
+# for exactly rank-deficient `XᵀX`), and `S⁻¹` would blow up the residual factor `B = V_rᵀ S⁻¹` by
+# `1/p_i`. Such a factor counts as a failed attempt, so damping is used. The test is relative to
+# each channel's own diagonal entry, not to max(diag C): activations have outlier channels orders
+# of magnitude larger than the rest, and Cholesky's accuracy does not depend on diagonal scaling.
+PIVOT_RTOL = 1e-8
+
+
+@dataclass(frozen=True)
+class WhiteningFactor:
+    """Lower Cholesky factor `S` of `C + damping·I`, and how it was obtained."""
+
+    S: torch.Tensor  # (in, in), lower-triangular, float64
+    damping: float  # absolute value added to the diagonal of C; 0.0 if none was needed
+    attempts: int  # Cholesky factorizations tried, the successful one included (1 = undamped)
+
+
+def _check_finite(tensor: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(tensor).all():
+        raise NumericalError(f"{what} of shape {tuple(tensor.shape)} has non-finite entries")
+
+
+def whitening_factor(
+    autocorr: torch.Tensor,
+    initial_damping: float = 1e-6,
+    max_attempts: int = 8,
+    growth: float = 10.0,
+) -> WhiteningFactor:
+    """Cholesky factor `S` (lower, `C = S Sᵀ`) of an input autocorrelation `C`, damped if needed.
+
+    Attempt 1 factors `C` itself. Each later attempt `k ≥ 2` factors `C + d_k·I` with
+    `d_k = initial_damping · mean(diag C) · growth^(k-2)`. An attempt fails when Cholesky fails or
+    a pivot is numerically zero (`p_i² ≤ PIVOT_RTOL·(C + d_k·I)_ii`). The damping used is
+    reported: nothing falls back silently.
+
+    Raises:
+        ValueError: `autocorr` is not square 2-D, or the damping settings are invalid.
+        NumericalError: non-finite `C`, an all-dead `C` (`mean(diag C) ≤ 0`), or all
+            `max_attempts` attempts failed (the message lists the damping values tried).
+    """
+    if autocorr.ndim != 2 or autocorr.shape[0] != autocorr.shape[1]:
+        raise ValueError(f"whitening_factor expects a square (in, in) matrix, got {tuple(autocorr.shape)}")
+    if max_attempts < 1 or initial_damping <= 0.0 or growth <= 1.0:
+        raise ValueError(
+            f"need max_attempts >= 1, initial_damping > 0, growth > 1; "
+            f"got {max_attempts}, {initial_damping}, {growth}"
+        )
+    c = autocorr.detach().to(torch.float64)
+    _check_finite(c, "autocorrelation")
+    # Accumulated sums are symmetric only up to rounding; cholesky reads one triangle only.
+    c = 0.5 * (c + c.T)
+    n = c.shape[0]
+    diag = torch.diagonal(c)
+    mean_diag = float(diag.mean())
+    if not mean_diag > 0.0:
+        raise NumericalError(
+            f"autocorrelation of shape {tuple(c.shape)} has mean diagonal {mean_diag}: "
+            f"no calibration signal reached this projection"
+        )
+    eye = torch.eye(n, dtype=torch.float64, device=c.device)
+
+    tried: list[float] = []
+    for attempt in range(1, max_attempts + 1):
+        damping = 0.0 if attempt == 1 else initial_damping * mean_diag * growth ** (attempt - 2)
+        tried.append(damping)
+        damped = c + damping * eye if damping else c
+        factor, info = torch.linalg.cholesky_ex(damped)
+        pivot_floor = PIVOT_RTOL * torch.diagonal(damped)  # (n,)
+        if int(info) == 0 and bool((torch.diagonal(factor).square() > pivot_floor).all()):
+            return WhiteningFactor(S=factor, damping=damping, attempts=attempt)
+    raise NumericalError(
+        f"Cholesky of the {n}x{n} autocorrelation failed for every damping tried "
+        f"({', '.join(f'{d:.3g}' for d in tried)}; mean(diag C) = {mean_diag:.3g}); "
+        f"use more calibration tokens or a larger initial damping"
+    )
+
+
+def _svd(matrix: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin float64 SVD that turns non-convergence into a NumericalError instead of hiding it."""
+    _check_finite(matrix, what)
+    try:
+        u, sigma, vh = torch.linalg.svd(matrix, full_matrices=False)
+    except torch.linalg.LinAlgError as exc:
+        raise NumericalError(
+            f"SVD of the {what} of shape {tuple(matrix.shape)} did not converge: {exc}"
+        ) from exc
+    # Some backends report failure as NaNs rather than an exception.
+    for part, name in ((u, "U"), (sigma, "singular values"), (vh, "Vh")):
+        _check_finite(part, f"{name} of the SVD of the {what}")
+    return u, sigma, vh
+
+
+def whitened_svd(delta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD `ΔW S = U diag(σ) Vh` in float64: delta `(out, in)`, S `(in, in)` lower.
+
+    Returns U `(out, k)`, sigma `(k,)` descending, Vh `(k, in)` with `k = min(out, in)`.
+
+    Raises:
+        NumericalError: non-finite input, or the SVD did not converge.
+    """
+    if delta.ndim != 2 or S.shape != (delta.shape[1], delta.shape[1]):
+        raise ValueError(
+            f"whitened_svd expects delta (out, in) and S (in, in), got {tuple(delta.shape)}, {tuple(S.shape)}"
+        )
+    delta64 = delta.detach().to(torch.float64)
+    s64 = S.detach().to(device=delta.device, dtype=torch.float64)
+    _check_finite(delta64, "residual")
+    _check_finite(s64, "whitening factor")
+    return _svd(delta64 @ s64, "whitened residual")
+
+
+def plain_svd(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of `delta` itself in float64 (the unwhitened baseline); same outputs as `whitened_svd`."""
+    if delta.ndim != 2:
+        raise ValueError(f"plain_svd expects a 2-D matrix, got {tuple(delta.shape)}")
+    return _svd(delta.detach().to(torch.float64), "residual")
+
+
+def _truncate(
+    u: torch.Tensor, sigma: torch.Tensor, vh: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(U_r Σ_r, Vh_r)` for the top `rank` singular triplets."""
+    if not 0 <= rank <= sigma.shape[0]:
+        raise ValueError(f"rank must be in [0, {sigma.shape[0]}], got {rank}")
+    a = u[:, :rank] * sigma[:rank].unsqueeze(0)  # (out, r): scales column i of U by σ_i
+    return a, vh[:rank]  # (out, r), (r, in)
+
+
+def low_rank_factors(
+    U: torch.Tensor, sigma: torch.Tensor, Vh: torch.Tensor, S: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual factors `A (out, r)`, `B (r, in)` with `A B S = U_r Σ_r Vh_r`.
+
+    `A = U_r Σ_r` and `B = Vh_r S⁻¹`, the latter by a triangular solve of `B S = Vh_r` (no explicit
+    inverse: it is both slower and less accurate). `rank = 0` gives `(out, 0)` and `(0, in)`.
+    """
+    a, vh_r = _truncate(U, sigma, Vh, rank)
+    s64 = S.to(device=vh_r.device, dtype=torch.float64)
+    # left=False solves X S = Vh_r for X, with S lower-triangular.
+    b = torch.linalg.solve_triangular(s64, vh_r, upper=False, left=False)  # (r, in)
+    return a, b
+
+
+def plain_svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unwhitened rank-`rank` factors of `W`: `A = U_r Σ_r` `(out, r)`, `B = Vh_r` `(r, in)`, float64."""
+    u, sigma, vh = plain_svd(W)
+    return _truncate(u, sigma, vh, rank)
+
+
+def discarded_energy(sigma: torch.Tensor) -> torch.Tensor:
+    """Tails `tail[r] = Σ_{i≥r} σ_i²` (0-based), length `len(sigma) + 1`, float64, `tail[len] = 0`.
+
+    `tail[r]` is the squared Frobenius error of keeping rank `r` (Eckart–Young), so it is computed
+    once per matrix and the allocation reads any rank from it.
+    """
+    if sigma.ndim != 1:
+        raise ValueError(
+            f"discarded_energy expects a 1-D vector of singular values, got {tuple(sigma.shape)}"
+        )
+    sq = sigma.detach().to(torch.float64).square()
+    # Cumulative sum from the smallest singular value up (the paper's flip/cumsum/flip), so that
+    # small tails are not the difference of two large numbers.
+    tail = sq.flip(0).cumsum(0).flip(0)  # (k,)
+    return torch.cat([tail, tail.new_zeros(1)])  # (k + 1,)

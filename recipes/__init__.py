@@ -1,0 +1,1 @@
+"""Per-model recipes (YAML) and their schema."""

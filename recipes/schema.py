@@ -1,0 +1,119 @@
+"""Recipe schema: per-model settings in YAML, validated at the edge (unknown keys are errors)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from compressor.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationSettings(_Strict):
+    source: str = Field("wikipedia", description="text source: 'wikipedia', a file/dir, or a datasets name")
+    samples: int = Field(64, ge=1, description="number of calibration windows N")
+    seq_len: int = Field(512, ge=8, description="tokens per calibration window T")
+    seed: int = Field(0, description="seed for window sampling")
+
+
+class EvaluationSettings(_Strict):
+    source: str = Field("wikipedia", description="held-out text source (never overlaps calibration)")
+    seq_len: int = Field(512, ge=8, description="tokens per non-overlapping evaluation window")
+    max_tokens: int | None = Field(40960, ge=8, description="cap on evaluated tokens (None: all)")
+
+
+class CompressionSettings(_Strict):
+    method: str = Field("masa", description="masa | masa-paper | svd-llm | svd | shared-mean")
+    groups: int = Field(3, ge=1, description="number of groups of consecutive layers G")
+    bases: int = Field(1, ge=0, description="shared atoms per group and projection type B")
+    largest_group_bases: int | None = Field(
+        None, ge=0, description="atoms for the largest group (paper's best: 2); None = same as bases"
+    )
+    end_boundaries: bool = Field(
+        True,
+        description="whether the first/last KL transitions may be group boundaries (paper: yes)",
+    )
+    logit_lens: Literal["final_norm", "raw"] = Field(
+        "final_norm", description="apply the final norm before the unembedding (standard logit lens) or not"
+    )
+    allocation: Literal["paper", "global", "global-relative"] = Field(
+        "paper",
+        description="paper: Algorithm 1 per (Q,K)/(V,O) pair; global: ranks across all matrices by whitened "
+        "energy per parameter; global-relative: the same with each matrix's error relative to its output energy",
+    )
+    atoms: Literal["plain", "whitened"] = Field(
+        "plain",
+        description="plain: Matrix PCA of the weights (paper); whitened: atoms minimizing the group's output "
+        "error (group-summed autocorrelation) with coefficients refit per layer",
+    )
+    singletons: Literal["keep", "compress"] = Field(
+        "keep",
+        description="keep: singleton groups keep their weights (paper); compress: whitened SVD instead",
+    )
+
+
+class Recipe(_Strict):
+    name: str
+    model: str = Field(description="hub id, local path, or 'bundled:smollm2-135m'")
+    revision: str | None = None
+    description: str = ""
+    calibration: CalibrationSettings = CalibrationSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
+    compression: CompressionSettings = CompressionSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        if not self.model.strip():
+            raise ValueError("model must not be empty")
+        return self
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown recipe key '{where}': check its spelling against `masa-compress recipes --help`"
+    return f"{source}: invalid recipe value at '{where}': {first['msg']}"
+
+
+def parse_recipe(data: object, source: str) -> Recipe:
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: a recipe must be a YAML mapping of keys to values")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(source, err)) from None
+
+
+def load_recipe_file(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe file '{path}' does not exist: pass an existing YAML file to --recipe")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserError(f"recipe file '{path}' is not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_recipe(data, str(path))
+
+
+def builtin_recipe_names() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files("compressor.recipes").iterdir()
+        if p.name.endswith(".yaml")
+    )
+
+
+def builtin_recipe(name: str) -> Recipe | None:
+    """The packaged recipe for an alias, or None when there is no such alias."""
+    ref = resources.files("compressor.recipes").joinpath(f"{name}.yaml")
+    if not ref.is_file():
+        return None
+    return parse_recipe(yaml.safe_load(ref.read_text(encoding="utf-8")), f"recipes/{name}.yaml")

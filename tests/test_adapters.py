@@ -1,0 +1,64 @@
+"""The architecture adapter on tiny random models of each supported family, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from compressor.adapters import PROJECTIONS, get_adapter
+from compressor.errors import UserError
+from compressor.models import check_architecture
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "mistral"])
+def test_adapter_finds_layers_projections_norm_and_unembedding(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    assert adapter.num_layers == 6
+    geometry = adapter.geometry
+    for layer in range(adapter.num_layers):
+        for p in PROJECTIONS:
+            module = adapter.projection(layer, p)
+            assert isinstance(module, nn.Linear)
+            assert tuple(module.weight.shape) == geometry.shape(p)
+    # GQA: k/v are narrower than q
+    assert (
+        geometry.shape("k_proj")[0] == geometry.num_kv_heads * geometry.head_dim < geometry.shape("q_proj")[0]
+    )
+    assert adapter.unembedding.weight.shape[0] == model.config.vocab_size
+    h = torch.randn(2, geometry.hidden_size)
+    assert adapter.final_norm(h).shape == h.shape
+    assert adapter.projection_path(2, "v_proj") == "model.layers.2.self_attn.v_proj"
+
+
+def test_attention_parameter_count_includes_qwen_biases():
+    model = tiny_model("qwen2")
+    adapter = get_adapter(model)
+    g = adapter.geometry
+    weights = sum(o * i for o, i in (g.shape(p) for p in PROJECTIONS))
+    biases = g.shape("q_proj")[0] + 2 * g.shape("k_proj")[0]  # q, k, v have biases in Qwen2
+    assert adapter.attention_parameter_count() == adapter.num_layers * (weights + biases)
+
+
+def test_set_projection_replaces_the_module():
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    replacement = nn.Linear(*reversed(adapter.geometry.shape("q_proj")), bias=False)
+    adapter.set_projection(0, "q_proj", replacement)
+    assert model.model.layers[0].self_attn.q_proj is replacement
+
+
+def test_unsupported_architecture_is_refused_with_its_name():
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]
+    )
+    with pytest.raises(UserError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        check_architecture(config, "tiny-gpt2")
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(UserError, match="unsupported architecture 'GPT2LMHeadModel'") as err:
+        get_adapter(model)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,140 @@
+"""Bad input ends in a clear one-line error (exit code 2, no traceback), checked before heavy work.
+
+The cases below are also the source of the table in docs/bad-inputs.md: run
+`MASA_WRITE_BAD_INPUTS=1 python -m pytest tests/test_cli_errors.py` to regenerate it; a test checks
+that the committed table lists exactly these cases.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from compressor.cli import main
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
+
+
+def _gpt2_dir(tmp: Path) -> str:
+    import transformers
+
+    path = tmp / "gpt2"
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)
+
+
+def _text_file(tmp: Path, content: str, name: str = "text.txt") -> str:
+    path = tmp / name
+    path.write_text(content)
+    return str(path)
+
+
+def _recipe_with_typo(tmp: Path) -> str:
+    path = tmp / "recipe.yaml"
+    path.write_text("name: mine\nmodel: bundled:smollm2-135m\ncompression:\n  group: 3\n")
+    return str(path)
+
+
+def _existing_dir(tmp: Path) -> str:
+    (tmp / "exists").mkdir()
+    return str(tmp / "exists")
+
+
+# (description, argv builder, expected substring of the one-line error)
+CASES = [
+    ("unknown model alias", lambda t: ["smollm9-1t"], "unknown model 'smollm9-1t'"),
+    ("missing model path", lambda t: ["eval", "./no/such/model"], "does not exist"),
+    ("unsupported architecture", lambda t: ["eval", _gpt2_dir(t)], "unsupported architecture"),
+    ("ratio of 0", lambda t: ["smollm2-135m", "--ratio", "0"], "outside (0, 1)"),
+    ("ratio of 1.5", lambda t: ["smollm2-135m", "--ratio", "1.5"], "outside (0, 1)"),
+    ("unknown method", lambda t: ["smollm2-135m", "--method", "magic"], "unknown --method 'magic'"),
+    ("empty evaluation text", lambda t: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
+    (
+        "evaluation text shorter than one window",
+        lambda t: ["eval", "smollm2-135m", "--text", _text_file(t, "Too short."), "--seq-len", "512"],
+        "tokens",
+    ),
+    (
+        "calibration text too short for the requested windows",
+        lambda t: ["smollm2-135m", "--calib", _text_file(t, "Hello world. " * 50), "--no-save", "--no-eval"],
+        "tokens",
+    ),
+    ("missing text file", lambda t: ["eval", "smollm2-135m", "--text", "./missing.txt"], "does not exist"),
+    (
+        "unknown recipe key",
+        lambda t: ["smollm2-135m", "--recipe", _recipe_with_typo(t)],
+        "unknown recipe key 'compression.group'",
+    ),
+    ("missing recipe file", lambda t: ["smollm2-135m", "--recipe", "nope.yaml"], "does not exist"),
+    (
+        "output directory exists",
+        lambda t: ["smollm2-135m", "--out", _existing_dir(t)],
+        "already exists: pass --overwrite",
+    ),
+    ("unknown device", lambda t: ["eval", "smollm2-135m", "--device", "tpu9"], "device"),
+    (
+        "CUDA requested without a GPU",
+        lambda t: ["eval", "smollm2-135m", "--device", "cuda"],
+        "CUDA is not available",
+    ),
+    ("unknown dtype", lambda t: ["eval", "smollm2-135m", "--dtype", "float8"], "unknown dtype"),
+    (
+        "ratio the groups/atoms cannot meet",
+        lambda t: [
+            "smollm2-135m",
+            "--ratio",
+            "0.95",
+            "--groups",
+            "3",
+            "--no-save",
+            "--no-eval",
+            "--calib-samples",
+            "2",
+            "--seq-len",
+            "64",
+        ],
+        "infeasible",
+    ),  # fmt: skip
+]
+
+_seen: list[tuple[str, str, str]] = []
+
+
+@pytest.mark.parametrize(("description", "build", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_one_line_error(description, build, expected, tmp_path, capsys):
+    argv = build(tmp_path)
+    capsys.readouterr()  # drop what building the fixture printed
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert expected in err, err
+    shown = " ".join("<tmp>/" + Path(a).name if str(tmp_path) in a else a for a in argv)
+    _seen.append((description, f"masa-compress {shown}", err.replace(str(tmp_path), "<tmp>")))
+
+
+def test_bad_input_table_is_up_to_date():
+    """docs/bad-inputs.md lists every case above (regenerate with MASA_WRITE_BAD_INPUTS=1)."""
+    if os.environ.get("MASA_WRITE_BAD_INPUTS") and len(_seen) == len(CASES):
+        lines = [
+            "# Bad input and what the user sees",
+            "",
+            "Generated from `tests/test_cli_errors.py` (`MASA_WRITE_BAD_INPUTS=1 python -m pytest "
+            "tests/test_cli_errors.py`). Every case exits with status 2 and one line on stderr, no traceback.",
+            "",
+            "| case | command | what the user sees |",
+            "|---|---|---|",
+        ]
+        for description, command, err in _seen:
+            escaped = err.replace("|", "\\|")
+            lines.append(f"| {description} | `{command}` | `{escaped}` |")
+        DOC.parent.mkdir(exist_ok=True)
+        DOC.write_text("\n".join(lines) + "\n")
+    text = DOC.read_text()
+    for description, _, _ in CASES:
+        assert f"| {description} |" in text, f"docs/bad-inputs.md lacks '{description}': regenerate it"

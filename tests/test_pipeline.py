@@ -1,0 +1,90 @@
+"""The pipeline on tiny random models: exact accounting, planted sharing recovered, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_windows, tiny_model
+
+from compressor.adapters import PROJECTIONS, get_adapter
+from compressor.capture import collect_statistics
+from compressor.errors import UserError
+from compressor.modules import SharedBasisLinear
+from compressor.pipeline import METHODS, compress_model
+from compressor.recipes.schema import CompressionSettings
+
+
+def _compress(model, method="masa", ratio=0.3, windows=None, **settings):
+    adapter = get_adapter(model)
+    stats = collect_statistics(
+        model, adapter, windows if windows is not None else random_windows(), progress=False
+    )
+    return compress_model(
+        model, adapter, stats, CompressionSettings(method=method, **settings), ratio, progress=False
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_method_meets_the_budget_and_counts_exactly(method, family):
+    model = tiny_model(family)
+    before = sum(p.numel() for p in model.parameters())
+    attn_before = get_adapter(model).attention_parameter_count()
+    outcome = _compress(model, method, ratio=0.3)
+    plan = outcome.plan
+    # The stored count of the installed modules equals the planner's count, within the budget.
+    assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget
+    assert plan.achieved_ratio() >= 0.3
+    assert sum(p.numel() for p in model.parameters()) == before - attn_before + plan.attention_params_after()
+    logits = model(input_ids=random_windows(1, 16)).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_planted_identical_layers_are_reproduced_exactly_by_one_atom():
+    model = tiny_model("llama", num_hidden_layers=4)
+    adapter = get_adapter(model)
+    for layer in range(1, 4):
+        for p in PROJECTIONS:
+            adapter.projection(layer, p).weight.data.copy_(adapter.projection(0, p).weight.data)
+    x = random_windows(2, 16)
+    expected = model(input_ids=x).logits
+    _compress(model, "masa", ratio=0.5, groups=1, bases=1)
+    # All four layers equal: one atom holds them exactly, the residuals are zero.
+    torch.testing.assert_close(model(input_ids=x).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_zero_atoms_is_the_same_pipeline_without_sharing():
+    model = tiny_model("llama")
+    outcome = _compress(model, "masa", ratio=0.3, bases=0)
+    assert outcome.plan.atom_params() == 0
+    assert all(pp.mode in ("dense", "lowrank") for pp in outcome.plan.projections)
+
+
+def test_infeasible_ratio_says_what_fits():
+    model = tiny_model("llama", num_hidden_layers=4)
+    with pytest.raises(UserError, match=r"infeasible.*--ratio ≤"):
+        _compress(model, "masa", ratio=0.9, groups=3, bases=1)
+
+
+def test_same_inputs_same_weights():
+    a, b = tiny_model("llama"), tiny_model("llama")
+    _compress(a, "masa", ratio=0.3)
+    _compress(b, "masa", ratio=0.3)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_shared_atoms_are_one_tensor_per_group():
+    model = tiny_model("llama", num_hidden_layers=6)
+    outcome = _compress(model, "masa", ratio=0.3, groups=1)
+    adapter = get_adapter(model)
+    atoms = {id(adapter.projection(layer, "k_proj").atoms) for layer in range(6)}
+    assert len(atoms) == 1
+    assert outcome.report["atom_energy"]
+
+
+def test_unknown_method_and_bad_ratio_are_user_errors():
+    with pytest.raises(UserError, match="unknown method"):
+        _compress(tiny_model("llama"), "nope")
+    with pytest.raises(UserError, match="outside"):
+        _compress(tiny_model("llama"), "svd", ratio=1.0)

@@ -1,0 +1,178 @@
+"""Whitened residual SVD: Eckart–Young tails, factor exactness, damping, error reporting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.errors import NumericalError
+from compressor.whitening import (
+    discarded_energy,
+    low_rank_factors,
+    plain_svd,
+    plain_svd_factors,
+    whitened_svd,
+    whitening_factor,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _setup(n_out: int = 6, n_in: int = 8, n_tokens: int = 50, seed: int = 0, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    # Channels of different scales, as in real activations, so whitening matters.
+    x = torch.randn(n_tokens, n_in, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 5.0, n_in)
+    delta = torch.randn(n_out, n_in, generator=gen, dtype=torch.float64)
+    return x.to(device), delta.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_whitened_error_matches_tail_and_output_error(device: str) -> None:
+    x, delta = _setup(device=device)
+    factor = whitening_factor(x.T @ x)
+    assert factor.damping == 0.0 and factor.attempts == 1
+    assert factor.S.device == delta.device
+    torch.testing.assert_close(factor.S @ factor.S.T, x.T @ x, rtol=1e-12, atol=1e-10)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    tail = discarded_energy(sigma)
+    assert tail.shape == (7,)
+    for rank in range(0, 6):
+        a, b = low_rank_factors(u, sigma, vh, factor.S, rank)
+        assert a.shape == (6, rank) and b.shape == (rank, 8)
+        error = delta - a @ b
+        whitened = (error @ factor.S).square().sum()
+        # Eckart–Young: the whitened error is the discarded tail.
+        torch.testing.assert_close(whitened, tail[rank], rtol=1e-8, atol=0)
+        # ...and it is the output error on the calibration tokens: ‖E Xᵀ‖ = ‖E S‖ when XᵀX = S Sᵀ.
+        torch.testing.assert_close((error @ x.T).square().sum(), whitened, rtol=1e-8, atol=0)
+    # Full rank reproduces the residual exactly.
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 6)
+    torch.testing.assert_close(a @ b, delta, rtol=0, atol=1e-10)
+    assert float(tail[6]) == 0.0
+
+
+def test_whitening_beats_plain_svd_in_output_error() -> None:
+    x, delta = _setup(seed=1)
+    factor = whitening_factor(x.T @ x)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    a_w, b_w = low_rank_factors(u, sigma, vh, factor.S, 2)
+    a_p, b_p = plain_svd_factors(delta, 2)
+    out_w = ((delta - a_w @ b_w) @ x.T).square().sum()
+    out_p = ((delta - a_p @ b_p) @ x.T).square().sum()
+    assert out_w < out_p
+    # The plain baseline is optimal in the plain Frobenius norm instead.
+    _, sigma_p, _ = plain_svd(delta)
+    torch.testing.assert_close(
+        (delta - a_p @ b_p).square().sum(), discarded_energy(sigma_p)[2], rtol=1e-10, atol=0
+    )
+    torch.testing.assert_close(b_p @ b_p.T, torch.eye(2, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_discarded_energy_values() -> None:
+    tail = discarded_energy(torch.tensor([3.0, 2.0, 1.0]))
+    assert tail.dtype == torch.float64
+    assert tail.tolist() == [14.0, 5.0, 1.0, 0.0]
+    assert discarded_energy(torch.zeros(0)).tolist() == [0.0]
+
+
+def test_rank_zero_and_invalid_rank() -> None:
+    x, delta = _setup(seed=2)
+    factor = whitening_factor(x.T @ x)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 0)
+    assert a.shape == (6, 0) and b.shape == (0, 8)
+    assert torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rank"):
+        low_rank_factors(u, sigma, vh, factor.S, 7)
+
+
+def test_damping_for_a_dead_channel() -> None:
+    x, delta = _setup(seed=3)
+    x[:, 2] = 0.0  # a dead channel: C is exactly singular
+    c = x.T @ x
+    assert int(torch.linalg.cholesky_ex(c).info) != 0
+    factor = whitening_factor(c, initial_damping=1e-6)
+    mean_diag = float(torch.diagonal(c).mean())
+    assert factor.attempts == 2
+    assert factor.damping == pytest.approx(1e-6 * mean_diag, rel=1e-15)
+    # The factor is valid for the damped matrix, and the tail identity still holds in its metric.
+    damped = c + factor.damping * torch.eye(8, dtype=torch.float64)
+    torch.testing.assert_close(factor.S @ factor.S.T, damped, rtol=1e-12, atol=1e-10)
+    assert torch.equal(factor.S, torch.tril(factor.S))
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 3)
+    assert bool(torch.isfinite(b).all())
+    torch.testing.assert_close(
+        ((delta - a @ b) @ factor.S).square().sum(), discarded_energy(sigma)[3], rtol=1e-8, atol=0
+    )
+
+
+@pytest.mark.parametrize("n_tokens", [3, 5, 7])
+@pytest.mark.parametrize("seed", [1, 3, 4])
+def test_damping_for_too_few_tokens(n_tokens: int, seed: int) -> None:
+    # Fewer tokens than channels: C = XᵀX has rank < 8. Depending on rounding, Cholesky either
+    # fails or "succeeds" with tiny pivots; both must be damped.
+    x, _ = _setup(n_tokens=n_tokens, seed=seed)
+    factor = whitening_factor(x.T @ x)
+    assert factor.damping > 0.0 and factor.attempts >= 2
+    ratio = torch.diagonal(factor.S).square() / torch.diagonal(x.T @ x + factor.damping * torch.eye(8))
+    assert float(ratio.min()) > 1e-8
+
+
+def test_tiny_pivot_counts_as_singular() -> None:
+    # Cholesky succeeds here (last pivot² = 1e-12 > 0), but channel 2 is channel 1 to 1e-12
+    # relative precision: S⁻¹ would amplify by 1e6, so the factor must be damped.
+    c = torch.tensor([[1.0, 1.0], [1.0, 1.0 + 1e-12]], dtype=torch.float64)
+    assert int(torch.linalg.cholesky_ex(c).info) == 0
+    factor = whitening_factor(c)
+    assert factor.attempts == 2 and factor.damping == pytest.approx(1e-6 * (1.0 + 0.5e-12), rel=1e-12)
+    # A well-conditioned but badly scaled C (an outlier channel) needs no damping.
+    scaled = torch.diag(torch.tensor([1e8, 1.0, 1e-4], dtype=torch.float64))
+    assert whitening_factor(scaled).damping == 0.0
+
+
+def test_damping_grows_and_failure_lists_what_was_tried() -> None:
+    c = torch.diag(torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64))  # indefinite: mean diag 1/3
+    # Needs damping > 1: tried 1e-2/3·(1, 10, 100, ...) → the fourth damped attempt (≈3.3) works.
+    factor = whitening_factor(c, initial_damping=1e-2, max_attempts=8, growth=10.0)
+    assert factor.attempts == 5
+    assert factor.damping == pytest.approx(1e-2 / 3 * 1e3, rel=1e-12)
+    with pytest.raises(NumericalError, match=r"0, 0\.00333, 0\.0333"):
+        whitening_factor(c, initial_damping=1e-2, max_attempts=3)
+
+
+def test_numerical_errors() -> None:
+    x, delta = _setup(seed=5)
+    c = x.T @ x
+    bad = c.clone()
+    bad[0, 1] = float("nan")
+    with pytest.raises(NumericalError):
+        whitening_factor(bad)
+    with pytest.raises(NumericalError, match="mean diagonal"):
+        whitening_factor(torch.zeros(4, 4))
+    s = whitening_factor(c).S
+    bad_delta = delta.clone()
+    bad_delta[3, 3] = float("inf")
+    with pytest.raises(NumericalError):
+        whitened_svd(bad_delta, s)
+    with pytest.raises(NumericalError):
+        plain_svd(bad_delta)
+
+
+def test_svd_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_svd(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", failing_svd)
+    with pytest.raises(NumericalError, match=r"\(6, 8\)"):
+        plain_svd(torch.ones(6, 8, dtype=torch.float64))
+
+
+def test_low_precision_inputs() -> None:
+    x, delta = _setup(seed=6)
+    factor = whitening_factor((x.T @ x).float())
+    assert factor.S.dtype == torch.float64
+    u, sigma, vh = whitened_svd(delta.to(torch.bfloat16), factor.S)
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 6)
+    assert a.dtype == b.dtype == torch.float64
+    torch.testing.assert_close(a @ b, delta.to(torch.bfloat16).double(), rtol=0, atol=1e-9)
