@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -81,6 +82,8 @@ class CompressOptions:
     end_boundaries: bool | None = None
     logit_lens: str | None = None
     allocation: str | None = None
+    atoms: str | None = None
+    singletons: str | None = None
     calib: str | None = None
     calib_samples: int | None = None
     seq_len: int | None = None
@@ -94,6 +97,7 @@ class CompressOptions:
     save: bool = True
     recipe_file: str | None = None
     batch_size: int = 1
+    stats_cache: bool = True
 
 
 @dataclass
@@ -147,6 +151,8 @@ def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
         end_boundaries=options.end_boundaries,
         logit_lens=options.logit_lens,
         allocation=options.allocation,
+        atoms=options.atoms,
+        singletons=options.singletons,
     )
     return calibration, evaluation, compression
 
@@ -176,6 +182,24 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     if not os.access(parent, os.W_OK):
         raise UserError(
             f"output directory '{out}' cannot be written ({parent} is not writable): choose another --out"
+        )
+
+
+def check_free_disk(out: str, checkpoint_bytes: int) -> None:
+    """Refuse to start when the checkpoint cannot fit on the output disk (estimated before any heavy work)."""
+    import shutil
+
+    from compressor.errors import UserError
+
+    parent = Path(out).resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    needed = int(checkpoint_bytes * 1.05) + 64 * 2**20  # tensors + headers, tokenizer, report
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise UserError(
+            f"not enough free disk for the checkpoint in '{out}': about {needed / 2**30:.2f} GiB needed, "
+            f"{free / 2**30:.2f} GiB free on {parent}: free space or choose another --out"
         )
 
 
@@ -253,6 +277,9 @@ def compress(
 
     model_params_before = sum(p.numel() for p in loaded.model.parameters())
     attention_before = adapter.attention_parameter_count()
+    if options.save:
+        element = next(loaded.model.parameters()).element_size()
+        check_free_disk(out, int((model_params_before - options.ratio * attention_before) * element))
     ppl_before = None
     if options.evaluate:
         result = evaluate_perplexity(
@@ -261,7 +288,17 @@ def compress(
         seconds["eval_before"] = result.seconds
         ppl_before = result.ppl
 
-    stats = collect_statistics(loaded.model, adapter, calib_windows, options.batch_size, progress)
+    stats, cache_note = None, "statistics cache off"
+    if options.stats_cache:
+        from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key
+
+        key = stats_key(model_fingerprint(loaded.model), calib_text.fingerprint, calib_windows, loaded.dtype)
+        stats, cache_note = load_stats(key, adapter)
+        note(f"[dim]calibration: {cache_note}[/]", progress)
+    if stats is None:
+        stats = collect_statistics(loaded.model, adapter, calib_windows, options.batch_size, progress)
+        if options.stats_cache:
+            cache_note = f"computed and cached in {save_stats(stats, key)}"
     seconds["calibration"] = stats.seconds
     outcome = compress_model(loaded.model, adapter, stats, compression, options.ratio, progress)
     seconds.update(outcome.seconds)
@@ -300,6 +337,7 @@ def compress(
         },
         "plan": plan.to_dict(),
         "report": outcome.report,
+        "calibration_cache": cache_note,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "out": None,
@@ -329,4 +367,9 @@ def compress(
     seconds["total"] = time.perf_counter() - start_all
     summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     summary["peak_rss_gb"] = round(peak_rss_gb(), 3)
+    if summary["out"]:
+        from compressor.report import write_run_report
+
+        # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
+        summary["report_files"] = [str(p) for p in write_run_report(Path(summary["out"]), summary)]
     return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)

@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         args.insert(0, "compress")
     _register_extensions()
     try:
-        app(args=args, prog_name="masa-compress", standalone_mode=False)
+        code = app(args=args, prog_name="masa-compress", standalone_mode=False)
+        # With standalone_mode=False click returns (not raises) the code of a `typer.Exit(code)`.
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except UserError as err:
         err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -55,8 +55,30 @@ def compress_command(
     ] = None,
     allocation: Annotated[
         str | None,
-        typer.Option("--allocation", help="paper (Algorithm 1 per (Q,K)/(V,O) pair, default) or global."),
+        typer.Option(
+            "--allocation",
+            help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, or global-relative (ranks across all "
+            "matrices by energy per parameter). Default: the recipe's.",
+        ),
     ] = None,
+    atoms: Annotated[
+        str | None,
+        typer.Option(
+            "--atoms",
+            help="plain (Matrix PCA of the weights, paper) or whitened (atoms minimizing the group's output "
+            "error, coefficients refit per layer). Default: the recipe's.",
+        ),
+    ] = None,
+    singletons: Annotated[
+        str | None,
+        typer.Option(
+            "--singletons", help="keep (singleton groups kept whole, paper) or compress (whitened SVD)."
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Only print the plan (same as `masa-compress plan`), no calibration."),
+    ] = False,
     calib: Annotated[
         str | None,
         typer.Option(
@@ -100,6 +122,14 @@ def compress_command(
         str | None, typer.Option("--recipe", help="A recipe YAML file of your own (see recipes/).")
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
+    stats_cache: Annotated[
+        bool,
+        typer.Option(
+            "--stats-cache/--no-stats-cache",
+            help="Reuse calibration statistics cached for the same model, text and windows (validated; "
+            "in $MASA_CACHE/stats), so another ratio or method skips calibration.",
+        ),
+    ] = True,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     as_json: JsonOpt = False,
@@ -111,6 +141,15 @@ def compress_command(
     """
     from compressor.api import CompressOptions, compress
 
+    if dry_run:
+        from compressor.cli_inspect import plan_command
+
+        plan_command(
+            model, ratio=ratio, method=method, groups=groups, bases=bases,
+            largest_group_bases=largest_group_bases, end_boundaries=end_boundaries, allocation=allocation,
+            singletons=singletons, layout=None, recipe=recipe, as_json=as_json,
+        )  # fmt: skip
+        return
     options = CompressOptions(
         ratio=ratio,
         method=method,
@@ -120,6 +159,8 @@ def compress_command(
         end_boundaries=end_boundaries,
         logit_lens=logit_lens,
         allocation=allocation,
+        atoms=atoms,
+        singletons=singletons,
         calib=calib,
         calib_samples=calib_samples,
         seq_len=seq_len,
@@ -133,6 +174,7 @@ def compress_command(
         save=not no_save,
         recipe_file=recipe,
         batch_size=batch_size,
+        stats_cache=stats_cache,
     )
     run = compress(model, options, device=device, dtype=dtype, progress=not (quiet or as_json))
     summary = run.summary

@@ -21,10 +21,18 @@ err_console = Console(stderr=True)
 
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
 
-RecipeOpt = Annotated[Opt[str], typer.Option("--recipe", help="A recipe YAML file of your own (see `masa-compress recipes`).")]
-BasesOpt = Annotated[Opt[int], typer.Option("--bases", "-b", min=0, help="Shared atoms per group and projection B (recipe: 1).")]
+RecipeOpt = Annotated[
+    Opt[str], typer.Option("--recipe", help="A recipe YAML file of your own (see `masa-compress recipes`).")
+]
+BasesOpt = Annotated[
+    Opt[int],
+    typer.Option("--bases", "-b", min=0, help="Shared atoms per group and projection B (recipe: 1)."),
+]
 LargestOpt = Annotated[
-    Opt[int], typer.Option("--largest-group-bases", min=0, help="Atoms for the largest group (recipe: same as --bases).")
+    Opt[int],
+    typer.Option(
+        "--largest-group-bases", min=0, help="Atoms for the largest group (recipe: same as --bases)."
+    ),
 ]
 EndsOpt = Annotated[
     Opt[bool],
@@ -49,22 +57,35 @@ def inspect_command(
     largest_group_bases: LargestOpt = None,
     end_boundaries: EndsOpt = None,
     logit_lens: Annotated[
-        Opt[str], typer.Option("--logit-lens", help="final_norm (standard logit lens, default) or raw (paper).")
+        Opt[str],
+        typer.Option("--logit-lens", help="final_norm (standard logit lens, default) or raw (paper)."),
     ] = None,
     calib: Annotated[
-        Opt[str], typer.Option("--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name.")
+        Opt[str],
+        typer.Option(
+            "--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name."
+        ),
     ] = None,
     calib_samples: Annotated[
         int,
         typer.Option(
-            "--calib-samples", "-n", min=1,
+            "--calib-samples",
+            "-n",
+            min=1,
             help="Calibration windows N (fewer than a compression run: grouping and atom energy need little).",
         ),
     ] = INSPECT_CALIB_SAMPLES,
-    seq_len: Annotated[Opt[int], typer.Option("--seq-len", min=8, help="Tokens per calibration window T (recipe: 512).")] = None,
-    seed: Annotated[Opt[int], typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")] = None,
+    seq_len: Annotated[
+        Opt[int], typer.Option("--seq-len", min=8, help="Tokens per calibration window T (recipe: 512).")
+    ] = None,
+    seed: Annotated[
+        Opt[int], typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")
+    ] = None,
     out: Annotated[
-        Opt[str], typer.Option("--out", "-o", help="Write inspect.json, grouping.png and energy.png into this directory.")
+        Opt[str],
+        typer.Option(
+            "--out", "-o", help="Write inspect.json, grouping.png and energy.png into this directory."
+        ),
     ] = None,
     recipe: RecipeOpt = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
@@ -82,9 +103,17 @@ def inspect_command(
     from compressor.report import energy_table, groupings_table, kl_table
 
     options = InspectOptions(
-        group_counts=parse_group_counts(groups), bases=bases, largest_group_bases=largest_group_bases,
-        end_boundaries=end_boundaries, logit_lens=logit_lens, calib=calib, calib_samples=calib_samples,
-        seq_len=seq_len, seed=seed, recipe_file=recipe, batch_size=batch_size,
+        group_counts=parse_group_counts(groups),
+        bases=bases,
+        largest_group_bases=largest_group_bases,
+        end_boundaries=end_boundaries,
+        logit_lens=logit_lens,
+        calib=calib,
+        calib_samples=calib_samples,
+        seq_len=seq_len,
+        seed=seed,
+        recipe_file=recipe,
+        batch_size=batch_size,
     )
     progress = not (quiet or as_json)
     result = inspect_model(model, options, device=device, dtype=dtype, progress=progress)
@@ -103,9 +132,18 @@ def inspect_command(
     console.print(energy_table(result))
     console.print(
         f"[dim]* the recipe's G. Atoms: B={result['bases']}"
-        + (f", largest group {result['largest_group_bases']}" if result["largest_group_bases"] is not None else "")
+        + (
+            f", largest group {result['largest_group_bases']}"
+            if result["largest_group_bases"] is not None
+            else ""
+        )
         + f"; end boundaries {'allowed' if result['end_boundaries'] else 'excluded'}.[/]"
     )
+    if result["atoms_method"] != "plain":
+        console.print(
+            f"[yellow]note[/]: the recipe's atoms are '{result['atoms_method']}'; the energies above are those of "
+            "plain Matrix PCA of the weights"
+        )
     for skip in result["skipped"]:
         console.print(f"[yellow]skipped G={skip['n_groups']}[/]: {skip['reason']}")
     if out:
@@ -130,15 +168,32 @@ def _parse_layout(text: str | None) -> list[int] | None:
 def plan_command(
     model: ModelArg,
     ratio: Annotated[
-        float, typer.Option("--ratio", "-r", help="Fraction of the attention parameters to remove, in (0, 1).")
+        float,
+        typer.Option("--ratio", "-r", help="Fraction of the attention parameters to remove, in (0, 1)."),
     ] = 0.2,
-    method: Annotated[Opt[str], typer.Option("--method", "-m", help="masa (default), masa-paper, svd-llm, svd, shared-mean.")] = None,
-    groups: Annotated[Opt[int], typer.Option("--groups", "-g", min=1, help="Groups of consecutive layers G (recipe: 3).")] = None,
+    method: Annotated[
+        Opt[str],
+        typer.Option("--method", "-m", help="masa (default), masa-paper, svd-llm, svd, shared-mean."),
+    ] = None,
+    groups: Annotated[
+        Opt[int], typer.Option("--groups", "-g", min=1, help="Groups of consecutive layers G (recipe: 3).")
+    ] = None,
     bases: BasesOpt = None,
     largest_group_bases: LargestOpt = None,
     end_boundaries: EndsOpt = None,
     allocation: Annotated[
-        Opt[str], typer.Option("--allocation", help="paper (Algorithm 1 per (Q,K)/(V,O) pair, default) or global.")
+        Opt[str],
+        typer.Option(
+            "--allocation",
+            help="paper (Algorithm 1 per (Q,K)/(V,O) pair, default), global or global-relative "
+            "(ranks decided after calibration).",
+        ),
+    ] = None,
+    singletons: Annotated[
+        Opt[str],
+        typer.Option(
+            "--singletons", help="keep (singleton groups kept whole, default) or compress (whitened SVD)."
+        ),
     ] = None,
     layout: Annotated[
         Opt[str],
@@ -155,16 +210,21 @@ def plan_command(
     calibrating: the budget, atoms, coefficients, singleton weights, residual budget and per-layer ranks,
     each marked final, estimated from the assumed groups, or decided after calibration.
 
-    The real groups need calibration statistics; without --layout the plan assumes them (the first and
-    last layers singletons when end boundaries are allowed, the rest split evenly) and says so. Exits
-    with status 1 when the request does not fit, listing group/atom settings that do.
+    The real groups need calibration statistics; without --layout the plan assumes them (the first and last layers singletons when end boundaries are allowed, the rest split evenly) and says so. Exits with status 1 when the request does not fit, listing group/atom settings that do.
     """
     from compressor.inspection import PlanOptions, plan_compression
     from compressor.report import plan_tables
 
     options = PlanOptions(
-        method=method, groups=groups, bases=bases, largest_group_bases=largest_group_bases,
-        end_boundaries=end_boundaries, allocation=allocation, layout=_parse_layout(layout), recipe_file=recipe,
+        method=method,
+        groups=groups,
+        bases=bases,
+        largest_group_bases=largest_group_bases,
+        end_boundaries=end_boundaries,
+        allocation=allocation,
+        singletons=singletons,
+        layout=_parse_layout(layout),
+        recipe_file=recipe,
     )
     result = plan_compression(model, ratio, options)
     if as_json:
@@ -207,11 +267,20 @@ def show_command(
         ("architecture", f"{info['base_architecture']} · stored as {info['dtype']}"),
         ("created", f"{info['created']} · " + " · ".join(made)),
         ("method", str(info["method"])),
-        ("ratio", f"requested {info['ratio_requested']}, achieved {info['achieved_ratio']:.4f}"
-         if info["achieved_ratio"] is not None else str(info["ratio_requested"])),
+        (
+            "ratio",
+            f"requested {info['ratio_requested']}, achieved {info['achieved_ratio']:.4f}"
+            if info["achieved_ratio"] is not None
+            else str(info["ratio_requested"]),
+        ),
     ]
     if info["attention_params_before"] is not None:
-        rows.append(("attention parameters", f"{info['attention_params_before']:,} → {info['attention_params_after']:,}"))
+        rows.append(
+            (
+                "attention parameters",
+                f"{info['attention_params_before']:,} → {info['attention_params_after']:,}",
+            )
+        )
     if info["total_params"] is not None:
         rows.append(("model parameters", f"{info['total_params']:,}"))
     if info["ppl_before"] is not None or info["ppl_after"] is not None:
@@ -219,12 +288,20 @@ def show_command(
         rows.append(("perplexity", f"{fmt(info['ppl_before'])} → {fmt(info['ppl_after'])}"))
     cal = info["calibration"]
     if cal:
-        rows.append(("calibration", f"{cal.get('samples')} × {cal.get('seq_len')} tokens of {cal.get('text', cal.get('source'))}, seed {cal.get('seed')}"))
+        rows.append(
+            (
+                "calibration",
+                f"{cal.get('samples')} × {cal.get('seq_len')} tokens of {cal.get('text', cal.get('source'))}, seed {cal.get('seed')}",
+            )
+        )
     comp = info["compression"]
     if comp:
         rows.append(("settings", ", ".join(f"{k}={v}" for k, v in comp.items())))
     if info["groups"]:
-        groups = "  ".join(f"{group_label(g['layers'])}·B={g['n_atoms']}" for g in info["groups"])
+        groups = "  ".join(
+            f"{group_label(g['layers'])} " + (f"B={g['n_atoms']}" if len(g["layers"]) > 1 else "alone")
+            for g in info["groups"]
+        )
         rows.append(("groups", groups + (f"  ({info['grouping_rule']})" if info["grouping_rule"] else "")))
     rows.append(("weights", f"{info['weights_bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s)"))
     for key, value in rows:
@@ -241,7 +318,9 @@ def show_command(
             else:
                 atoms = row.get(f"{p}_atoms", 0)
                 cells.append(f"{row.get(p)}" + (f" ({atoms})" if atoms else ""))
-        ranks.add_row(str(row["layer"]), row["mode"], "—" if row["group"] is None else str(row["group"]), *cells)
+        ranks.add_row(
+            str(row["layer"]), row["mode"], "—" if row["group"] is None else str(row["group"]), *cells
+        )
     console.print(ranks)
 
 
@@ -259,8 +338,11 @@ def _schema_help() -> str:
             continue
         default = "(required)" if info.is_required() else repr(info.default)
         lines.append(f"  {name}: {default}  {info.description or ''}".rstrip())
-    for section, model in (("calibration", CalibrationSettings), ("evaluation", EvaluationSettings),
-                           ("compression", CompressionSettings)):
+    for section, model in (
+        ("calibration", CalibrationSettings),
+        ("evaluation", EvaluationSettings),
+        ("compression", CompressionSettings),
+    ):
         lines.append(f"  {section}:")
         for name, info in model.model_fields.items():
             lines.append(f"    {name}: {info.default!r}  {info.description or ''}".rstrip())
@@ -269,7 +351,9 @@ def _schema_help() -> str:
 
 def recipes_command(
     name: Annotated[Opt[str], typer.Argument(help="Show one recipe in full (YAML).")] = None,
-    check: Annotated[Opt[str], typer.Option("--check", help="Validate a recipe YAML file of your own and show it.")] = None,
+    check: Annotated[
+        Opt[str], typer.Option("--check", help="Validate a recipe YAML file of your own and show it.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     import yaml
@@ -298,10 +382,19 @@ def recipes_command(
         table.add_column(col)
     for r in recipes:
         c = r.compression
-        bases = f"{c.bases}" + (f" ({c.largest_group_bases} largest)" if c.largest_group_bases is not None else "")
+        bases = f"{c.bases}" + (
+            f" ({c.largest_group_bases} largest)" if c.largest_group_bases is not None else ""
+        )
         table.add_row(
-            r.name, r.model, f"{r.calibration.samples}×{r.calibration.seq_len} {r.calibration.source}", c.method,
-            str(c.groups), bases, "yes" if c.end_boundaries else "no", c.logit_lens, c.allocation,
+            r.name,
+            r.model,
+            f"{r.calibration.samples}×{r.calibration.seq_len} {r.calibration.source}",
+            c.method,
+            str(c.groups),
+            bases,
+            "yes" if c.end_boundaries else "no",
+            c.logit_lens,
+            c.allocation,
         )
     console.print(table)
 

@@ -142,7 +142,9 @@ def inspect_statistics(
 
     start = time.perf_counter()
     p = logit_lens_distributions(
-        block_means, adapter.final_norm, adapter.unembedding,
+        block_means,
+        adapter.final_norm,
+        adapter.unembedding,
         apply_final_norm=settings.logit_lens == "final_norm",
     )
     kl = consecutive_kl(p)
@@ -153,7 +155,9 @@ def inspect_statistics(
         except UserError as err:
             skipped.append({"n_groups": n, "reason": str(err)})
     if not groupings:
-        raise UserError(f"no requested group count fits this model ({adapter.num_layers} layers): {skipped[0]['reason']}")
+        raise UserError(
+            f"no requested group count fits this model ({adapter.num_layers} layers): {skipped[0]['reason']}"
+        )
 
     # The same group recurs across G (e.g. [0] and [29]): one eigendecomposition per distinct group.
     distinct = sorted({tuple(g) for grouping in groupings for g in grouping.groups if len(g) > 1})
@@ -161,7 +165,9 @@ def inspect_statistics(
     with progress_bar("Matrix PCA (groups)", total=len(distinct) * len(PROJECTIONS), enabled=progress) as bar:
         for layers in distinct:
             for proj in PROJECTIONS:
-                stacked = torch.stack([adapter.projection(layer, proj).weight.detach().double() for layer in layers])
+                stacked = torch.stack(
+                    [adapter.projection(layer, proj).weight.detach().double() for layer in layers]
+                )
                 _, _, eig = matrix_pca(stacked, 0)  # (|g|,) descending; no atoms needed
                 eigenvalues[(layers, proj)] = eig.cpu()
                 bar.advance()
@@ -175,15 +181,17 @@ def inspect_statistics(
             if len(layers) > 1
             for proj in PROJECTIONS
         ]
-        records.append({
-            "n_groups": len(grouping.groups),
-            "boundaries": grouping.boundaries,
-            "groups": grouping.groups,
-            "sizes": grouping.sizes,
-            "atoms": atoms,
-            "rule": grouping.rule,
-            "energy": energy,
-        })
+        records.append(
+            {
+                "n_groups": len(grouping.groups),
+                "boundaries": grouping.boundaries,
+                "groups": grouping.groups,
+                "sizes": grouping.sizes,
+                "atoms": atoms,
+                "rule": grouping.rule,
+                "energy": energy,
+            }
+        )
     chosen = [r["n_groups"] for r in records]
     return {
         "num_layers": adapter.num_layers,
@@ -191,6 +199,10 @@ def inspect_statistics(
         "end_boundaries": settings.end_boundaries,
         "bases": settings.bases,
         "largest_group_bases": settings.largest_group_bases,
+        "singletons": settings.singletons,
+        # The energies are those of plain Matrix PCA (the weights' own energy); with `atoms: whitened` a
+        # run picks atoms for the output error instead, which needs the autocorrelations.
+        "atoms_method": settings.atoms,
         "kl": kl.tolist(),
         "highlight": settings.groups if settings.groups in chosen else chosen[0],
         "groupings": records,
@@ -199,8 +211,13 @@ def inspect_statistics(
     }
 
 
-def inspect_model(model: str, options: InspectOptions | None = None, device: str = "auto", dtype: str = "auto",
-                  progress: bool = True) -> dict:
+def inspect_model(
+    model: str,
+    options: InspectOptions | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> dict:
     """Calibrate MODEL briefly and return `inspect_statistics` with the model and calibration described."""
     from compressor.adapters import get_adapter
     from compressor.api import CompressOptions, resolve_run_settings
@@ -215,12 +232,19 @@ def inspect_model(model: str, options: InspectOptions | None = None, device: str
     source = resolve_model(model, recipe)
     recipe = recipe or source.recipe
     if source.kind == "compressed":
-        raise UserError(f"'{model}' is a masa-compress checkpoint: inspect the original model, or run `masa-compress show {model}`")
+        raise UserError(
+            f"'{model}' is a masa-compress checkpoint: inspect the original model, or run `masa-compress show {model}`"
+        )
     calibration, _, settings = resolve_run_settings(
         CompressOptions(
-            bases=options.bases, largest_group_bases=options.largest_group_bases,
-            end_boundaries=options.end_boundaries, logit_lens=options.logit_lens, calib=options.calib,
-            calib_samples=options.calib_samples or INSPECT_CALIB_SAMPLES, seq_len=options.seq_len, seed=options.seed,
+            bases=options.bases,
+            largest_group_bases=options.largest_group_bases,
+            end_boundaries=options.end_boundaries,
+            logit_lens=options.logit_lens,
+            calib=options.calib,
+            calib_samples=options.calib_samples or INSPECT_CALIB_SAMPLES,
+            seq_len=options.seq_len,
+            seed=options.seed,
         ),
         recipe,
     )
@@ -231,19 +255,29 @@ def inspect_model(model: str, options: InspectOptions | None = None, device: str
     adapter = get_adapter(loaded.model)
     ids = tokenize_documents(loaded.tokenizer, text.documents)
     windows = calibration_windows(
-        ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos_token_id_for(loaded.tokenizer)
+        ids,
+        calibration.samples,
+        calibration.seq_len,
+        calibration.seed,
+        bos_id=bos_token_id_for(loaded.tokenizer),
     )
     block_means, calib_seconds = collect_block_means(adapter, windows, options.batch_size, progress)
     result = inspect_statistics(adapter, block_means, settings, options.group_counts, progress)
     result["seconds"] = {
-        "load": round(load_seconds, 3), "calibration": round(calib_seconds, 3), **result["seconds"],
+        "load": round(load_seconds, 3),
+        "calibration": round(calib_seconds, 3),
+        **result["seconds"],
         "total": round(time.perf_counter() - start, 3),
     }
     return {
         "model": source.describe(),
         "recipe": recipe.name if recipe else None,
-        "calibration": {**calibration.model_dump(), "text": text.name, "fingerprint": text.fingerprint,
-                        "tokens": int(windows.numel())},
+        "calibration": {
+            **calibration.model_dump(),
+            "text": text.name,
+            "fingerprint": text.fingerprint,
+            "tokens": int(windows.numel()),
+        },
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         **result,
@@ -262,10 +296,17 @@ def write_inspect_outputs(out_dir, inspection: dict) -> list:
     chosen = next(g for g in inspection["groupings"] if g["n_groups"] == inspection["highlight"])
     title = f"{inspection.get('model', '')} · logit lens {inspection['logit_lens']} · G={chosen['n_groups']}: {format_groups(chosen['groups'])}"
     paths = [write_json(out / "inspect.json", inspection)]
-    paths.append(plot_grouping(
-        out / "grouping.png", inspection["kl"], chosen["boundaries"], chosen["groups"], title,
-        group_maps=[(g["n_groups"], g["groups"]) for g in inspection["groupings"]], highlight=inspection["highlight"],
-    ))
+    paths.append(
+        plot_grouping(
+            out / "grouping.png",
+            inspection["kl"],
+            chosen["boundaries"],
+            chosen["groups"],
+            title,
+            group_maps=[(g["n_groups"], g["groups"]) for g in inspection["groupings"]],
+            highlight=inspection["highlight"],
+        )
+    )
     if any(e["atoms"] > 0 for g in inspection["groupings"] for e in g["energy"]):
         paths.append(plot_inspect_energy(out / "energy.png", inspection, inspection.get("model", "")))
     return paths
@@ -285,8 +326,20 @@ class PlanOptions:
     largest_group_bases: int | None = None
     end_boundaries: bool | None = None
     allocation: str | None = None
+    singletons: str | None = None
     layout: list[int] | None = None  # group sizes, first to last; replaces the assumed groups
     recipe_file: str | None = None
+
+
+def _with(settings: CompressionSettings, **values) -> CompressionSettings:
+    """A validated copy with some settings replaced (those `api.CompressOptions` does not carry)."""
+    from pydantic import ValidationError
+
+    try:
+        return CompressionSettings.model_validate({**settings.model_dump(), **values})
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise UserError(f"invalid --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
 
 
 def geometry_from_config(config) -> AttentionGeometry:
@@ -316,7 +369,9 @@ def biases_from_config(config, geometry: AttentionGeometry) -> dict[tuple[int, s
 def assumed_groups(n_layers: int, n_groups: int, end_boundaries: bool) -> list[list[int]]:
     """A grouping for planning without statistics (see ASSUMED_RULE_ENDS / ASSUMED_RULE_EVEN)."""
     if not 1 <= n_groups <= n_layers:
-        raise UserError(f"--groups {n_groups} is impossible for a model with {n_layers} layers: use 1..{n_layers}")
+        raise UserError(
+            f"--groups {n_groups} is impossible for a model with {n_layers} layers: use 1..{n_layers}"
+        )
     if n_groups == 1:
         return [list(range(n_layers))]
     if end_boundaries:
@@ -348,15 +403,18 @@ def groups_from_layout(sizes: list[int], n_layers: int) -> list[list[int]]:
     return groups
 
 
-def _shared_counts(method, ratio, before, geometry, groups, bases, largest, biases) -> tuple[CompressionPlan | None, str | None]:
+def _shared_counts(
+    method, ratio, before, geometry, groups, bases, largest, biases, compress_singletons: bool = False
+) -> tuple[CompressionPlan | None, str | None]:
     """`shared_plan` for these groups, also when the ratio is infeasible (then with the reason): the fixed
     counts do not depend on the ratio. None when the atoms requested exceed a group's size."""
+    args = (before, geometry, groups, bases, largest, biases)
     try:
-        return shared_plan(method, ratio, before, geometry, groups, bases, largest, biases), None
+        return shared_plan(method, ratio, *args, compress_singletons=compress_singletons), None
     except UserError as err:
         reason = str(err)
     try:
-        plan = shared_plan(method, 0.0, before, geometry, groups, bases, largest, biases)
+        plan = shared_plan(method, 0.0, *args, compress_singletons=compress_singletons)
     except UserError as err:
         return None, str(err)
     plan.ratio = ratio
@@ -378,8 +436,12 @@ def initial_pair_ranks(plan: CompressionPlan) -> dict:
     ranks = {}
     for (a, b), budget in pairs.items():
         ranks[a], ranks[b] = _initial_ranks(geometry.shape(a), geometry.shape(b), budget)
-    return {"layers": layers, "layer_budget": layer_budget, "pair_budgets": [qk_budget, layer_budget - qk_budget],
-            "ranks": ranks}
+    return {
+        "layers": layers,
+        "layer_budget": layer_budget,
+        "pair_budgets": [qk_budget, layer_budget - qk_budget],
+        "ranks": ranks,
+    }
 
 
 def _rank_rows(plan: CompressionPlan, pair_budgets: list[int] | None) -> list[dict]:
@@ -388,17 +450,29 @@ def _rank_rows(plan: CompressionPlan, pair_budgets: list[int] | None) -> list[di
     for layer in sorted({pp.layer for pp in plan.projections}):
         pps = {p: plan.get(layer, p) for p in PROJECTIONS}
         mode = pps["q_proj"].mode
-        row = {"layers": [layer], "mode": mode, **{p: pps[p].rank for p in PROJECTIONS},
-               "pair_budgets": pair_budgets if mode != "dense" else None}
+        row = {
+            "layers": [layer],
+            "mode": mode,
+            "group": pps["q_proj"].group,
+            "atoms": pps["q_proj"].n_atoms,
+            **{p: pps[p].rank for p in PROJECTIONS},
+            "pair_budgets": pair_budgets if mode != "dense" else None,
+        }
         last = rows[-1] if rows else None
-        if last and all(last[k] == row[k] for k in ("mode", *PROJECTIONS)) and last["layers"][-1] == layer - 1:
+        if (
+            last
+            and all(last[k] == row[k] for k in ("mode", "group", *PROJECTIONS))
+            and last["layers"][-1] == layer - 1
+        ):
             last["layers"].append(layer)
         else:
             rows.append(row)
     return rows
 
 
-def _alternatives(method, ratio, before, geometry, n_layers, biases, want: tuple[int, int, bool]) -> list[dict]:
+def _alternatives(
+    method, ratio, before, geometry, n_layers, biases, want: tuple[int, int, bool], compress_singletons: bool
+) -> list[dict]:
     """Group/atom settings whose assumed groups fit the ratio, the closest to the request first."""
     found = []
     for n in range(1, min(n_layers, 8) + 1):
@@ -408,15 +482,26 @@ def _alternatives(method, ratio, before, geometry, n_layers, biases, want: tuple
                     groups = assumed_groups(n_layers, n, ends)
                 except UserError:
                     continue
-                plan, _ = _shared_counts(method, 0.0, before, geometry, groups, bases, None, biases)
+                plan, _ = _shared_counts(
+                    method, 0.0, before, geometry, groups, bases, None, biases, compress_singletons
+                )
                 if plan is None:
                     continue
                 max_ratio = 1.0 - plan.fixed_params() / before
                 if max_ratio >= ratio:
-                    found.append({"groups": n, "bases": bases, "end_boundaries": ends, "max_ratio": max_ratio,
-                                  "layers": groups})
+                    found.append(
+                        {
+                            "groups": n,
+                            "bases": bases,
+                            "end_boundaries": ends,
+                            "max_ratio": max_ratio,
+                            "layers": groups,
+                        }
+                    )
     g0, b0, e0 = want
-    found.sort(key=lambda a: (a["bases"] != b0, abs(a["groups"] - g0), a["end_boundaries"] != e0, -a["max_ratio"]))
+    found.sort(
+        key=lambda a: (a["bases"] != b0, abs(a["groups"] - g0), a["end_boundaries"] != e0, -a["max_ratio"])
+    )
     # One suggestion per (bases, end_boundaries) and layout, so the list shows different ways out.
     seen, out = set(), []
     for alt in found:
@@ -427,7 +512,9 @@ def _alternatives(method, ratio, before, geometry, n_layers, biases, want: tuple
     return out[:4]
 
 
-def plan_from_config(config, ratio: float, settings: CompressionSettings, layout: list[int] | None = None) -> dict:
+def plan_from_config(
+    config, ratio: float, settings: CompressionSettings, layout: list[int] | None = None
+) -> dict:
     """The exact accounting of compressing a model with this config, without weights or statistics.
 
     Final: P_attn, the budget, and for the low-rank baselines everything. Given the groups: atoms,
@@ -438,7 +525,9 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
     from compressor.pipeline import METHODS
 
     if not 0.0 < ratio < 1.0:
-        raise UserError(f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed")
+        raise UserError(
+            f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
+        )
     if settings.method not in METHODS:
         raise UserError(f"unknown --method '{settings.method}': use one of {', '.join(METHODS)}")
     n_layers = config.num_hidden_layers
@@ -458,8 +547,13 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
     reason = None
     if method in ("svd-llm", "svd"):
         plan = lowrank_plan(method, ratio, before, geometry, n_layers, biases)
-        groups_info = {"source": "none", "rule": "no groups: every projection low rank", "layers": [], "sizes": [], "atoms": []}
-        given_groups = "final"
+        groups_info = {
+            "source": "none",
+            "rule": "no groups: every projection low rank",
+            "layers": [],
+            "sizes": [],
+            "atoms": [],
+        }
         ranks_kind = "final (the same kept fraction of every matrix; no calibration dependence)"
         rank_rows = _rank_rows(plan, None)
         after_max = plan.attention_params_after()
@@ -475,22 +569,40 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
             groups = assumed_groups(n_layers, settings.groups, settings.end_boundaries)
             rule = ASSUMED_RULE_ENDS if settings.end_boundaries else ASSUMED_RULE_EVEN
         if method == "shared-mean":
-            plan, groups, reason = _shared_mean_plan(method, ratio, before, geometry, n_layers, biases, groups,
-                                                     settings.end_boundaries)
+            plan, groups, reason = _shared_mean_plan(
+                method, ratio, before, geometry, n_layers, biases, groups, settings.end_boundaries
+            )
             rule = rule or (
                 "assumed, not measured: the most groups the budget holds (as shared-mean picks them), placed "
-                + ("with the first and last layers singletons, the rest even" if settings.end_boundaries
-                   else "as nearly equal consecutive groups")
+                + (
+                    "with the first and last layers singletons, the rest even"
+                    if settings.end_boundaries
+                    else "as nearly equal consecutive groups"
+                )
             )
             bases, largest = 1, None
         else:
             bases, largest = settings.bases, settings.largest_group_bases
-            plan, reason = _shared_counts(method, ratio, before, geometry, groups, bases, largest, biases)
+            plan, reason = _shared_counts(
+                method,
+                ratio,
+                before,
+                geometry,
+                groups,
+                bases,
+                largest,
+                biases,
+                settings.singletons == "compress",
+            )
         if plan is None:  # more atoms than layers in a group: nothing to count
             raise UserError(reason)
-        groups_info = {"source": source, "rule": rule, "layers": groups, "sizes": [len(g) for g in groups],
-                       "atoms": [g.n_atoms for g in plan.groups]}
-        given_groups = "final" if layout else "estimate: given the assumed groups"
+        groups_info = {
+            "source": source,
+            "rule": rule,
+            "layers": groups,
+            "sizes": [len(g) for g in groups],
+            "atoms": [g.n_atoms for g in plan.groups],
+        }
         initial = initial_pair_ranks(plan) if reason is None else {"layers": []}
         after_max = None
         if reason is not None:
@@ -500,8 +612,10 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
             ranks_kind = "final given the groups (no residual)"
             rank_rows = _rank_rows(plan, None)
             after_max = plan.attention_params_after()
-        elif settings.allocation == "global" or not initial["layers"]:
-            ranks_kind = "after calibration (global allocation by discarded energy per parameter)"
+        elif settings.allocation != "paper" or not initial["layers"]:
+            ranks_kind = (
+                f"after calibration ({settings.allocation} allocation by discarded energy per parameter)"
+            )
             rank_rows = _rank_rows(plan, None)
             after_max = plan.budget
         else:
@@ -513,15 +627,19 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
             rank_rows = _rank_rows(plan, initial["pair_budgets"])
             after_max = plan.fixed_params() + len(initial["layers"]) * initial["layer_budget"]
         if method in ("masa", "masa-paper") and bases > 0:
-            notes.append("atoms: Matrix PCA returns fewer atoms than asked only for a group whose weights are "
-                         "linearly dependent (e.g. tied layers); the atom count is otherwise final")
+            notes.append(
+                "atoms: Matrix PCA returns fewer atoms than asked only for a group whose weights are "
+                "linearly dependent (e.g. tied layers); the atom count is otherwise final"
+            )
     allocated = plan.ranks_allocated() and reason is None
     counts = plan.to_dict()
     fixed = plan.fixed_params()
     # Short status tags (explained by STATUS_LEGEND): what calibration can still change.
     given = "final" if layout or method in ("svd-llm", "svd") else "assumed groups"
     status = {"attention_params_before": "final", "budget": "final"}
-    status |= dict.fromkeys(("atoms", "coefficients", "dense_kept", "biases", "residual_budget", "max_ratio"), given)
+    status |= dict.fromkeys(
+        ("atoms", "coefficients", "dense_kept", "biases", "residual_budget", "max_ratio"), given
+    )
     after = "initial ranks" if method in ("masa", "masa-paper") and settings.allocation == "paper" else given
     status |= dict.fromkeys(("residual_params", "attention_params_after", "achieved_ratio"), after)
     status["attention_params_after_max"] = given
@@ -541,9 +659,21 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
         "achieved_ratio": plan.achieved_ratio() if allocated else None,
         "max_ratio": 1.0 - fixed / before,
         "groups": groups_info,
-        "ranks": {"kind": ranks_kind, "rows": rank_rows,
-                  "per_layer": [{"layer": pp.layer, "projection": pp.projection, "mode": pp.mode, "group": pp.group,
-                                 "atoms": pp.n_atoms, "rank": pp.rank} for pp in plan.projections]},
+        "ranks": {
+            "kind": ranks_kind,
+            "rows": rank_rows,
+            "per_layer": [
+                {
+                    "layer": pp.layer,
+                    "projection": pp.projection,
+                    "mode": pp.mode,
+                    "group": pp.group,
+                    "atoms": pp.n_atoms,
+                    "rank": pp.rank,
+                }
+                for pp in plan.projections
+            ],
+        },
         "alternatives": [],
         "notes": notes,
     }
@@ -552,7 +682,14 @@ def plan_from_config(config, ratio: float, settings: CompressionSettings, layout
     result["status_legend"] = {k: v for k, v in STATUS_LEGEND.items() if k in result["status"].values()}
     if reason is not None and method in ("masa", "masa-paper"):
         result["alternatives"] = _alternatives(
-            method, ratio, before, geometry, n_layers, biases, (settings.groups, settings.bases, settings.end_boundaries)
+            method,
+            ratio,
+            before,
+            geometry,
+            n_layers,
+            biases,
+            (settings.groups, settings.bases, settings.end_boundaries),
+            settings.singletons == "compress",
         )
     return result
 
@@ -594,7 +731,9 @@ def read_model_config(source) -> tuple[object, str]:
     from compressor.models import check_architecture
 
     if source.kind == "compressed":
-        raise UserError(f"'{source.spec}' is already a masa-compress checkpoint: run `masa-compress show {source.spec}`")
+        raise UserError(
+            f"'{source.spec}' is already a masa-compress checkpoint: run `masa-compress show {source.spec}`"
+        )
     kwargs: dict = {}
     location = source.location
     where = location
@@ -619,7 +758,9 @@ def read_model_config(source) -> tuple[object, str]:
                 f"could not fetch the config of '{location}' from the Hugging Face hub (no network, gated model, "
                 "or wrong id): download it elsewhere and pass the local directory"
             ) from err
-        raise UserError(f"could not read the model config in '{location}': {str(err).splitlines()[0]}") from err
+        raise UserError(
+            f"could not read the model config in '{location}': {str(err).splitlines()[0]}"
+        ) from err
     check_architecture(config, source.spec)
     return config, where
 
@@ -632,27 +773,42 @@ def plan_compression(model: str, ratio: float, options: PlanOptions | None = Non
 
     options = options or PlanOptions()
     if not 0.0 < ratio < 1.0:
-        raise UserError(f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed")
+        raise UserError(
+            f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
+        )
     recipe = load_recipe_file(options.recipe_file) if options.recipe_file else None
     source = resolve_model(model, recipe)
     recipe = recipe or source.recipe
     groups = options.groups
     if options.layout:
         if groups is not None and groups != len(options.layout):
-            raise UserError(f"--groups {groups} disagrees with --layout ({len(options.layout)} groups): pass one of them")
+            raise UserError(
+                f"--groups {groups} disagrees with --layout ({len(options.layout)} groups): pass one of them"
+            )
         groups = len(options.layout)
     _, _, settings = resolve_run_settings(
         CompressOptions(
-            ratio=ratio, method=options.method, groups=groups, bases=options.bases,
-            largest_group_bases=options.largest_group_bases, end_boundaries=options.end_boundaries,
+            ratio=ratio,
+            method=options.method,
+            groups=groups,
+            bases=options.bases,
+            largest_group_bases=options.largest_group_bases,
+            end_boundaries=options.end_boundaries,
             allocation=options.allocation,
         ),
         recipe,
     )
+    if options.singletons is not None:
+        settings = _with(settings, singletons=options.singletons)
     config, where = read_model_config(source)
     result = plan_from_config(config, ratio, settings, options.layout)
-    return {"model": source.describe(), "recipe": recipe.name if recipe else None, "config_source": where,
-            "settings": settings.model_dump(), **result}
+    return {
+        "model": source.describe(),
+        "recipe": recipe.name if recipe else None,
+        "config_source": where,
+        "settings": settings.model_dump(),
+        **result,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -673,7 +829,9 @@ def describe_checkpoint(path: str) -> dict:
     settings = meta.get("settings") or {}
     by_layer: dict[int, dict] = {}
     for spec in layout.get("projections", []):
-        row = by_layer.setdefault(spec["layer"], {"layer": spec["layer"], "mode": spec["mode"], "group": spec.get("group")})
+        row = by_layer.setdefault(
+            spec["layer"], {"layer": spec["layer"], "mode": spec["mode"], "group": spec.get("group")}
+        )
         row[spec["projection"]] = spec.get("rank")
         row[f"{spec['projection']}_atoms"] = spec.get("n_atoms", 0)
     files = config.get("files") or {}

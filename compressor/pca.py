@@ -125,7 +125,9 @@ def whitened_matrix_pca(
     return atoms.contiguous(), coeffs, eigenvalues
 
 
-def refit_coefficients(weights: torch.Tensor, atoms: torch.Tensor, autocorrs: list[torch.Tensor]) -> torch.Tensor:
+def refit_coefficients(
+    weights: torch.Tensor, atoms: torch.Tensor, autocorrs: list[torch.Tensor]
+) -> torch.Tensor:
     """Per-layer coefficients that minimize each layer's own output error, in closed form.
 
     For layer `l` with input autocorrelation `C_l`, `min_c tr((W_l − Σ c_s D_s) C_l (…)ᵀ)` has the normal

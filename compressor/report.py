@@ -49,17 +49,23 @@ def format_groups(groups: Sequence[Sequence[int]]) -> str:
     return " ".join(group_label(g) for g in groups)
 
 
-def atoms_per_group(groups: Sequence[Sequence[int]], bases: int, largest_group_bases: int | None) -> list[int]:
+def atoms_per_group(
+    groups: Sequence[Sequence[int]], bases: int, largest_group_bases: int | None
+) -> list[int]:
     """The atoms each group gets, by the rule of `plan.shared_plan`: singletons none (kept whole), the
     largest group (earliest on ties) `largest_group_bases` when set, the others `bases`."""
     largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
     return [
-        0 if len(layers) == 1 else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
+        0
+        if len(layers) == 1
+        else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
         for g, layers in enumerate(groups)
     ]
 
 
-def energy_record(group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int) -> dict:
+def energy_record(
+    group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int
+) -> dict:
     """One group's Matrix PCA energy for one projection type (the keys of the pipeline's `atom_energy`,
     plus the layer range, the cumulative curve for 1..8 atoms and the total energy `Σ_l ‖W_l‖_F²`)."""
     n_curve = min(len(layers), ENERGY_CURVE_MAX_ATOMS)
@@ -120,8 +126,13 @@ def _draw_kl(ax, kl: Sequence[float], boundaries: Sequence[int], groups: Sequenc
         color = SINGLETON_COLOR if len(layers) == 1 else GROUP_COLORS[g % 2]
         ax.axvspan(layers[0] - 0.5, layers[-1] + 0.5, color=color, alpha=0.5, lw=0)
         ax.text(
-            (layers[0] + layers[-1]) / 2, 0.97, f"{layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–{layers[-1]}",
-            transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+            (layers[0] + layers[-1]) / 2,
+            0.97,
+            f"{layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–{layers[-1]}",
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=8,
         )
     ax.plot(x, kl, "-o", color="#333333", ms=3.5, lw=1.2, label="KL(p_l ‖ p_{l+1})")
     for i, t in enumerate(boundaries):
@@ -139,8 +150,10 @@ def _draw_kl(ax, kl: Sequence[float], boundaries: Sequence[int], groups: Sequenc
     handles, labels = ax.get_legend_handles_labels()
     from matplotlib.patches import Patch
 
-    handles.append(Patch(color=SINGLETON_COLOR, alpha=0.5, label="singleton (kept whole)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.88), fontsize=8, ncol=3, framealpha=0.9)
+    handles.append(Patch(color=SINGLETON_COLOR, alpha=0.5, label="singleton group (no atoms)"))
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.88), fontsize=8, ncol=3, framealpha=0.9
+    )
 
 
 def plot_grouping(
@@ -170,15 +183,19 @@ def plot_grouping(
     for row, (_, row_groups) in enumerate(group_maps):
         for g, layers in enumerate(row_groups):
             color = SINGLETON_COLOR if len(layers) == 1 else GROUP_COLORS[g % 2]
-            ax_map.broken_barh([(layers[0] - 0.5, len(layers))], (row - 0.4, 0.8), facecolors=color, edgecolor="white")
+            ax_map.broken_barh(
+                [(layers[0] - 0.5, len(layers))], (row - 0.4, 0.8), facecolors=color, edgecolor="white"
+            )
             if len(layers) >= max(2, n_layers // 15):
-                ax_map.text((layers[0] + layers[-1]) / 2, row, str(len(layers)), ha="center", va="center", fontsize=7)
+                ax_map.text(
+                    (layers[0] + layers[-1]) / 2, row, str(len(layers)), ha="center", va="center", fontsize=7
+                )
     ax_map.set_yticks(range(len(group_maps)), [f"G={n}" for n, _ in group_maps], fontsize=8)
     for label, (n, _) in zip(ax_map.get_yticklabels(), group_maps, strict=True):
         if n == highlight:
             label.set_fontweight("bold")
     ax_map.set_ylim(len(group_maps) - 0.5, -0.5)
-    ax_map.set_xlabel("layer (numbers: group sizes; red: singletons kept whole)")
+    ax_map.set_xlabel("layer (numbers: group sizes; red: singleton groups)")
     ax_map.set_title("groups for each G", fontsize=9)
     return _save(fig, path)
 
@@ -197,10 +214,14 @@ def _draw_energy_bars(ax, energy: Sequence[dict], groups: Sequence[Sequence[int]
     labels = []
     for g in shared:
         row = next(e for e in energy if e["group"] == g)
-        first, last = (groups[g][0], groups[g][-1]) if groups else (row.get("first_layer"), row.get("last_layer"))
+        first, last = (
+            (groups[g][0], groups[g][-1]) if groups else (row.get("first_layer"), row.get("last_layer"))
+        )
         span = f"layers {first}–{last}" if first is not None else f"{row['layers']} layers"
         labels.append(f"group {g}: {span}\n({row['layers']} layers, B={row['atoms']})")
     ax.set_xticks(range(len(shared)), labels, fontsize=8)
+    pad = max(0.0, (3 - len(shared)) / 2)  # a single group's bars stay as narrow as three groups' would
+    ax.set_xlim(-0.6 - pad, len(shared) - 0.4 + pad)
     top = max((100 * e["energy_captured"] for e in energy if e["atoms"] > 0), default=1.0)
     ax.set_ylim(0, min(105.0, top * 1.25 + 1))
     ax.set_ylabel("weight energy captured by the atoms (%)")
@@ -208,7 +229,9 @@ def _draw_energy_bars(ax, energy: Sequence[dict], groups: Sequence[Sequence[int]
     ax.legend(fontsize=8, ncol=4, loc="upper right")
 
 
-def plot_energy(path: Path, energy: Sequence[dict], title: str, groups: Sequence[Sequence[int]] | None = None) -> Path:
+def plot_energy(
+    path: Path, energy: Sequence[dict], title: str, groups: Sequence[Sequence[int]] | None = None
+) -> Path:
     """Bars: per shared group and projection type, the fraction of `Σ_l ‖W_l‖_F²` its B atoms capture."""
     fig = _figure(*RUN_FIGSIZE)
     ax = fig.add_subplot()
@@ -227,7 +250,14 @@ def plot_inspect_energy(path: Path, inspection: dict, title: str) -> Path:
     ns = [g["n_groups"] for g in inspection["groupings"]]
     for p in PROJECTIONS:
         pooled = [pooled_energy(g["energy"])[p] for g in inspection["groupings"]]
-        ax_g.plot(ns, [100 * v if v is not None else float("nan") for v in pooled], "-o", color=PROJECTION_COLORS[p], label=p, ms=4)
+        ax_g.plot(
+            ns,
+            [100 * v if v is not None else float("nan") for v in pooled],
+            "-o",
+            color=PROJECTION_COLORS[p],
+            label=p,
+            ms=4,
+        )
     ax_g.set_xticks(ns)
     ax_g.set_xlabel("number of groups G")
     ax_g.set_ylabel("energy captured, all shared layers (%)")
@@ -237,25 +267,47 @@ def plot_inspect_energy(path: Path, inspection: dict, title: str) -> Path:
     return _save(fig, path)
 
 
-def plot_ranks(path: Path, projections: Sequence[dict], title: str) -> Path:
-    """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded."""
+def plot_ranks(
+    path: Path, projections: Sequence[dict], title: str, initial: dict[str, int] | None = None
+) -> Path:
+    """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded; with `initial`
+    (projection → Algorithm 1's starting rank) dotted lines show where the balancing started."""
     fig = _figure(*RUN_FIGSIZE)
     ax = fig.add_subplot()
     n_layers = 1 + max(pp["layer"] for pp in projections)
     dense = sorted({pp["layer"] for pp in projections if pp["mode"] == "dense"})
     for i, layer in enumerate(dense):
-        ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label="kept whole" if i == 0 else None)
+        label = "kept whole" if i == 0 else None
+        ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label=label)
     for p in PROJECTIONS:
-        rows = sorted((pp["layer"], pp["rank"]) for pp in projections if pp["projection"] == p and pp["mode"] != "dense")
-        if rows:
-            ax.plot([r[0] for r in rows], [r[1] or 0 for r in rows], "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
+        rows = sorted(
+            (pp["layer"], pp["rank"]) for pp in projections if pp["projection"] == p and pp["mode"] != "dense"
+        )
+        if not rows:
+            continue
+        xs, ys = [r[0] for r in rows], [r[1] or 0 for r in rows]
+        ax.plot(xs, ys, "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
+        if initial and p in initial:
+            ax.plot(xs, [initial[p]] * len(xs), ":", lw=1.2, color=PROJECTION_COLORS[p])
+    if initial:
+        ax.plot([], [], ":", color="#555555", label="initial (Algorithm 1)")
     ax.set_xlim(-0.5, n_layers - 0.5)
     ax.set_xlabel("layer")
     ax.set_ylabel("rank of the residual factors")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=5)
+    fig.legend(loc="outside right upper", fontsize=8)
     return _save(fig, path)
+
+
+def _initial_ranks(report: dict) -> dict[str, int] | None:
+    """Algorithm 1's starting rank per projection type (the same for every compressed layer)."""
+    splits = report.get("algorithm1") or []
+    initial: dict[str, int] = {}
+    for split in splits:
+        for p, r in zip(split["pair"], split["initial"], strict=True):
+            initial.setdefault(p, r)
+    return initial or None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -277,15 +329,26 @@ def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
         lens = grouping.get("logit_lens", "")
         paths.append(
             plot_grouping(
-                out_dir / "grouping.png", grouping["kl"], grouping["boundaries"], groups,
+                out_dir / "grouping.png",
+                grouping["kl"],
+                grouping["boundaries"],
+                groups,
                 f"{title} · logit lens {lens} · groups {format_groups(groups)}",
             )
         )
     if any(e.get("atoms", 0) > 0 for e in report.get("atom_energy") or []):
-        paths.append(plot_energy(out_dir / "energy.png", report["atom_energy"], f"{title} · energy captured per group", groups))
+        paths.append(
+            plot_energy(
+                out_dir / "energy.png", report["atom_energy"], f"{title} · energy captured per group", groups
+            )
+        )
     projections = (summary.get("plan") or {}).get("projections") or []
     if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in projections):
-        paths.append(plot_ranks(out_dir / "ranks.png", projections, f"{title} · residual ranks"))
+        paths.append(
+            plot_ranks(
+                out_dir / "ranks.png", projections, f"{title} · residual ranks", _initial_ranks(report)
+            )
+        )
     return paths
 
 
@@ -310,7 +373,11 @@ def kl_table(inspection: dict) -> Table:
 
 
 def groupings_table(inspection: dict) -> Table:
-    table = Table(title="Groups for each G (" + inspection["groupings"][0]["rule"].split(";")[0] + ")" if inspection["groupings"] else "Groups")
+    table = Table(
+        title="Groups for each G (" + inspection["groupings"][0]["rule"].split(";")[0] + ")"
+        if inspection["groupings"]
+        else "Groups"
+    )
     table.add_column("G", justify="right")
     table.add_column("boundaries (transitions)")
     table.add_column("groups")
@@ -318,14 +385,19 @@ def groupings_table(inspection: dict) -> Table:
     for g in inspection["groupings"]:
         mark = "*" if g["n_groups"] == inspection["highlight"] else ""
         table.add_row(
-            f"{g['n_groups']}{mark}", ", ".join(f"{t}→{t + 1}" for t in g["boundaries"]) or "—",
-            format_groups(g["groups"]), ", ".join(map(str, g["sizes"])),
+            f"{g['n_groups']}{mark}",
+            ", ".join(f"{t}→{t + 1}" for t in g["boundaries"]) or "—",
+            format_groups(g["groups"]),
+            ", ".join(map(str, g["sizes"])),
         )
     return table
 
 
 def energy_table(inspection: dict) -> Table:
-    table = Table(title="Weight energy captured by the atoms, per group and projection type (singletons kept whole)")
+    table = Table(
+        title="Weight energy captured by the atoms (plain Matrix PCA), per group and projection type"
+    )
+    singleton = "kept whole" if inspection.get("singletons", "keep") == "keep" else "low rank"
     table.add_column("G", justify="right")
     table.add_column("group")
     table.add_column("layers", justify="right")
@@ -336,11 +408,16 @@ def energy_table(inspection: dict) -> Table:
         for index, layers in enumerate(g["groups"]):
             rows = {e["projection"]: e for e in g["energy"] if e["group"] == index}
             if not rows:
-                table.add_row(str(g["n_groups"]), group_label(layers), "1", "—", *("kept whole",) * len(PROJECTIONS))
+                table.add_row(
+                    str(g["n_groups"]), group_label(layers), "1", "—", *(singleton,) * len(PROJECTIONS)
+                )
                 continue
             atoms = next(iter(rows.values()))["atoms"]
             table.add_row(
-                str(g["n_groups"]), group_label(layers), str(len(layers)), str(atoms),
+                str(g["n_groups"]),
+                group_label(layers),
+                str(len(layers)),
+                str(atoms),
                 *(_pct(rows[p]["energy_captured"]) for p in PROJECTIONS),
             )
         table.add_section()
@@ -367,23 +444,31 @@ def plan_tables(plan: dict) -> list:
 
     out: list = []
     geo = plan["geometry"]
-    out.append(Text.assemble(
-        ("Plan ", "bold"), f"{plan['model']} · method {plan['method']}"
-        + (f" (allocation {plan['allocation']})" if plan.get("allocation") else "")
-        + f" · remove {plan['ratio_requested']:g} of the attention parameters",
-    ))
-    out.append(Text(
-        f"config: {plan['config_source']} · {plan['num_layers']} layers · hidden {geo['hidden_size']} · "
-        f"{geo['num_heads']} heads / {geo['num_kv_heads']} kv heads × {geo['head_dim']} · "
-        f"biases: {', '.join(plan['bias_projections']) or 'none'}"
-    ))
+    out.append(
+        Text.assemble(
+            ("Plan ", "bold"),
+            f"{plan['model']} · method {plan['method']}"
+            + (f" (allocation {plan['allocation']})" if plan.get("allocation") else "")
+            + f" · remove {plan['ratio_requested']:g} of the attention parameters",
+        )
+    )
+    out.append(
+        Text(
+            f"config: {plan['config_source']} · {plan['num_layers']} layers · hidden {geo['hidden_size']} · "
+            f"{geo['num_heads']} heads / {geo['num_kv_heads']} kv heads × {geo['head_dim']} · "
+            f"biases: {', '.join(plan['bias_projections']) or 'none'}"
+        )
+    )
     groups = plan["groups"]
     if groups["layers"]:
-        out.append(Text.assemble(
-            ("Groups ", "bold"), (f"({groups['source']}) ", "yellow" if groups["source"] == "assumed" else "green"),
-            f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))} · "
-            f"atoms per group {', '.join(map(str, groups['atoms']))}",
-        ))
+        out.append(
+            Text.assemble(
+                ("Groups ", "bold"),
+                (f"({groups['source']}) ", "yellow" if groups["source"] == "assumed" else "green"),
+                f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))} · "
+                f"atoms per group {', '.join(map(str, groups['atoms']))}",
+            )
+        )
         out.append(Text(f"  {groups['rule']}", style="dim"))
     table = Table(title="Parameter budget (exact counts)")
     table.add_column("quantity")
@@ -393,22 +478,34 @@ def plan_tables(plan: dict) -> list:
         if key in plan and plan[key] is not None:
             table.add_row(label, f"{plan[key]:,}", plan["status"].get(key, ""))
     if plan.get("achieved_ratio") is not None:
-        table.add_row("attention ratio removed", f"{plan['achieved_ratio']:.4f}", plan["status"].get("achieved_ratio", ""))
-    table.add_row("largest feasible ratio with these groups/atoms", f"{plan['max_ratio']:.4f}", plan["status"].get("max_ratio", ""))
+        table.add_row(
+            "attention ratio removed",
+            f"{plan['achieved_ratio']:.4f}",
+            plan["status"].get("achieved_ratio", ""),
+        )
+    table.add_row(
+        "largest feasible ratio with these groups/atoms",
+        f"{plan['max_ratio']:.4f}",
+        plan["status"].get("max_ratio", ""),
+    )
     out.append(table)
     ranks = plan["ranks"]
     if ranks["rows"]:
         rt = Table(title=f"Ranks per layer: {ranks['kind']}")
         rt.add_column("layers")
         rt.add_column("mode")
+        rt.add_column("B", justify="right")
         for p in PROJECTIONS:
-            rt.add_column(p, justify="right")
-        rt.add_column("pair budgets (q,k) / (o,v)", justify="right")
+            rt.add_column(p.removesuffix("_proj"), justify="right")
+        rt.add_column("pair budgets qk / ov", justify="right", no_wrap=True)
         for row in ranks["rows"]:
-            cells = [("whole" if row["mode"] == "dense" else "—" if row[p] is None else str(row[p])) for p in PROJECTIONS]
+            dense = row["mode"] == "dense"
             budgets = row.get("pair_budgets")
             rt.add_row(
-                group_label(row["layers"]), row["mode"], *cells,
+                group_label(row["layers"]),
+                "kept whole" if dense else row["mode"],
+                str(row["atoms"]) if row["mode"] == "shared" else "",
+                *("" if dense else "—" if row[p] is None else str(row[p]) for p in PROJECTIONS),
                 f"{budgets[0]:,} / {budgets[1]:,}" if budgets else "",
             )
         out.append(rt)
@@ -421,11 +518,13 @@ def plan_tables(plan: dict) -> list:
     )
     out.append(verdict)
     for alt in plan.get("alternatives") or []:
-        out.append(Text(
-            f"  fits: --groups {alt['groups']} --bases {alt['bases']} "
-            f"{'--end-boundaries' if alt['end_boundaries'] else '--no-end-boundaries'} "
-            f"(removes up to {alt['max_ratio']:.3f}; assumed groups {format_groups(alt['layers'])})"
-        ))
+        out.append(
+            Text(
+                f"  fits: --groups {alt['groups']} --bases {alt['bases']} "
+                f"{'--end-boundaries' if alt['end_boundaries'] else '--no-end-boundaries'} "
+                f"(removes up to {alt['max_ratio']:.3f}; assumed groups {format_groups(alt['layers'])})"
+            )
+        )
     for note in plan.get("notes") or []:
         out.append(Text(f"• {note}", style="dim"))
     return out

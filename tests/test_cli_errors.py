@@ -43,47 +43,61 @@ def _existing_dir(tmp: Path) -> str:
     return str(tmp / "exists")
 
 
+def _full_disk(tmp: Path, monkeypatch) -> str:
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**6, 10**6))
+    return str(tmp / "ckpt")
+
+
 # (description, argv builder, expected substring of the one-line error)
 CASES = [
-    ("unknown model alias", lambda t: ["smollm9-1t"], "unknown model 'smollm9-1t'"),
-    ("missing model path", lambda t: ["eval", "./no/such/model"], "does not exist"),
-    ("unsupported architecture", lambda t: ["eval", _gpt2_dir(t)], "unsupported architecture"),
-    ("ratio of 0", lambda t: ["smollm2-135m", "--ratio", "0"], "outside (0, 1)"),
-    ("ratio of 1.5", lambda t: ["smollm2-135m", "--ratio", "1.5"], "outside (0, 1)"),
-    ("unknown method", lambda t: ["smollm2-135m", "--method", "magic"], "unknown --method 'magic'"),
-    ("empty evaluation text", lambda t: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
+    ("unknown model alias", lambda t, mp: ["smollm9-1t"], "unknown model 'smollm9-1t'"),
+    ("missing model path", lambda t, mp: ["eval", "./no/such/model"], "does not exist"),
+    ("unsupported architecture", lambda t, mp: ["eval", _gpt2_dir(t)], "unsupported architecture"),
+    ("ratio of 0", lambda t, mp: ["smollm2-135m", "--ratio", "0"], "outside (0, 1)"),
+    ("ratio of 1.5", lambda t, mp: ["smollm2-135m", "--ratio", "1.5"], "outside (0, 1)"),
+    ("unknown method", lambda t, mp: ["smollm2-135m", "--method", "magic"], "unknown --method 'magic'"),
+    ("empty evaluation text", lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
     (
         "evaluation text shorter than one window",
-        lambda t: ["eval", "smollm2-135m", "--text", _text_file(t, "Too short."), "--seq-len", "512"],
+        lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "Too short."), "--seq-len", "512"],
         "tokens",
     ),
     (
         "calibration text too short for the requested windows",
-        lambda t: ["smollm2-135m", "--calib", _text_file(t, "Hello world. " * 50), "--no-save", "--no-eval"],
+        lambda t, mp: ["smollm2-135m", "--calib", _text_file(t, "Hello world. " * 50), "--no-save", "--no-eval"],
         "tokens",
     ),
-    ("missing text file", lambda t: ["eval", "smollm2-135m", "--text", "./missing.txt"], "does not exist"),
+    ("missing text file", lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"], "does not exist"),
     (
         "unknown recipe key",
-        lambda t: ["smollm2-135m", "--recipe", _recipe_with_typo(t)],
+        lambda t, mp: ["smollm2-135m", "--recipe", _recipe_with_typo(t)],
         "unknown recipe key 'compression.group'",
     ),
-    ("missing recipe file", lambda t: ["smollm2-135m", "--recipe", "nope.yaml"], "does not exist"),
+    ("missing recipe file", lambda t, mp: ["smollm2-135m", "--recipe", "nope.yaml"], "does not exist"),
     (
         "output directory exists",
-        lambda t: ["smollm2-135m", "--out", _existing_dir(t)],
+        lambda t, mp: ["smollm2-135m", "--out", _existing_dir(t)],
         "already exists: pass --overwrite",
     ),
-    ("unknown device", lambda t: ["eval", "smollm2-135m", "--device", "tpu9"], "device"),
+    (
+        "not enough free disk for the checkpoint",
+        lambda t, mp: ["smollm2-135m", "--out", _full_disk(t, mp), "--no-eval"],
+        "not enough free disk",
+    ),
+    ("unknown device", lambda t, mp: ["eval", "smollm2-135m", "--device", "tpu9"], "device"),
     (
         "CUDA requested without a GPU",
-        lambda t: ["eval", "smollm2-135m", "--device", "cuda"],
+        lambda t, mp: ["eval", "smollm2-135m", "--device", "cuda"],
         "CUDA is not available",
     ),
-    ("unknown dtype", lambda t: ["eval", "smollm2-135m", "--dtype", "float8"], "unknown dtype"),
+    ("unknown dtype", lambda t, mp: ["eval", "smollm2-135m", "--dtype", "float8"], "unknown dtype"),
     (
         "ratio the groups/atoms cannot meet",
-        lambda t: [
+        lambda t, mp: [
             "smollm2-135m",
             "--ratio",
             "0.95",
@@ -104,8 +118,8 @@ _seen: list[tuple[str, str, str]] = []
 
 
 @pytest.mark.parametrize(("description", "build", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_a_one_line_error(description, build, expected, tmp_path, capsys):
-    argv = build(tmp_path)
+def test_bad_input_is_a_one_line_error(description, build, expected, tmp_path, capsys, monkeypatch):
+    argv = build(tmp_path, monkeypatch)
     capsys.readouterr()  # drop what building the fixture printed
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -1,0 +1,449 @@
+"""Render BENCHMARKS.md and its PNG plots from `benchmarks/results.json` (no measurement here).
+
+`python -m benchmarks.report [--results benchmarks/results.json] [--doc BENCHMARKS.md]` re-renders after
+an edit of the template below, without running anything again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Acceptance targets (issues 4 and 7): key in results.json -> (bound, what it bounds).
+TARGETS = {
+    "compress_over_forward": (5.0, "compression time / one plain forward pass over the calibration tokens"),
+    "depth_memory_ratio": (1.2, "peak RSS of the compression run at 2x depth / at 1x depth"),
+    "prefill_latency_ratio": (1.15, "prefill latency, reloaded compressed checkpoint / original"),
+}
+PLOTS = {
+    "quality": "quality.png",
+    "stages": "compression_stages.png",
+    "latency": "latency.png",
+    "scaling": "scaling.png",
+}
+STAGE_LABELS = {
+    "calibration": "calibration capture",
+    "grouping": "grouping (logit-lens KL)",
+    "pca": "Matrix PCA",
+    "residual_svd": "residual SVDs + allocation",
+    "save": "writing the checkpoint",
+}
+METHOD_STYLE = {
+    "masa": ("tab:blue", "o"),
+    "svd-llm": ("tab:orange", "s"),
+    "svd": ("tab:green", "^"),
+    "shared-mean": ("tab:red", "D"),
+}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_quality(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(row["method"] for row in results["quality"]))
+    for i, method in enumerate(methods):
+        rows = sorted((r for r in results["quality"] if r["method"] == method), key=lambda r: r["ratio"])
+        color, marker = METHOD_STYLE.get(method, (f"C{i + 4}", "o"))
+        ax.plot(
+            [100 * (1 - r["achieved_ratio"]) for r in rows],
+            [r["ppl"] for r in rows],
+            marker=marker,
+            color=color,
+            label=method,
+        )
+    ax.axhline(results["original_ppl"], color="black", linestyle="--", linewidth=1, label="original")
+    ax.set_yscale("log")
+    ax.set_xlabel("attention parameters kept (%)")
+    ax.set_ylabel("perplexity (held-out text, log scale)")
+    evaluation = results.get("quality_details", {}).get("evaluation", {})
+    ax.set_title(f"Perplexity vs size ({evaluation.get('tokens', '?')} evaluation tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_stages(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    compression = results["compression"]
+    stages = [(STAGE_LABELS[k], v) for k, v in compression["stage_seconds"].items()]
+    labels = [s for s, _ in stages] + ["one plain forward pass\n(same calibration tokens)"]
+    values = [v for _, v in stages] + [compression["forward_seconds"]]
+    colors = ["tab:blue"] * len(stages) + ["tab:gray"]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bars = ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    for bar, value in zip(bars, values[::-1], strict=True):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.1f} s", va="center")
+    ax.set_xlabel("seconds")
+    ax.set_xlim(0, max(values) * 1.25)
+    ax.set_title(
+        f"Compression run (masa, ratio {compression['ratio']:g}): "
+        f"{compression['compress_seconds']:.0f} s = {results['compress_over_forward']:.2f}x one forward pass"
+    )
+    ax.title.set_fontsize(10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    latency = results["latency"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    panels = [
+        ("prefill_ms", f"prefill of {latency['prefill_tokens']} tokens (ms)", results["prefill_latency_ratio"]),
+        ("decode_ms_per_token", f"decode, per token ({latency['decode_tokens']} tokens, ms)", None),
+    ]
+    for ax, (key, title, _) in zip(axes, panels, strict=True):
+        values = [latency["original"][key], latency["compressed"][key]]
+        bars = ax.bar(["original", "compressed"], values, color=["tab:gray", "tab:blue"])
+        for bar, value in zip(bars, values, strict=True):
+            ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
+        ratio = values[1] / values[0]
+        ax.set_title(f"{title}\nratio {ratio:.2f}x", fontsize=10)
+        ax.set_ylim(0, max(values) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scaling(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    runs = results["scaling"]["runs"]
+    labels = [f"{r['layers']} layers" for r in runs]
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(8, 3.8))
+    loaded = [r["rss_after_model_gib"] for r in runs]
+    overhead = [r["overhead_gib"] for r in runs]
+    mem.bar(labels, loaded, color="tab:gray", label="RSS with the model loaded")
+    mem.bar(labels, overhead, bottom=loaded, color="tab:blue", label="added by the compression run")
+    for i, r in enumerate(runs):
+        mem.text(i, r["peak_rss_gib"], f"{r['peak_rss_gib']:.2f}", ha="center", va="bottom")
+    mem.set_ylabel("peak RSS (GiB)")
+    mem.set_ylim(0, max(r["peak_rss_gib"] for r in runs) * 1.25)
+    mem.set_title(f"peak memory: x{results['scaling']['peak_ratio']:.2f}", fontsize=10)
+    mem.legend(fontsize=8, loc="lower right")
+    bottom = [0.0] * len(runs)
+    for stage, color in (("calibration", "tab:blue"), ("compress", "tab:orange"), ("save", "tab:green")):
+        values = [r["seconds"][stage] for r in runs]
+        tim.bar(labels, values, bottom=bottom, color=color, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    tim.set_ylabel("seconds")
+    tim.set_title(f"compression time: x{results['scaling']['time_ratio']:.2f}", fontsize=10)
+    tim.legend(fontsize=8)
+    fig.suptitle("Random models of the bundled width, 1x and 2x the layers", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: plot_dir / file for name, file in PLOTS.items()}
+    plot_quality(results, paths["quality"])
+    plot_stages(results, paths["stages"])
+    plot_latency(results, paths["latency"])
+    plot_scaling(results, paths["scaling"])
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _f(value, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _verdict(key: str, results: dict) -> str:
+    bound, _ = TARGETS[key]
+    return "met" if results[key] <= bound else "**missed**"
+
+
+def _summary(results: dict) -> list[str]:
+    scaling = results["scaling"]
+    rows = [
+        "| measure | value | target | |",
+        "|---|---|---|---|",
+    ]
+    for key, (bound, what) in TARGETS.items():
+        rows.append(f"| {what} (`{key}`) | {results[key]:.3f}x | ≤ {bound:g}x | {_verdict(key, results)} |")
+    rows += [
+        f"| compression *overhead* at 2x depth / at 1x depth: peak RSS minus RSS with the model loaded "
+        f"(`depth_memory_overhead_ratio`) | {results['depth_memory_overhead_ratio']:.3f}x | (information) | |",
+        f"| compression time at 2x depth / at 1x depth (`depth_time_ratio`) | {scaling['time_ratio']:.3f}x "
+        "| (information) | |",
+        f"| decode latency, compressed / original (`decode_latency_ratio`) | "
+        f"{results['decode_latency_ratio']:.3f}x | (information) | |",
+    ]
+    return rows
+
+
+def _quality_section(results: dict, rel) -> list[str]:
+    details = results.get("quality_details", {})
+    cal, ev = details.get("calibration", {}), details.get("evaluation", {})
+    rows = results["quality"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ratios = sorted({r["ratio"] for r in rows})
+    cell = {(r["method"], r["ratio"]): r for r in rows}
+    lines = [
+        "## 1. Quality at equal size",
+        "",
+        f"Model: {details.get('model', '?')}. Calibration: {cal.get('samples', '?')} windows × "
+        f"{cal.get('seq_len', '?')} tokens of {cal.get('text', '?')} (seed {cal.get('seed', '?')}), "
+        f"collected **once** on the original model and reused by every method and ratio. Evaluation: "
+        f"{ev.get('tokens', '?')} predicted tokens of held-out {ev.get('text', '?')} text in non-overlapping "
+        f"windows of {ev.get('seq_len', '?')} tokens (`eval_max_tokens` {ev.get('max_tokens', '?')}), the same "
+        "windows for every model. `ratio` is the fraction of attention parameters removed; each cell is the "
+        "perplexity (lower is better), with the exactly counted achieved ratio below it.",
+        "",
+        f"Original model: perplexity **{results['original_ppl']:.3f}**.",
+        "",
+        "| method | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
+        "|---|" + "---|" * len(ratios),
+    ]
+    for method in methods:
+        cells = []
+        for ratio in ratios:
+            row = cell.get((method, ratio))
+            cells.append("—" if row is None else f"{row['ppl']:.3f} ({row['achieved_ratio']:.3f})")
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    best = {ratio: min((r for r in rows if r["ratio"] == ratio), key=lambda r: r["ppl"]) for ratio in ratios}
+    lines += [
+        "",
+        "Best per ratio: " + ", ".join(f"{r:g} → `{b['method']}` ({b['ppl']:.3f})" for r, b in best.items()) + ".",
+        "",
+        f"![perplexity vs attention parameters kept]({rel('quality')})",
+        "",
+    ]
+    return lines
+
+
+def _compression_section(results: dict, rel) -> list[str]:
+    c = results["compression"]
+    total = c["compress_seconds"]
+    lines = [
+        "## 2. The compression run: time and memory per stage",
+        "",
+        f"One real run in a fresh process: `{c['command']}` (method masa, recipe defaults, "
+        f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation). "
+        f"Stage times from the run's own summary (`seconds`); peak RSS is the process's `ru_maxrss`.",
+        "",
+        "| stage | seconds | share |",
+        "|---|---|---|",
+    ]
+    for key, value in c["stage_seconds"].items():
+        lines.append(f"| {STAGE_LABELS.get(key, key)} | {value:.1f} | {100 * value / total:.0f}% |")
+    lines += [
+        f"| **compression (sum of the stages above)** | **{total:.1f}** | 100% |",
+        f"| *not counted:* loading the model | {c['load_seconds']:.1f} | |",
+        f"| *not counted:* reading and tokenizing the calibration text, setup | {c['other_seconds']:.1f} | |",
+        f"| reference: one plain forward pass over the same {c['forward']['windows']}×{c['forward']['seq_len']} "
+        f"tokens (batch {c['forward']['batch_size']}, no hooks, fresh process) | {c['forward_seconds']:.1f} | |",
+        "",
+        f"- **Compression time / one plain forward pass: {results['compress_over_forward']:.2f}x** "
+        f"(target ≤ 5x: {_verdict('compress_over_forward', results)}); counting the whole process except "
+        f"loading the model: {c['compress_over_forward_wall']:.2f}x.",
+        f"- The largest stage is {STAGE_LABELS.get(c['dominant_stage'], c['dominant_stage'])} "
+        f"({100 * c['stage_seconds'][c['dominant_stage']] / total:.0f}%); calibration capture costs "
+        f"{c['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x the plain forward pass "
+        "(the hooks add the fp64 autocorrelations).",
+        f"- Peak RSS of the run: **{c['peak_rss_gib']:.2f} GiB**; achieved ratio {c['achieved_ratio']:.4f}; "
+        f"checkpoint {c['checkpoint_mib']:.1f} MiB.",
+        "",
+        f"![time per stage]({rel('stages')})",
+        "",
+    ]
+    return lines
+
+
+def _latency_section(results: dict, rel) -> list[str]:
+    lat = results["latency"]
+    o, k = lat["original"], lat["compressed"]
+    mem = results.get("inference_memory", {})
+    mo, mk = mem.get("original", {}), mem.get("compressed", {})
+
+    def row(label, a, b, digits=1):
+        ratio = "—" if not a or b is None else f"{b / a:.3f}x"
+        return f"| {label} | {_f(a, digits)} | {_f(b, digits)} | {ratio} |"
+
+    lines = [
+        "## 3. Inference: the reloaded compressed checkpoint vs the original",
+        "",
+        f"The checkpoint written in section 2 is reloaded with `load_compressed`; both models run in one "
+        f"process ({lat['torch_threads']} torch threads, the default), measured alternately. Prefill: the "
+        f"first {lat['prefill_tokens']} tokens of the held-out text with a KV cache and last-token logits, as "
+        f"`generate` does (median of {lat['repeats']} runs after a warm-up). Decode: {lat['decode_tokens']} "
+        f"greedy single-token steps with the KV cache after that prefill (median of {lat['repeats']} runs). "
+        "Memory: each model alone in a fresh process (load, one prefill, one decode).",
+        "",
+        "| | original | compressed | ratio |",
+        "|---|---|---|---|",
+        row(f"prefill of {lat['prefill_tokens']} tokens (ms)", o["prefill_ms"], k["prefill_ms"]),
+        row("… of which inside q/k/v/o projections (ms)", o["prefill_projection_ms"], k["prefill_projection_ms"]),
+        row(f"decode of {lat['decode_tokens']} tokens (ms)", o["decode_ms"], k["decode_ms"]),
+        row("decode per token (ms)", o["decode_ms_per_token"], k["decode_ms_per_token"], 2),
+        row("parameters (millions, shared tensors once)", o["params"] / 1e6, k["params"] / 1e6, 2),
+        row("parameter memory (MiB)", o["param_gib"] * 1024, k["param_gib"] * 1024),
+        row("weights on disk (MiB, safetensors)", mem.get("original_file_mib"), mem.get("compressed_file_mib")),
+        row("RSS after loading (MiB)", _mib(mo, "rss_after_load_gib"), _mib(mk, "rss_after_load_gib")),
+        row("peak RSS over load + prefill + decode (MiB)", _mib(mo, "peak_rss_gib"), _mib(mk, "peak_rss_gib")),
+        "",
+        f"- **Prefill ratio {results['prefill_latency_ratio']:.3f}x** (target ≤ 1.15x: "
+        f"{_verdict('prefill_latency_ratio', results)}); **decode ratio {results['decode_latency_ratio']:.3f}x**.",
+        f"- Greedy decoding: {lat['decoded_tokens_equal_to_original']} of the {lat['decode_tokens']} tokens "
+        "equal the original model's (the models differ by design; shown for orientation).",
+    ]
+    extra = k["prefill_ms"] - o["prefill_ms"]
+    extra_proj = k["prefill_projection_ms"] - o["prefill_projection_ms"]
+    if results["prefill_latency_ratio"] > TARGETS["prefill_latency_ratio"][0] and extra > 0:
+        lines.append(
+            f"- What dominates the extra {extra:.1f} ms of prefill: {extra_proj:.1f} ms of it are spent inside "
+            "the compressed projections (shared atoms combined with the residual factors per layer), the rest "
+            f"({extra - extra_proj:.1f} ms) elsewhere (module overhead, noise)."
+        )
+    lines += ["", f"![latency]({rel('latency')})", ""]
+    return lines
+
+
+def _mib(d: dict, key: str):
+    return None if key not in d else d[key] * 1024
+
+
+def _scaling_section(results: dict, rel) -> list[str]:
+    s = results["scaling"]
+    runs = s["runs"]
+    width = runs[0]["width"]
+    cal = runs[0]["calibration"]
+    lines = [
+        "## 4. Scaling with depth",
+        "",
+        f"Random Llama models of the bundled width (hidden {width['hidden_size']}, "
+        f"{width['num_attention_heads']} heads, {width['num_key_value_heads']} KV heads, MLP "
+        f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings) with "
+        + " and ".join(str(r["layers"]) for r in runs)
+        + f" layers; the same {cal['samples']}×{cal['seq_len']} random calibration tokens; the real "
+        f"`collect_statistics` + `compress_model` (masa, ratio {runs[0]['ratio']:g}) + `save_compressed`, "
+        "each depth in a fresh process. *Peak RSS* is the process's `ru_maxrss`; *with the model loaded* is "
+        "its RSS once the model is built (Python, torch and the weights); *overhead* is the difference, "
+        "what the compression run adds on top of the model.",
+        "",
+        "| layers | parameters (M) | weights (MiB) | autocorrelation stats (MiB) | RSS with the model "
+        "loaded (MiB) | peak RSS (MiB) | overhead (MiB) | compression time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['layers']} | {r['model_params'] / 1e6:.1f} | {r['model_gib'] * 1024:.0f} | "
+            f"{r['stats_gib'] * 1024:.0f} | {r['rss_after_model_gib'] * 1024:.0f} | "
+            f"{r['peak_rss_gib'] * 1024:.0f} | {r['overhead_gib'] * 1024:.0f} | {r['compress_seconds']:.1f} |"
+        )
+    peak_stage = _peak_stage(runs[-1])
+    lines += [
+        "",
+        f"- **Raw peak RSS ratio ({s['depth_factor']:g}x depth): {s['peak_ratio']:.3f}x** (target ≤ 1.2x: "
+        f"{_verdict('depth_memory_ratio', results)}). The model itself grows {s['model_ratio']:.2f}x "
+        "(its weights are part of every peak).",
+        f"- **Compression overhead ratio (peak minus the loaded model): {s['overhead_ratio']:.3f}x**; the "
+        f"overhead at {runs[-1]['layers']} layers is {runs[-1]['overhead_gib'] * 1024:.0f} MiB, of which "
+        f"{runs[-1]['stats_gib'] * 1024:.0f} MiB are the per-layer fp64 autocorrelations (which grow with "
+        f"depth by definition: 2 matrices per layer). The peak is reached during: {peak_stage}.",
+        f"- Compression time ratio: {s['time_ratio']:.2f}x for {s['depth_factor']:g}x the layers.",
+        "",
+        f"![scaling]({rel('scaling')})",
+        "",
+    ]
+    return lines
+
+
+def _peak_stage(run: dict) -> str:
+    """The first stage after which the process had reached its final peak RSS."""
+    final = run["peak_rss_gib"]
+    for stage, peak in run["peak_gib_after"].items():
+        if peak >= final - 1e-9:
+            return stage
+    return "?"
+
+
+def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
+    def rel(name: str) -> str:
+        return Path(os.path.relpath(plots[name], doc.parent)).as_posix()
+
+    m = results["machine"]
+    load = m.get("load_average_start")
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{results['command']}` on {results['date']} in {results['wall_minutes']:.1f} minutes"
+        + (" (**quick mode**: reduced settings for CI, not for reading)" if results.get("quick") else "")
+        + ". Every number below comes from that one run, so the ratios compare like with like. Raw numbers: "
+        f"[`{Path(os.path.relpath(results['_results_path'], doc.parent)).as_posix()}`]"
+        f"({Path(os.path.relpath(results['_results_path'], doc.parent)).as_posix()}); "
+        "re-render this page from them with `python -m benchmarks.report`.",
+        "",
+        "**Machine:** "
+        f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['ram_gib']} GiB RAM, {m['os']}; "
+        f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads, the default"
+        + (f", set to {m['threads_requested']}" if m.get("threads_requested") else "")
+        + f"), transformers {m['transformers']}; device {m['device']}."
+        + (
+            f" Load average at the start: {load[0]:.2f} (1 min); at the end: {m['load_average_end'][0]:.2f}."
+            if load
+            else ""
+        ),
+        "",
+        "## Summary",
+        "",
+        *_summary(results),
+        "",
+        *_quality_section(results, rel),
+        *_compression_section(results, rel),
+        *_latency_section(results, rel),
+        *_scaling_section(results, rel),
+    ]
+    notes = results.get("notes") or []
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render(results: dict, results_path: Path, doc: Path, plot_dir: Path) -> list[Path]:
+    """Write the plots and the markdown page; return every file written."""
+    plots = write_plots(results, plot_dir)
+    text = render_markdown({**results, "_results_path": str(results_path)}, doc, plots)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return [doc, *plots.values()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results.json"))
+    parser.add_argument("--doc", default=str(REPO / "BENCHMARKS.md"))
+    parser.add_argument("--plot-dir", help="default: the folder of --results")
+    args = parser.parse_args(argv)
+    results_path = Path(args.results)
+    results = json.loads(results_path.read_text())
+    written = render(results, results_path, Path(args.doc), Path(args.plot_dir or results_path.parent))
+    for path in written:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""`make bench`: the project's benchmark, in one run so that its ratios compare like with like.
+
+Sections (all on the bundled SmolLM2-135M unless said otherwise):
+1. quality: perplexity at attention ratios 0.1-0.4 for masa, svd-llm, svd, shared-mean, with ONE calibration
+   and ONE evaluation (`benchmarks.quality.run_quality`);
+2. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
+   RSS, the checkpoint), and one plain forward pass over the same calibration tokens in another fresh
+   process: their ratio is `compress_over_forward`;
+3. latency: the checkpoint of (2) reloaded with `load_compressed` vs the original, prefill and decode, and
+   each model's memory in a fresh process;
+4. scaling: the compression run on random models of the bundled width with 1x and 2x the layers.
+
+Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/`) and the page --doc (default
+`BENCHMARKS.md`). `--quick` (CI) runs tiny settings into a temporary directory (never the committed files)
+and exits non-zero unless every number is finite and every file was written; the full run does the same
+checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.common import log, machine_info, non_finite, run_json_child
+from benchmarks.report import REPO, TARGETS, render
+from benchmarks.scaling import BUNDLED_WIDTH, NARROW_WIDTH, run_scaling
+
+MODEL = "smollm2-135m"
+SECTIONS = ("quality", "compression", "latency", "scaling")
+
+FULL = {
+    "methods": ["masa", "svd-llm", "svd", "shared-mean"],
+    "ratios": [0.1, 0.2, 0.3, 0.4],
+    "calib_samples": None,  # the recipe's: 64 windows
+    "seq_len": None,  # the recipe's: 512 tokens
+    "eval_seq_len": 512,
+    "eval_max_tokens": 20480,
+    "stage_ratio": 0.2,
+    "prefill_tokens": 512,
+    "decode_tokens": 64,
+    "latency_repeats": 7,
+    "scaling_width": BUNDLED_WIDTH,
+    "scaling_layers": [15, 30],
+    "scaling_samples": 64,
+    "scaling_seq_len": 512,
+}
+QUICK = {
+    "methods": ["masa", "svd"],
+    "ratios": [0.2],
+    "calib_samples": 4,
+    "seq_len": 128,
+    "eval_seq_len": 512,
+    "eval_max_tokens": 1024,
+    "stage_ratio": 0.2,
+    "prefill_tokens": 64,
+    "decode_tokens": 8,
+    "latency_repeats": 3,
+    "scaling_width": NARROW_WIDTH,
+    "scaling_layers": [4, 8],
+    "scaling_samples": 4,
+    "scaling_seq_len": 128,
+}
+REQUIRED_KEYS = (
+    "quality",
+    "original_ppl",
+    "compress_over_forward",
+    "depth_memory_ratio",
+    "prefill_latency_ratio",
+    "decode_latency_ratio",
+    "machine",
+    "date",
+    "command",
+)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def section_quality(s: dict) -> dict:
+    from benchmarks.quality import VARIANTS, run_quality
+
+    result = run_quality(
+        MODEL,
+        {name: VARIANTS[name] for name in s["methods"]},
+        s["ratios"],
+        calib_samples=s["calib_samples"],
+        seq_len=s["seq_len"],
+        eval_seq_len=s["eval_seq_len"],
+        eval_max_tokens=s["eval_max_tokens"],
+        progress=False,
+        log=log,
+    )
+    rows = [
+        {
+            "method": r["method"],
+            "ratio": r["ratio"],
+            "ppl": r["ppl"],
+            "achieved_ratio": r["achieved_ratio"],
+            "attention_params_after": r["attention_params_after"],
+            "compress_seconds": r["compress_seconds"],
+            "groups": r["groups"],
+        }
+        for r in result["quality"]
+    ]
+    first = rows[0]
+    details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
+    details["attention_params_before"] = round(first["attention_params_after"] / (1 - first["achieved_ratio"]))
+    details["peak_rss_gib"] = result["peak_rss_gb"]
+    return {"quality": rows, "original_ppl": result["original_ppl"], "quality_details": details}
+
+
+def section_compression(s: dict, checkpoint: Path) -> dict:
+    """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
+    one plain forward pass over the same calibration windows in another fresh process."""
+    args = ["-m", "compressor", MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval"]
+    args += ["--out", str(checkpoint), "--overwrite"]
+    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            args += [flag, str(s[key])]
+            forward_args += [flag, str(s[key])]
+    command = "masa-compress " + " ".join(args[2:]).replace(str(checkpoint), "<tmp>")
+    log(f"compression run: {command}")
+    summary = run_json_child(args, "the compression run")
+    seconds = summary["seconds"]
+    stages = {k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds}
+    compress_seconds = sum(stages.values())
+    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {summary['peak_rss_gb']:.2f} GiB")
+    log("plain forward pass over the same calibration windows (fresh process)")
+    forward = run_json_child(forward_args, "the plain forward pass")
+    calibration = summary["settings"]["calibration"]
+    if (forward["windows"], forward["seq_len"]) != (calibration["samples"], calibration["seq_len"]):
+        raise RuntimeError(f"the forward pass ran other windows than the compression run: {forward}")
+    from benchmarks.speed import checkpoint_bytes
+
+    return {
+        "compression": {
+            "command": command,
+            "ratio": s["stage_ratio"],
+            "achieved_ratio": summary["achieved_ratio"],
+            "calibration": {k: calibration[k] for k in ("samples", "seq_len", "seed", "text")},
+            "stage_seconds": stages,
+            "compress_seconds": compress_seconds,
+            "load_seconds": seconds.get("load", 0.0),
+            "other_seconds": seconds["total"] - seconds.get("load", 0.0) - compress_seconds,
+            "total_seconds": seconds["total"],
+            "peak_rss_gib": summary["peak_rss_gb"],
+            "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
+            "forward": forward,
+            "forward_seconds": forward["seconds"],
+            "compress_over_forward_wall": (seconds["total"] - seconds.get("load", 0.0)) / forward["seconds"],
+            "dominant_stage": max(stages, key=stages.get),
+            "summary_seconds": seconds,
+        },
+        "compress_over_forward": compress_seconds / forward["seconds"],
+    }
+
+
+def section_latency(s: dict, checkpoint: Path) -> dict:
+    from benchmarks.speed import checkpoint_bytes
+    from compressor.models import bundled_model_dir, resolve_model
+
+    log(f"latency: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens (fresh process)")
+    latency = run_json_child(
+        ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
+        + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
+        + ["--repeats", str(s["latency_repeats"])],
+        "the latency measurement",
+    )
+    log(f"  prefill ratio {latency['prefill_ratio']:.3f}, decode ratio {latency['decode_ratio']:.3f}")
+    memory = {}
+    for name, spec in (("original", MODEL), ("compressed", str(checkpoint))):
+        log(f"inference memory of the {name} model (fresh process)")
+        memory[name] = run_json_child(
+            ["-m", "benchmarks.speed", "memory", "--model", spec]
+            + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])],
+            f"the memory measurement ({name})",
+        )
+    memory["original_file_mib"] = checkpoint_bytes(bundled_model_dir(resolve_model(MODEL), False)) / 1024**2
+    memory["compressed_file_mib"] = checkpoint_bytes(checkpoint) / 1024**2
+    return {
+        "latency": latency,
+        "inference_memory": memory,
+        "prefill_latency_ratio": latency["prefill_ratio"],
+        "decode_latency_ratio": latency["decode_ratio"],
+    }
+
+
+def section_scaling(s: dict) -> dict:
+    scaling = run_scaling(
+        s["scaling_width"], s["scaling_layers"], s["scaling_samples"], s["scaling_seq_len"], s["stage_ratio"]
+    )
+    return {
+        "scaling": scaling,
+        "depth_memory_ratio": scaling["peak_ratio"],
+        "depth_memory_overhead_ratio": scaling["overhead_ratio"],
+        "depth_time_ratio": scaling["time_ratio"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def check(results: dict, files: list[Path]) -> list[str]:
+    """Everything wrong with a run: missing keys, non-finite numbers, missing or empty files."""
+    problems = [f"results.json has no '{k}'" for k in REQUIRED_KEYS if k not in results]
+    problems += [f"not finite: {p}" for p in non_finite(results)]
+    quality = results.get("quality") or []
+    if not quality:
+        problems.append("the quality table is empty")
+    for row in quality:
+        missing = {"method", "ratio", "ppl"} - set(row)
+        if missing:
+            problems.append(f"quality row without {sorted(missing)}: {row}")
+    for key in TARGETS:
+        if not isinstance(results.get(key), (int, float)) or results.get(key, 0) <= 0:
+            problems.append(f"{key} is not a positive number: {results.get(key)!r}")
+    problems += [f"file missing or empty: {f}" for f in files if not f.is_file() or f.stat().st_size == 0]
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _command(argv: list[str]) -> str:
+    return " ".join(["python -m benchmarks.run", *argv])
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny settings for CI, into a temporary directory")
+    parser.add_argument("--out-dir", help="results.json and plots (default: benchmarks/, or a temp dir with --quick)")
+    parser.add_argument("--doc", help="the markdown page (default: BENCHMARKS.md, or OUT_DIR/BENCHMARKS.md with --quick)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma-separated subset of " + ",".join(SECTIONS) + " (latency needs compression); a subset is "
+        "merged into the existing OUT_DIR/results.json",
+    )
+    parser.add_argument("--eval-max-tokens", type=int, help="override the evaluation size of the quality section")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's default, recorded)")
+    args = parser.parse_args(argv)
+
+    settings = dict(QUICK if args.quick else FULL)
+    if args.eval_max_tokens:
+        settings["eval_max_tokens"] = args.eval_max_tokens
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown or ("latency" in sections and "compression" not in sections):
+        parser.error(f"--sections: choose among {', '.join(SECTIONS)}; latency needs compression")
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.out_dir:
+        out_dir = Path(args.out_dir)
+    elif args.quick:
+        out_dir = Path(tempfile.mkdtemp(prefix="masa-bench-quick-"))
+    else:
+        out_dir = REPO / "benchmarks"
+    doc = Path(args.doc) if args.doc else (out_dir / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.json"
+
+    from compressor.models import _quiet_transformers
+
+    _quiet_transformers()
+    results: dict = {}
+    if set(sections) != set(SECTIONS):
+        if not results_path.is_file():
+            parser.error(f"--sections {args.sections}: no earlier {results_path} to merge into")
+        results = json.loads(results_path.read_text())
+    start = time.perf_counter()
+    machine = machine_info()
+    machine["load_average_start"] = _load_average()
+    if args.threads:
+        machine["threads_requested"] = args.threads
+    log(f"benchmark ({'quick' if args.quick else 'full'}) into {out_dir}, page {doc}; machine {machine}")
+    durations = dict(results.get("durations_seconds", {}))
+    work = Path(tempfile.mkdtemp(prefix="masa-bench-"))
+    checkpoint = work / "smollm2-135m-masa"
+    try:
+        for name in sections:
+            t = time.perf_counter()
+            log(f"== section {name}")
+            if name == "quality":
+                results.update(section_quality(settings))
+            elif name == "compression":
+                results.update(section_compression(settings, checkpoint))
+            elif name == "latency":
+                results.update(section_latency(settings, checkpoint))
+            else:
+                results.update(section_scaling(settings))
+            durations[name] = time.perf_counter() - t
+            log(f"== section {name} done in {durations[name] / 60:.1f} min")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    machine["load_average_end"] = _load_average()
+    results.update(
+        {
+            "command": _command(argv),
+            "make_target": "make bench-quick" if args.quick else "make bench",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine,
+            "quick": args.quick,
+            "settings": {**settings, "model": MODEL, "sections": sections},
+            "durations_seconds": durations,
+            "wall_minutes": sum(durations.values()) / 60,
+            "this_run_minutes": (time.perf_counter() - start) / 60,
+        }
+    )
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    files = [results_path, *render(results, results_path, doc, out_dir)]
+    problems = check(results, files)
+    log(f"wrote {', '.join(str(f) for f in files)}")
+    summary = {k: results.get(k) for k in ("original_ppl", *TARGETS, "depth_memory_overhead_ratio", "decode_latency_ratio")}
+    log(f"key numbers: {json.dumps(summary)}")
+    if problems:
+        for problem in problems:
+            log(f"CHECK FAILED: {problem}")
+        return 1
+    log(f"all numbers finite and all files written ({(time.perf_counter() - start) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Cached calibration statistics, so a second run with another ratio or method skips calibration.
+
+The cache key covers everything the statistics depend on: the model's weights (hashed), the
+calibration text (its fingerprint), the windows (samples, length, seed, BOS), the compute dtype and
+the tool version. A cached file is validated on load (key, shapes, finiteness, symmetry) and is
+recomputed, never trusted, when anything is off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from compressor import __version__
+from compressor.adapters import DecoderAdapter
+from compressor.calibration.cache import cache_dir
+from compressor.capture import CalibrationStats
+
+STATS_FORMAT = 1
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 over every parameter and buffer name, shape, dtype and bytes (the weights define the statistics)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def stats_key(model_hash: str, text_fingerprint: str, windows: torch.Tensor, dtype: torch.dtype) -> str:
+    spec = {
+        "format": STATS_FORMAT,
+        "tool_version": __version__,
+        "model": model_hash,
+        "text": text_fingerprint,
+        # The windows themselves (ids) capture samples, length, seed and BOS handling exactly.
+        "windows": hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest(),
+        "shape": list(windows.shape),
+        "dtype": str(dtype),
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def stats_path(key: str) -> Path:
+    return cache_dir() / "stats" / f"{key[:32]}.safetensors"
+
+
+def save_stats(stats: CalibrationStats, key: str) -> Path:
+    path = stats_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"block_output_means": stats.block_output_means.contiguous().cpu()}
+    for i, (a, o) in enumerate(zip(stats.attn_autocorr, stats.o_autocorr, strict=True)):
+        tensors[f"attn.{i}"] = a.contiguous().cpu()
+        tensors[f"o.{i}"] = o.contiguous().cpu()
+    metadata = {"key": key, "tokens": str(stats.tokens), "windows": str(stats.windows), "seconds": str(stats.seconds)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | None, str]:
+    """The cached statistics for `key`, or (None, why not) when absent or invalid."""
+    path = stats_path(key)
+    if not path.is_file():
+        return None, "no cached statistics"
+    try:
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("key") != key:
+                return None, f"{path.name} was written for other inputs"
+            n = adapter.num_layers
+            attn = [f.get_tensor(f"attn.{i}") for i in range(n)]
+            o = [f.get_tensor(f"o.{i}") for i in range(n)]
+            means = f.get_tensor("block_output_means")
+    except Exception as err:  # a truncated or foreign file: recompute rather than trust it
+        return None, f"{path.name} is unreadable ({type(err).__name__})"
+    g = adapter.geometry
+    q_out = g.shape("q_proj")[0]
+    for a, b in zip(attn, o, strict=True):
+        if a.shape != (g.hidden_size, g.hidden_size) or b.shape != (q_out, q_out):
+            return None, f"{path.name} has the wrong shapes"
+        if a.dtype != torch.float64 or not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            return None, f"{path.name} holds non-finite or non-fp64 statistics"
+        if not torch.equal(a, a.T) and (a - a.T).abs().max() > 1e-9 * a.abs().max():
+            return None, f"{path.name} holds non-symmetric autocorrelations"
+    stats = CalibrationStats(attn, o, means, int(metadata["tokens"]), int(metadata["windows"]), 0.0)
+    return stats, f"reused cached statistics {path}"

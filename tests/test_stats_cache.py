@@ -1,0 +1,51 @@
+"""Cached calibration statistics: reused only for the same model/text/windows, validated on load."""
+
+from __future__ import annotations
+
+import torch
+from conftest import random_windows, tiny_model
+
+from compressor.adapters import get_adapter
+from compressor.capture import collect_statistics
+from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key, stats_path
+
+
+def _setup(monkeypatch, tmp_path):
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    key = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32)
+    return model, adapter, windows, stats, key
+
+
+def test_round_trip_returns_identical_statistics(monkeypatch, tmp_path):
+    _, adapter, _, stats, key = _setup(monkeypatch, tmp_path)
+    save_stats(stats, key)
+    loaded, why = load_stats(key, adapter)
+    assert loaded is not None, why
+    for a, b in zip(stats.attn_autocorr + stats.o_autocorr, loaded.attn_autocorr + loaded.o_autocorr, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(stats.block_output_means, loaded.block_output_means)
+
+
+def test_key_changes_with_model_text_and_windows(monkeypatch, tmp_path):
+    model, _, windows, _, key = _setup(monkeypatch, tmp_path)
+    other_model = tiny_model("llama", seed=1)
+    assert stats_key(model_fingerprint(other_model), "text-sha", windows, torch.float32) != key
+    assert stats_key(model_fingerprint(model), "other-text", windows, torch.float32) != key
+    assert stats_key(model_fingerprint(model), "text-sha", random_windows(seed=1), torch.float32) != key
+
+
+def test_damaged_or_foreign_cache_files_are_not_trusted(monkeypatch, tmp_path):
+    _, adapter, _, stats, key = _setup(monkeypatch, tmp_path)
+    path = save_stats(stats, key)
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    loaded, why = load_stats(key, adapter)
+    assert loaded is None and "unreadable" in why
+    stats.attn_autocorr[0][0, 0] = float("nan")
+    save_stats(stats, key)
+    loaded, why = load_stats(key, adapter)
+    assert loaded is None and "non-finite" in why
+    assert stats_path(key).is_file()
