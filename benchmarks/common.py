@@ -84,7 +84,9 @@ def run_json_child(args: list[str], what: str, timeout: float | None = None) -> 
     prints last on stdout. Its stderr passes through. A failure raises with the child's exit status."""
     command = [sys.executable, *args]
     start = time.perf_counter()
-    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    proc = subprocess.run(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(command)}")
     lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]

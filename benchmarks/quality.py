@@ -72,7 +72,13 @@ def run_quality(
             settings = CompressionSettings(**{**recipe.compression.model_dump(), **overrides})
             start = time.perf_counter()
             outcome = compress_model(
-                model_copy, get_adapter(model_copy), stats, settings, ratio, progress=progress
+                model_copy,
+                get_adapter(model_copy),
+                stats,
+                settings,
+                ratio,
+                progress=progress,
+                windows=windows,
             )
             seconds = time.perf_counter() - start
             result = evaluate_perplexity(

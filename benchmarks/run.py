@@ -112,7 +112,9 @@ def section_quality(s: dict) -> dict:
     ]
     first = rows[0]
     details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
-    details["attention_params_before"] = round(first["attention_params_after"] / (1 - first["achieved_ratio"]))
+    details["attention_params_before"] = round(
+        first["attention_params_after"] / (1 - first["achieved_ratio"])
+    )
     details["peak_rss_gib"] = result["peak_rss_gb"]
     return {"quality": rows, "original_ppl": result["original_ppl"], "quality_details": details}
 
@@ -131,7 +133,9 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
     log(f"compression run: {command}")
     summary = run_json_child(args, "the compression run")
     seconds = summary["seconds"]
-    stages = {k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds}
+    stages = {
+        k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds
+    }
     compress_seconds = sum(stages.values())
     log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {summary['peak_rss_gb']:.2f} GiB")
     log("plain forward pass over the same calibration windows (fresh process)")
@@ -245,17 +249,27 @@ def _load_average() -> list[float] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny settings for CI, into a temporary directory")
-    parser.add_argument("--out-dir", help="results.json and plots (default: benchmarks/, or a temp dir with --quick)")
-    parser.add_argument("--doc", help="the markdown page (default: BENCHMARKS.md, or OUT_DIR/BENCHMARKS.md with --quick)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny settings for CI, into a temporary directory"
+    )
+    parser.add_argument(
+        "--out-dir", help="results.json and plots (default: benchmarks/, or a temp dir with --quick)"
+    )
+    parser.add_argument(
+        "--doc", help="the markdown page (default: BENCHMARKS.md, or OUT_DIR/BENCHMARKS.md with --quick)"
+    )
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
         help="comma-separated subset of " + ",".join(SECTIONS) + " (latency needs compression); a subset is "
         "merged into the existing OUT_DIR/results.json",
     )
-    parser.add_argument("--eval-max-tokens", type=int, help="override the evaluation size of the quality section")
+    parser.add_argument(
+        "--eval-max-tokens", type=int, help="override the evaluation size of the quality section"
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's default, recorded)")
     args = parser.parse_args(argv)
 
@@ -277,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(tempfile.mkdtemp(prefix="masa-bench-quick-"))
     else:
         out_dir = REPO / "benchmarks"
-    doc = Path(args.doc) if args.doc else (out_dir / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
+    doc = (
+        Path(args.doc) if args.doc else (out_dir / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"
 
@@ -296,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         machine["threads_requested"] = args.threads
     log(f"benchmark ({'quick' if args.quick else 'full'}) into {out_dir}, page {doc}; machine {machine}")
     durations = dict(results.get("durations_seconds", {}))
+    section_dates = dict(results.get("section_dates", {}))
     work = Path(tempfile.mkdtemp(prefix="masa-bench-"))
     checkpoint = work / "smollm2-135m-masa"
     try:
@@ -311,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results.update(section_scaling(settings))
             durations[name] = time.perf_counter() - t
+            section_dates[name] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             log(f"== section {name} done in {durations[name] / 60:.1f} min")
+    except BaseException:
+        partial = results_path.with_name("results.partial.json")
+        partial.write_text(json.dumps({**results, "durations_seconds": durations}, indent=2) + "\n")
+        log(f"a section failed: what was measured so far is in {partial}")
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine["load_average_end"] = _load_average()
@@ -324,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "settings": {**settings, "model": MODEL, "sections": sections},
             "durations_seconds": durations,
+            "section_dates": section_dates,
+            "merged": bool(results.get("merged")) or set(sections) != set(SECTIONS),
             "wall_minutes": sum(durations.values()) / 60,
             "this_run_minutes": (time.perf_counter() - start) / 60,
         }
@@ -332,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     files = [results_path, *render(results, results_path, doc, out_dir)]
     problems = check(results, files)
     log(f"wrote {', '.join(str(f) for f in files)}")
-    summary = {k: results.get(k) for k in ("original_ppl", *TARGETS, "depth_memory_overhead_ratio", "decode_latency_ratio")}
+    summary = {
+        k: results.get(k)
+        for k in ("original_ppl", *TARGETS, "depth_memory_overhead_ratio", "decode_latency_ratio")
+    }
     log(f"key numbers: {json.dumps(summary)}")
     if problems:
         for problem in problems:

@@ -138,7 +138,9 @@ def run_scaling(width: dict, layer_counts: list[int], samples: int, seq_len: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child", action="store_true", help="run one configuration and print its JSON")
     parser.add_argument("--layers", type=int, nargs="+", default=[15, 30])
     parser.add_argument("--samples", type=int, default=32)
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         result = child(args.width, args.layers[0], args.samples, args.seq_len, args.ratio)
     else:
         result = run_scaling(args.width, args.layers, args.samples, args.seq_len, args.ratio)
-    print(json.dumps(result))
+    print("\n" + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,8 +37,12 @@ def _load(spec_or_checkpoint: str):
     from compressor.checkpoint import MASA_CONFIG, load_compressed
 
     if (Path(spec_or_checkpoint) / MASA_CONFIG).is_file():
-        model, tokenizer = load_compressed(spec_or_checkpoint, with_tokenizer=True)
-        return model, tokenizer
+        from transformers import AutoTokenizer
+
+        # Not `with_tokenizer=True`: its AutoTokenizer call sees the checkpoint's remote-code config and asks
+        # "Do you wish to run the custom code? [y/N]" on stdout. The tokenizer needs no remote code.
+        tokenizer = AutoTokenizer.from_pretrained(spec_or_checkpoint, trust_remote_code=False)
+        return load_compressed(spec_or_checkpoint), tokenizer
     return _load_original(spec_or_checkpoint)
 
 
@@ -119,36 +125,55 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int) 
     return time.perf_counter() - start, tokens
 
 
-@torch.no_grad()
-def projection_seconds(model: torch.nn.Module, prompt: torch.Tensor) -> float:
-    """Time spent inside the q/k/v/o projection modules during one prefill (hooks around each module)."""
+@contextmanager
+def projection_timer(model: torch.nn.Module) -> Iterator[list[float]]:
+    """Seconds spent inside the q/k/v/o projection modules while the block runs (hooks around each)."""
     from compressor.adapters import PROJECTIONS, get_adapter
 
     adapter = get_adapter(model)
     spent, started, handles = [0.0], {}, []
+
+    def enter(module, args):
+        started[module] = time.perf_counter()
+
+    def leave(module, args, output):
+        spent[0] += time.perf_counter() - started[module]
+
     for layer in range(adapter.num_layers):
         for name in PROJECTIONS:
             module = adapter.projection(layer, name)
-            handles.append(module.register_forward_pre_hook(lambda m, a: started.__setitem__(m, time.perf_counter())))
-            handles.append(
-                module.register_forward_hook(
-                    lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter() - started[m])
-                )
-            )
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
-        model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        yield spent
     finally:
         for handle in handles:
             handle.remove()
-    return spent[0]
+
+
+@torch.no_grad()
+def projection_split(model: torch.nn.Module, prompt: torch.Tensor, decode: int) -> tuple[float, float]:
+    """Time inside the attention projections during one prefill, and during one decode of `decode` tokens
+    (separate, untimed runs: the hooks cost a little)."""
+    with projection_timer(model) as spent:
+        prefill_seconds(model, prompt)
+    prefill = spent[0]
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    with projection_timer(model) as spent:
+        for _ in range(decode):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return prefill, spent[0]
 
 
 def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, repeats: int) -> dict:
     models = {"original": _load(original), "compressed": _load(checkpoint)}
     prompt = prompt_tokens(models["original"][1], prefill)
-    runs: dict[str, dict[str, list]] = {name: {"prefill": [], "decode": [], "proj": []} for name in models}
+    runs: dict[str, dict[str, list]] = {
+        name: {"prefill": [], "decode": [], "proj_prefill": [], "proj_decode": []} for name in models
+    }
     tokens: dict[str, list[int]] = {}
-    for name, (model, _) in models.items():  # warm-up: one prefill and a short decode each
+    for model, _ in models.values():  # warm-up: one prefill and a short decode each
         prefill_seconds(model, prompt)
         decode_seconds(model, prompt, 2)
     for r in range(repeats):
@@ -156,10 +181,14 @@ def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, r
         for name in order:
             model = models[name][0]
             runs[name]["prefill"].append(prefill_seconds(model, prompt))
-            runs[name]["proj"].append(projection_seconds(model, prompt))
         for name in order:
             seconds, tokens[name] = decode_seconds(models[name][0], prompt, decode)
             runs[name]["decode"].append(seconds)
+    for _ in range(min(repeats, 3)):
+        for name, (model, _) in models.items():
+            in_prefill, in_decode = projection_split(model, prompt, decode)
+            runs[name]["proj_prefill"].append(in_prefill)
+            runs[name]["proj_decode"].append(in_decode)
     result: dict = {
         "prefill_tokens": int(prompt.shape[1]),
         "decode_tokens": decode,
@@ -170,7 +199,8 @@ def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, r
         result[name] = {
             "prefill_ms": 1e3 * statistics.median(runs[name]["prefill"]),
             "prefill_ms_runs": [1e3 * s for s in runs[name]["prefill"]],
-            "prefill_projection_ms": 1e3 * statistics.median(runs[name]["proj"]),
+            "prefill_projection_ms": 1e3 * statistics.median(runs[name]["proj_prefill"]),
+            "decode_projection_ms": 1e3 * statistics.median(runs[name]["proj_decode"]),
             "decode_ms": 1e3 * statistics.median(runs[name]["decode"]),
             "decode_ms_per_token": 1e3 * statistics.median(runs[name]["decode"]) / decode,
             "decode_ms_runs": [1e3 * s for s in runs[name]["decode"]],
@@ -215,7 +245,9 @@ def measure_forward(spec: str, samples: int | None, seq_len: int | None, batch_s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     forward = sub.add_parser("forward")
     forward.add_argument("--model", default="smollm2-135m")
@@ -244,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure_latency(args.model, args.checkpoint, args.prefill, args.decode, args.repeats)
     else:
         result = measure_memory(args.model, args.prefill, args.decode)
-    print(json.dumps(result))
+    print("\n" + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class CompressOptions:
     allocation: str | None = None
     atoms: str | None = None
     singletons: str | None = None
+    statistics: str | None = None
     calib: str | None = None
     calib_samples: int | None = None
     seq_len: int | None = None
@@ -153,6 +154,7 @@ def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
         allocation=options.allocation,
         atoms=options.atoms,
         singletons=options.singletons,
+        statistics=options.statistics,
     )
     return calibration, evaluation, compression
 
@@ -300,7 +302,9 @@ def compress(
         if options.stats_cache:
             cache_note = f"computed and cached in {save_stats(stats, key)}"
     seconds["calibration"] = stats.seconds
-    outcome = compress_model(loaded.model, adapter, stats, compression, options.ratio, progress)
+    outcome = compress_model(
+        loaded.model, adapter, stats, compression, options.ratio, progress, windows=calib_windows
+    )
     seconds.update(outcome.seconds)
     del stats
     plan = outcome.plan

@@ -16,7 +16,9 @@ console = Console()
 def export_dense_command(
     path: Annotated[str, typer.Argument(help="A checkpoint directory written by masa-compress.")],
     out: Annotated[str, typer.Argument(help="Where to write the dense Hugging Face checkpoint.")],
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output directory.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Write each projection's effective dense weight as a plain Hugging Face checkpoint (vLLM, llama.cpp

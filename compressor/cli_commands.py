@@ -7,7 +7,11 @@ from importlib import import_module
 import typer
 
 # Each module exposes `register(app: typer.Typer)`.
-COMMAND_MODULES: tuple[str, ...] = ("compressor.cli_compress", "compressor.cli_checkpoint", "compressor.cli_inspect")
+COMMAND_MODULES: tuple[str, ...] = (
+    "compressor.cli_compress",
+    "compressor.cli_checkpoint",
+    "compressor.cli_inspect",
+)
 
 
 def register(app: typer.Typer) -> None:

@@ -75,6 +75,14 @@ def compress_command(
             "--singletons", help="keep (singleton groups kept whole, paper) or compress (whitened SVD)."
         ),
     ] = None,
+    statistics: Annotated[
+        str | None,
+        typer.Option(
+            "--statistics",
+            help="original (whitening statistics of the original model, paper) or sequential (layer l's "
+            "statistics on the model whose earlier layers are already compressed; ~1 extra forward pass).",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Only print the plan (same as `masa-compress plan`), no calibration."),
@@ -161,6 +169,7 @@ def compress_command(
         allocation=allocation,
         atoms=atoms,
         singletons=singletons,
+        statistics=statistics,
         calib=calib,
         calib_samples=calib_samples,
         seq_len=seq_len,

@@ -725,44 +725,10 @@ def _shared_mean_plan(method, ratio, before, geometry, n_layers, biases, groups,
 
 def read_model_config(source) -> tuple[object, str]:
     """The transformers config of a resolved model, without reading any weights; and where it came from."""
-    from transformers import AutoConfig
+    from compressor.models import read_config
 
-    from compressor.calibration.cache import cache_dir
-    from compressor.models import check_architecture
-
-    if source.kind == "compressed":
-        raise UserError(
-            f"'{source.spec}' is already a masa-compress checkpoint: run `masa-compress show {source.spec}`"
-        )
-    kwargs: dict = {}
-    location = source.location
-    where = location
-    if source.kind == "bundled":
-        # The converted copy (`models.bundled_model_dir`) when it exists; its config is plain JSON.
-        converted = cache_dir() / "models" / "smollm2-135m-instruct"
-        if (converted / ".complete").is_file():
-            location = where = str(converted)
-        else:
-            kwargs["gguf_file"] = source.gguf_file
-            where = f"{source.gguf_file} (GGUF metadata)"
-    elif source.kind == "gguf":
-        kwargs["gguf_file"] = source.gguf_file
-        where = f"{source.gguf_file} (GGUF metadata)"
-    elif source.kind == "hub" and source.revision:
-        kwargs["revision"] = source.revision
-    try:
-        config = AutoConfig.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as err:
-        if source.kind == "hub":
-            raise UserError(
-                f"could not fetch the config of '{location}' from the Hugging Face hub (no network, gated model, "
-                "or wrong id): download it elsewhere and pass the local directory"
-            ) from err
-        raise UserError(
-            f"could not read the model config in '{location}': {str(err).splitlines()[0]}"
-        ) from err
-    check_architecture(config, source.spec)
-    return config, where
+    config, location, kwargs = read_config(source)
+    return config, (f"{kwargs['gguf_file']} (GGUF metadata)" if "gguf_file" in kwargs else location)
 
 
 def plan_compression(model: str, ratio: float, options: PlanOptions | None = None) -> dict:

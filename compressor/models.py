@@ -179,13 +179,17 @@ def check_architecture(config, where: str) -> None:
         )
 
 
+def bundled_cache_dir() -> Path:
+    return cache_dir() / "models" / "smollm2-135m-instruct"
+
+
 def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
     """Convert the bundled GGUF once into a plain safetensors directory (later loads take < 1 s).
 
     `save_pretrained` refuses GGUF-loaded models (they are flagged as quantized), so the state dict and
     a config without `quantization_config` are written by hand. The cache location follows MASA_CACHE.
     """
-    target = cache_dir() / "models" / "smollm2-135m-instruct"
+    target = bundled_cache_dir()
     if (target / ".complete").is_file():
         return target
     from safetensors.torch import save_file
@@ -222,6 +226,42 @@ def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
     return target
 
 
+def read_config(source: ModelSource) -> tuple[object, str, dict]:
+    """The transformers config of a resolved model, without reading weights: (config, location, from_pretrained
+    kwargs). The bundled model reads its converted copy when it exists, else the GGUF metadata."""
+    from transformers import AutoConfig
+
+    if source.kind == "compressed":
+        raise UserError(
+            f"'{source.spec}' is already a masa-compress checkpoint: run `masa-compress show {source.spec}`"
+        )
+    kwargs: dict = {}
+    location = source.location
+    if source.kind == "bundled":
+        converted = bundled_cache_dir()
+        if (converted / ".complete").is_file():
+            location = str(converted)
+        else:
+            kwargs["gguf_file"] = source.gguf_file
+    elif source.kind == "gguf":
+        kwargs["gguf_file"] = source.gguf_file
+    elif source.kind == "hub" and source.revision:
+        kwargs["revision"] = source.revision
+    try:
+        config = AutoConfig.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as err:
+        if source.kind == "hub":
+            raise UserError(
+                f"could not fetch '{location}' from the Hugging Face hub (no network, gated model, or wrong id): "
+                "download it elsewhere and pass the local directory"
+            ) from err
+        raise UserError(
+            f"could not read the model config in '{location}': {str(err).splitlines()[0]}"
+        ) from err
+    check_architecture(config, source.spec)
+    return config, location, kwargs
+
+
 def _quiet_transformers() -> None:
     """Our own progress bars cover loading; transformers' per-tensor bars would interleave with them."""
     from transformers.utils import logging as hf_logging
@@ -251,28 +291,11 @@ def load_model(
         )
         return LoadedModel(model, tokenizer, source, torch_device, torch_dtype, time.perf_counter() - start)
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict = {}
-    location = source.location
     if source.kind == "bundled":
-        location = str(bundled_model_dir(source, progress))
-    elif source.kind == "gguf":
-        kwargs["gguf_file"] = source.gguf_file
-    elif source.kind == "hub" and source.revision:
-        kwargs["revision"] = source.revision
-    try:
-        config = AutoConfig.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as err:
-        if source.kind == "hub":
-            raise UserError(
-                f"could not fetch '{location}' from the Hugging Face hub (no network, gated model, or wrong id): "
-                "download it elsewhere and pass the local directory"
-            ) from err
-        raise UserError(
-            f"could not read the model config in '{location}': {str(err).splitlines()[0]}"
-        ) from err
-    check_architecture(config, source.spec)
+        bundled_model_dir(source, progress)  # converted once; later loads read plain safetensors
+    config, location, kwargs = read_config(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs, **_dtype_kwargs(torch_dtype))

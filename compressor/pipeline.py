@@ -40,6 +40,15 @@ from compressor.whitening import (
 )
 
 METHODS = ("masa", "masa-paper", "svd-llm", "svd", "shared-mean")
+# What `masa-paper` pins: plain Matrix PCA, Algorithm 1, singletons kept whole, statistics of the original
+# model, end boundaries allowed (groups, bases and the logit lens still come from the recipe/options).
+PAPER_SETTINGS = {
+    "atoms": "plain",
+    "allocation": "paper",
+    "singletons": "keep",
+    "statistics": "original",
+    "end_boundaries": True,
+}
 
 
 @contextmanager
@@ -62,6 +71,7 @@ class MethodContext:
     ratio: float
     compute_device: torch.device
     progress: bool
+    windows: torch.Tensor | None = None  # calibration token windows (sequential statistics only)
     seconds: dict[str, float] = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     _whitening: dict[tuple[int, str], WhiteningFactor] = field(default_factory=dict)
@@ -135,11 +145,11 @@ class MethodContext:
 
     @property
     def model_dtype(self) -> torch.dtype:
-        return self.adapter.projection(0, "q_proj").weight.dtype
+        return self.adapter.unembedding.weight.dtype
 
     @property
     def model_device(self) -> torch.device:
-        return self.adapter.projection(0, "q_proj").weight.device
+        return self.adapter.unembedding.weight.device
 
 
 @dataclass
@@ -252,6 +262,37 @@ def _allocate_global(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> 
         plan.get(*k).rank = ranks[n]
 
 
+def _install_projection(
+    ctx: MethodContext,
+    plan: CompressionPlan,
+    atoms,
+    shared_atoms,
+    layer: int,
+    p: str,
+    factor: WhiteningFactor,
+) -> None:
+    """Residual factors at the allocated rank under `factor`'s whitening, installed as the projection."""
+    dtype, device = ctx.model_dtype, ctx.model_device
+    pp = plan.get(layer, p)
+    with numerical_context(f"layer {layer} {p}"):
+        u, sigma, vh = whitened_svd(_residual(ctx, plan, atoms, layer, p), factor.S)
+        a, b = low_rank_factors(u, sigma, vh, factor.S, pp.rank)
+    bias = ctx.bias(layer, p)
+    if pp.mode == "shared":
+        module = SharedBasisLinear(
+            shared_atoms[(pp.group, p)], pp.rank, bias=bias is not None, dtype=dtype, device=device
+        )
+        d, c = atoms[(pp.group, p)]
+        module.coefficients.data.copy_(c[plan.groups[pp.group].layers.index(layer)])
+        module.lowrank_a.data.copy_(a)
+        module.lowrank_b.data.copy_(b)
+        if bias is not None:
+            module.bias.data.copy_(bias)
+    else:
+        module = LowRankLinear.from_factors(a, b, bias, dtype=dtype, device=device)
+    ctx.install(layer, p, module)
+
+
 def compress_masa(ctx: MethodContext) -> CompressionPlan:
     s = ctx.settings
     grouping = ctx.grouping(s.groups)
@@ -281,6 +322,8 @@ def compress_masa(ctx: MethodContext) -> CompressionPlan:
             bar.advance()
     (_allocate_paper if s.allocation == "paper" else _allocate_global)(ctx, plan, tails)
     plan.check_budget()
+    # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.
+    ctx.report["residual_error"] = float(sum(tails[k][plan.get(*k).rank] for k in targets))
     ctx.seconds["residual_svd"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -289,28 +332,16 @@ def compress_masa(ctx: MethodContext) -> CompressionPlan:
         key: nn.Parameter(d.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
         for key, (d, _) in atoms.items()
     }
-    with progress_bar("Residual factors", total=len(targets), enabled=ctx.progress) as bar:
-        for layer, p in targets:
-            pp = plan.get(layer, p)
-            factor = ctx.whitening(layer, p)
-            with numerical_context(f"layer {layer} {p}"):
-                u, sigma, vh = whitened_svd(_residual(ctx, plan, atoms, layer, p), factor.S)
-                a, b = low_rank_factors(u, sigma, vh, factor.S, pp.rank)
-            bias = ctx.bias(layer, p)
-            if pp.mode == "shared":
-                module = SharedBasisLinear(
-                    shared_atoms[(pp.group, p)], pp.rank, bias=bias is not None, dtype=dtype, device=device
-                )
-                d, c = atoms[(pp.group, p)]
-                module.coefficients.data.copy_(c[plan.groups[pp.group].layers.index(layer)])
-                module.lowrank_a.data.copy_(a)
-                module.lowrank_b.data.copy_(b)
-                if bias is not None:
-                    module.bias.data.copy_(bias)
-            else:
-                module = LowRankLinear.from_factors(a, b, bias, dtype=dtype, device=device)
-            ctx.install(layer, p, module)
-            bar.advance()
+    if s.statistics == "sequential":
+        from compressor.sequential import install_sequentially
+
+        install_sequentially(ctx, plan, targets, lambda layer, p, f: _install_projection(
+            ctx, plan, atoms, shared_atoms, layer, p, f))  # fmt: skip
+    else:
+        with progress_bar("Residual factors", total=len(targets), enabled=ctx.progress) as bar:
+            for layer, p in targets:
+                _install_projection(ctx, plan, atoms, shared_atoms, layer, p, ctx.whitening(layer, p))
+                bar.advance()
     ctx.seconds["residual_svd"] += time.perf_counter() - start
     return plan
 
@@ -425,6 +456,7 @@ def compress_model(
     ratio: float,
     progress: bool = True,
     compute_device: torch.device | None = None,
+    windows: torch.Tensor | None = None,
 ) -> CompressionOutcome:
     """Replace the attention projections of `model` in place; return the exact plan and a report."""
     if settings.method not in METHOD_FUNCTIONS:
@@ -434,7 +466,13 @@ def compress_model(
             f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
         )
     device = compute_device or next(model.parameters()).device
-    ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress)
+    if settings.method == "masa-paper":
+        # The paper's training-free path, whatever the recipe's improved defaults are.
+        settings = settings.model_copy(update=PAPER_SETTINGS)
+    if settings.statistics == "sequential" and windows is None:
+        raise ValueError("sequential statistics need the calibration windows: pass `windows`")
+    ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress, windows)
+    ctx.report["effective_settings"] = settings.model_dump()
     plan = METHOD_FUNCTIONS[settings.method](ctx)
     plan.check_budget()
     counted = adapter.attention_parameter_count()

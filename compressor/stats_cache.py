@@ -61,7 +61,12 @@ def save_stats(stats: CalibrationStats, key: str) -> Path:
     for i, (a, o) in enumerate(zip(stats.attn_autocorr, stats.o_autocorr, strict=True)):
         tensors[f"attn.{i}"] = a.contiguous().cpu()
         tensors[f"o.{i}"] = o.contiguous().cpu()
-    metadata = {"key": key, "tokens": str(stats.tokens), "windows": str(stats.windows), "seconds": str(stats.seconds)}
+    metadata = {
+        "key": key,
+        "tokens": str(stats.tokens),
+        "windows": str(stats.windows),
+        "seconds": str(stats.seconds),
+    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)

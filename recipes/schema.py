@@ -53,6 +53,11 @@ class CompressionSettings(_Strict):
         description="plain: Matrix PCA of the weights (paper); whitened: atoms minimizing the group's output "
         "error (group-summed autocorrelation) with coefficients refit per layer",
     )
+    statistics: Literal["original", "sequential"] = Field(
+        "original",
+        description="original: whitening statistics of the original model (paper); sequential: layer l's "
+        "statistics collected on the model whose earlier layers are already compressed",
+    )
     singletons: Literal["keep", "compress"] = Field(
         "keep",
         description="keep: singleton groups keep their weights (paper); compress: whitened SVD instead",

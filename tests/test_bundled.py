@@ -86,7 +86,9 @@ def test_checkpoint_round_trip_with_both_loaders(compressed_run):
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
         for reloaded in (ours, remote):
             assert (reloaded(input_ids=ids).logits - expected).abs().max().item() <= 1e-5
-            assert sum(p.numel() for p in reloaded.parameters()) == compressed_run.summary["model_params_after"]
+            assert (
+                sum(p.numel() for p in reloaded.parameters()) == compressed_run.summary["model_params_after"]
+            )
         # generation with a KV cache works on the reloaded model
         generated = ours.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)
         assert generated.shape[1] == ids.shape[1] + 5

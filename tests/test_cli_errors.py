@@ -68,10 +68,20 @@ CASES = [
     ),
     (
         "calibration text too short for the requested windows",
-        lambda t, mp: ["smollm2-135m", "--calib", _text_file(t, "Hello world. " * 50), "--no-save", "--no-eval"],
+        lambda t, mp: [
+            "smollm2-135m",
+            "--calib",
+            _text_file(t, "Hello world. " * 50),
+            "--no-save",
+            "--no-eval",
+        ],
         "tokens",
     ),
-    ("missing text file", lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"], "does not exist"),
+    (
+        "missing text file",
+        lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"],
+        "does not exist",
+    ),
     (
         "unknown recipe key",
         lambda t, mp: ["smollm2-135m", "--recipe", _recipe_with_typo(t)],

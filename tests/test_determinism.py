@@ -16,7 +16,9 @@ from compressor.recipes.schema import CompressionSettings
 
 
 def _digests(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.safetensors"))}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.safetensors"))
+    }
 
 
 def _tiny_checkpoint(out: Path, method: str) -> Path:
@@ -40,7 +42,9 @@ def test_bundled_model_runs_are_byte_identical(tmp_path):
 
     digests = []
     for name in ("a", "b"):
-        options = CompressOptions(ratio=0.2, calib_samples=4, seq_len=64, evaluate=False, out=str(tmp_path / name))
+        options = CompressOptions(
+            ratio=0.2, calib_samples=4, seq_len=64, evaluate=False, out=str(tmp_path / name)
+        )
         run = compress("smollm2-135m", options, device="cpu", dtype="float32", progress=False)
         digests.append(_digests(Path(run.summary["out"])))
     assert digests[0] and digests[0] == digests[1]

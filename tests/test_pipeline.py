@@ -9,19 +9,16 @@ from conftest import random_windows, tiny_model
 from compressor.adapters import PROJECTIONS, get_adapter
 from compressor.capture import collect_statistics
 from compressor.errors import UserError
-from compressor.modules import SharedBasisLinear
 from compressor.pipeline import METHODS, compress_model
 from compressor.recipes.schema import CompressionSettings
 
 
 def _compress(model, method="masa", ratio=0.3, windows=None, **settings):
     adapter = get_adapter(model)
-    stats = collect_statistics(
-        model, adapter, windows if windows is not None else random_windows(), progress=False
-    )
-    return compress_model(
-        model, adapter, stats, CompressionSettings(method=method, **settings), ratio, progress=False
-    )
+    windows = windows if windows is not None else random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    settings = CompressionSettings(method=method, **settings)
+    return compress_model(model, adapter, stats, settings, ratio, progress=False, windows=windows)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -88,3 +85,57 @@ def test_unknown_method_and_bad_ratio_are_user_errors():
         _compress(tiny_model("llama"), "nope")
     with pytest.raises(UserError, match="outside"):
         _compress(tiny_model("llama"), "svd", ratio=1.0)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"atoms": "whitened"},
+        {"allocation": "global"},
+        {"allocation": "global-relative"},
+        {"singletons": "compress"},
+        {"end_boundaries": False},
+        {"statistics": "sequential"},
+        {"atoms": "whitened", "allocation": "global", "singletons": "compress", "groups": 1},
+    ],
+    ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_masa_options_meet_the_budget_and_count_exactly(settings):
+    model = tiny_model("llama")
+    outcome = _compress(model, "masa", ratio=0.3, **settings)
+    plan = outcome.plan
+    assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget
+    assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
+    if settings.get("singletons") == "compress":
+        assert all(pp.mode != "dense" for pp in plan.projections)
+
+
+def test_global_allocation_spends_the_budget_better_than_the_paper_split():
+    """Global allocation minimizes the summed whitened error, so it is never worse on that objective."""
+    errors = {}
+    for allocation in ("paper", "global"):
+        model = tiny_model("llama")
+        outcome = _compress(model, "masa", ratio=0.3, allocation=allocation)
+        errors[allocation] = outcome.report.get("residual_error")
+    assert errors["global"] <= errors["paper"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_sequential_statistics_of_an_uncompressed_model_equal_the_original(family):
+    """The layer runner reproduces the model's own forward: with nothing compressed, its statistics equal
+    the hooks' ones layer after layer (Gemma: per-layer kwargs such as sliding-window masks)."""
+    from compressor.sequential import LayerRunner
+
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    windows = random_windows(4, 16)
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    runner = LayerRunner(model, adapter, windows)
+    for layer in range(adapter.num_layers):
+        torch.testing.assert_close(
+            runner.autocorr(layer, "q_proj"), stats.attn_autocorr[layer], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            runner.autocorr(layer, "o_proj"), stats.o_autocorr[layer], rtol=1e-5, atol=1e-6
+        )
+        runner.advance(layer)

@@ -25,7 +25,9 @@ def test_round_trip_returns_identical_statistics(monkeypatch, tmp_path):
     save_stats(stats, key)
     loaded, why = load_stats(key, adapter)
     assert loaded is not None, why
-    for a, b in zip(stats.attn_autocorr + stats.o_autocorr, loaded.attn_autocorr + loaded.o_autocorr, strict=True):
+    for a, b in zip(
+        stats.attn_autocorr + stats.o_autocorr, loaded.attn_autocorr + loaded.o_autocorr, strict=True
+    ):
         assert torch.equal(a, b)
     assert torch.equal(stats.block_output_means, loaded.block_output_means)
 

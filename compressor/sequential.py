@@ -1,0 +1,131 @@
+"""Sequential calibration: layer l's statistics are collected on the model whose layers < l (and, for o_proj,
+whose own q/k/v) are already compressed, so each residual corrects the error that reaches it.
+
+The calibration windows are run through the decoder one layer at a time (hidden states of all windows kept:
+N·T·hidden numbers), with the keyword arguments each layer received in a normal forward pass (rotary
+embeddings, masks: they differ per layer in some families, e.g. Gemma's sliding-window layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from compressor.adapters import ATTN_INPUT_PROJECTIONS, PROJECTIONS
+from compressor.errors import NumericalError
+from compressor.progress import progress_bar
+from compressor.whitening import WhiteningFactor, whitening_factor
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once it has what it needs."""
+
+
+class LayerRunner:
+    """The calibration windows' hidden states, advanced through the decoder one layer at a time."""
+
+    def __init__(self, model, adapter, windows: torch.Tensor, batch_size: int = 1):
+        self.adapter = adapter
+        device = next(model.parameters()).device
+        self.batches = [windows[i : i + batch_size].to(device) for i in range(0, len(windows), batch_size)]
+        self.hidden: list[torch.Tensor] = []
+        self.layer_kwargs: dict[tuple[int, int], dict] = {}  # (layer, batch size) -> kwargs
+        sizes_seen: set[int] = set()
+        for batch in self.batches:
+            capture_kwargs = len(batch) not in sizes_seen
+            sizes_seen.add(len(batch))
+            self._first_pass(model, batch, capture_kwargs)
+
+    def _first_pass(self, model, batch: torch.Tensor, capture_kwargs: bool) -> None:
+        handles = []
+
+        def grab(index):
+            def hook(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if index == 0:
+                    self.hidden.append(hidden.detach())
+                if capture_kwargs:
+                    self.layer_kwargs[(index, len(batch))] = {
+                        k: v for k, v in kwargs.items() if k != "hidden_states"
+                    }
+                if not capture_kwargs:
+                    raise _Stop
+
+            return hook
+
+        for i, layer in enumerate(self.adapter.layers):
+            handles.append(layer.register_forward_pre_hook(grab(i), with_kwargs=True))
+        try:
+            # A full pass only for the first batch of each size (to record every layer's kwargs).
+            model(input_ids=batch, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _run(self, layer_index: int, batch_index: int) -> torch.Tensor:
+        hidden = self.hidden[batch_index]
+        out = self.adapter.layers[layer_index](hidden, **self.layer_kwargs[(layer_index, len(hidden))])
+        return out[0] if isinstance(out, tuple) else out
+
+    @torch.no_grad()
+    def autocorr(self, layer_index: int, projection: str) -> torch.Tensor:
+        """Σ xᵀx (fp64) of a projection's input over all windows, with the layer as it is now."""
+        module = self.adapter.projection(layer_index, projection)
+        total: list[torch.Tensor] = []
+
+        def hook(_, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            if not torch.isfinite(x).all():
+                raise NumericalError(
+                    f"non-finite activations at the input of layer {layer_index} {projection}"
+                )
+            gram = x.double().T @ x.double() if x.device.type == "cpu" else (x.float().T @ x.float()).double()
+            if total:
+                total[0] += gram
+            else:
+                total.append(gram)
+            raise _Stop
+
+        handle = module.register_forward_pre_hook(hook)
+        try:
+            for b in range(len(self.hidden)):
+                try:
+                    self._run(layer_index, b)
+                except _Stop:
+                    pass
+        finally:
+            handle.remove()
+        return total[0]
+
+    @torch.no_grad()
+    def advance(self, layer_index: int) -> None:
+        self.hidden = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
+
+
+def install_sequentially(ctx, plan, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
+    """Per layer: whiten q/k/v by the current layer input, install them, then whiten o by the attention output
+    of the partly compressed layer, install it, and advance the hidden states through the compressed layer."""
+    runner = LayerRunner(ctx.model, ctx.adapter, ctx.windows)
+    wanted = set(targets)
+    with progress_bar(
+        "Residual factors (sequential)", total=ctx.adapter.num_layers, enabled=ctx.progress
+    ) as bar:
+        for layer in range(ctx.adapter.num_layers):
+            for group in (ATTN_INPUT_PROJECTIONS, ("o_proj",)):
+                todo = [p for p in group if (layer, p) in wanted]
+                if not todo:
+                    continue
+                factor = whitening_factor(runner.autocorr(layer, todo[0]).to(ctx.compute_device))
+                if factor.damping > 0:
+                    ctx.report.setdefault("damping", []).append(
+                        {"layer": layer, "input": "attn" if group != ("o_proj",) else "o", "damping": factor.damping,
+                         "attempts": factor.attempts, "statistics": "sequential"}
+                    )  # fmt: skip
+                for p in todo:
+                    install(layer, p, factor)
+            runner.advance(layer)
+            bar.advance()
+    assert all(p in PROJECTIONS for _, p in targets)
