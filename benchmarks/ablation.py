@@ -11,12 +11,14 @@ import json
 
 from benchmarks.quality import run_quality
 
-PAPER = {"method": "masa-paper", "groups": 3, "bases": 1, "atoms": "plain", "allocation": "paper",
-         "singletons": "keep", "end_boundaries": True}  # fmt: skip
+# The paper-faithful settings spelled out under method `masa`, so that each row can change one of them
+# (`--method masa-paper` pins them all).
+PAPER = {"method": "masa", "groups": 3, "bases": 1, "atoms": "plain", "allocation": "paper",
+         "singletons": "keep", "end_boundaries": True, "statistics": "original"}  # fmt: skip
 
 ABLATIONS: dict[str, dict] = {
     "svd-llm": {"method": "svd-llm"},
-    "masa-paper": PAPER,
+    "masa-paper": {**PAPER, "method": "masa-paper"},
     "masa-paper, zero atoms": {**PAPER, "bases": 0},
     "+ whitened atoms": {**PAPER, "atoms": "whitened"},
     "+ global allocation": {**PAPER, "allocation": "global"},
@@ -24,13 +26,32 @@ ABLATIONS: dict[str, dict] = {
     "+ singletons compressed": {**PAPER, "singletons": "compress"},
     "+ no end boundaries": {**PAPER, "end_boundaries": False},
     "+ one group (G=1)": {**PAPER, "groups": 1},
-    "combination A": {**PAPER, "atoms": "whitened", "allocation": "global", "singletons": "compress"},
-    "combination B": {
+    "+ sequential statistics": {**PAPER, "statistics": "sequential"},
+    "whitened atoms + global + singletons compressed": {
+        **PAPER,
+        "atoms": "whitened",
+        "allocation": "global",
+        "singletons": "compress",
+    },
+    "whitened atoms + global + singletons compressed + G=1": {
         **PAPER,
         "atoms": "whitened",
         "allocation": "global",
         "singletons": "compress",
         "groups": 1,
+    },
+    "global-relative + whitened atoms": {**PAPER, "allocation": "global-relative", "atoms": "whitened"},
+    "global-relative + singletons compressed": {
+        **PAPER,
+        "allocation": "global-relative",
+        "singletons": "compress",
+    },
+    "global-relative + sequential": {**PAPER, "allocation": "global-relative", "statistics": "sequential"},
+    "global-relative + whitened + sequential": {
+        **PAPER,
+        "allocation": "global-relative",
+        "atoms": "whitened",
+        "statistics": "sequential",
     },
 }
 
@@ -38,10 +59,16 @@ ABLATIONS: dict[str, dict] = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ratios", default="0.2")
-    parser.add_argument("--only", help="comma-separated row names")
+    parser.add_argument("--only", help="semicolon-separated row names")
     parser.add_argument("--eval-max-tokens", type=int, default=20480)
     parser.add_argument("--out", default="benchmarks/ablation.json")
+    parser.add_argument(
+        "--render", nargs="+", metavar="JSON", help="only print the markdown table of these files"
+    )
     args = parser.parse_args()
+    if args.render:
+        print(render([json.loads(open(path).read()) for path in args.render]), end="")
+        return
     variants = ABLATIONS if not args.only else {k: ABLATIONS[k] for k in args.only.split(";")}
     result = run_quality(
         "smollm2-135m",
@@ -52,6 +79,35 @@ def main() -> None:
     )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def render(results: list[dict]) -> str:
+    """Markdown table of one or more ablation result files that share calibration and evaluation."""
+    base = results[0]
+    for other in results[1:]:
+        same = (other["calibration"], other["evaluation"]["tokens"], other["original_ppl"])
+        if same != (base["calibration"], base["evaluation"]["tokens"], base["original_ppl"]):
+            raise ValueError("ablation files with different calibration or evaluation cannot share a table")
+    rows = [row for result in results for row in result["quality"]]
+    original = base["original_ppl"]
+    svd_llm = {r["ratio"]: r["ppl"] for r in rows if r["method"] == "svd-llm"}
+    lines = [
+        f"Bundled SmolLM2-135M, calibration {base['calibration']['samples']}×{base['calibration']['seq_len']} "
+        f"tokens of {base['calibration']['text']}, evaluation {base['evaluation']['tokens']:,} tokens of "
+        f"{base['evaluation']['text']} in {base['evaluation']['seq_len']}-token windows; original perplexity "
+        f"{original:.3f}. Rise ratio = (ppl − original) / (SVD-LLM's ppl − original) at the same ratio.",
+        "",
+        "| configuration | ratio | achieved | perplexity | rise ratio vs SVD-LLM | compression time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        reference = svd_llm.get(r["ratio"])
+        rise = "—" if reference is None else f"{(r['ppl'] - original) / (reference - original):.3f}"
+        lines.append(
+            f"| {r['method']} | {r['ratio']:.2f} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f} | {rise} | "
+            f"{r['compress_seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,21 +20,35 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _proc_status_gib(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_gib() -> float:
-    """Peak resident set size of this process so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process so far.
+
+    On Linux this is VmHWM, the high-water mark of the process's current address space, which starts afresh
+    at exec. Not `ru_maxrss`: a child inherits its parent's address space at fork, and exec records that
+    space's high-water mark into the child's ru_maxrss, so a child started by a large parent (one that has
+    run the quality section, say) reports at least the parent's peak. Elsewhere: ru_maxrss.
+    """
+    hwm = _proc_status_gib("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (GIB if sys.platform == "darwin" else 1024**2)
 
 
 def current_rss_gib() -> float:
     """Resident set size of this process now (VmRSS), or the peak where /proc is missing."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024**2
-    except OSError:
-        pass
-    return peak_rss_gib()
+    rss = _proc_status_gib("VmRSS")
+    return rss if rss is not None else peak_rss_gib()
 
 
 def _cpu_model() -> str:
@@ -61,6 +75,8 @@ def machine_info() -> dict:
     import torch
     import transformers
 
+    from compressor.device import resolve_device
+
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -75,26 +91,44 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
-        "device": "cpu",
+        # Where `auto` puts the quality section, the compression run and the forward pass; the latency
+        # and memory measurements always run on the CPU.
+        "device": str(resolve_device("auto")),
     }
 
 
 def run_json_child(args: list[str], what: str, timeout: float | None = None) -> dict:
     """Run `python ARGS` in a fresh process (so its peak memory is its own) and parse the JSON object it
     prints last on stdout. Its stderr passes through. A failure raises with the child's exit status."""
+    return _json_objects(_run(args, what, timeout), what, args)[-1]
+
+
+def run_module_measured(module: str, args: list[str], what: str, timeout: float | None = None) -> dict:
+    """Run `python -m MODULE ARGS` (a command we do not own, e.g. the CLI) in a fresh process under
+    `benchmarks.common`, which reports the process's own peak RSS after the module returns: the JSON object
+    the module prints last, plus `peak_rss_gib` and `wall_seconds` of the whole process."""
+    objects = _json_objects(_run(["-m", "benchmarks.common", module, *args], what, timeout), what, args)
+    if len(objects) < 2:
+        raise RuntimeError(f"{what} printed no JSON object before the memory report: {module} {args}")
+    return {**objects[-2], "process": objects[-1]}
+
+
+def _run(args: list[str], what: str, timeout: float | None) -> str:
     command = [sys.executable, *args]
-    start = time.perf_counter()
+    # stdin closed: nothing a child runs may stop and wait for an answer.
     proc = subprocess.run(
         command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=timeout
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(command)}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]
-    if not lines:
-        raise RuntimeError(f"{what} printed no JSON object: {' '.join(command)}\n{proc.stdout[-2000:]}")
-    result = json.loads(lines[-1])
-    result.setdefault("child_wall_seconds", time.perf_counter() - start)
-    return result
+    return proc.stdout
+
+
+def _json_objects(stdout: str, what: str, args: list[str]) -> list[dict]:
+    objects = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if not objects:
+        raise RuntimeError(f"{what} printed no JSON object: {' '.join(args)}\n{stdout[-2000:]}")
+    return objects
 
 
 def non_finite(value, path: str = "") -> list[str]:
@@ -108,3 +142,24 @@ def non_finite(value, path: str = "") -> list[str]:
     if isinstance(value, (list, tuple)):
         return [p for i, v in enumerate(value) for p in non_finite(v, f"{path}[{i}]")]
     return [f"{path} ({type(value).__name__})"]
+
+
+def _measure_module(argv: list[str]) -> None:
+    """`python -m benchmarks.common MODULE ARGS...`: run MODULE as __main__, then print this process's peak
+    RSS and wall time as one JSON line."""
+    import runpy
+
+    start = time.perf_counter()
+    sys.argv = [argv[0], *argv[1:]]
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    sys.stdout.flush()
+    report = {"peak_rss_gib": peak_rss_gib(), "wall_seconds": time.perf_counter() - start}
+    print("\n" + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    _measure_module(sys.argv[1:])

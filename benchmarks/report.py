@@ -140,21 +140,29 @@ def plot_scaling(results: dict, path: Path) -> None:
     for i, r in enumerate(runs):
         mem.text(i, r["peak_rss_gib"], f"{r['peak_rss_gib']:.2f}", ha="center", va="bottom")
     mem.set_ylabel("peak RSS (GiB)")
-    mem.set_ylim(0, max(r["peak_rss_gib"] for r in runs) * 1.25)
+    mem.set_ylim(0, max(r["peak_rss_gib"] for r in runs) * 1.5)
     mem.set_title(f"peak memory: x{results['scaling']['peak_ratio']:.2f}", fontsize=10)
-    mem.legend(fontsize=8, loc="lower right")
+    mem.legend(fontsize=8, loc="upper left")
     bottom = [0.0] * len(runs)
     for stage, color in (("calibration", "tab:blue"), ("compress", "tab:orange"), ("save", "tab:green")):
         values = [r["seconds"][stage] for r in runs]
         tim.bar(labels, values, bottom=bottom, color=color, label=stage)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     tim.set_ylabel("seconds")
+    tim.set_ylim(0, max(bottom) * 1.35)
     tim.set_title(f"compression time: x{results['scaling']['time_ratio']:.2f}", fontsize=10)
     tim.legend(fontsize=8)
-    fig.suptitle("Random models of the bundled width, 1x and 2x the layers", fontsize=10)
+    depths = " and ".join(str(r["layers"]) for r in runs)
+    fig.suptitle(f"Random models of {_width_name(runs[0]['width'])}, {depths} layers", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _width_name(width: dict) -> str:
+    from benchmarks.scaling import BUNDLED_WIDTH
+
+    return "the bundled model's width" if width == BUNDLED_WIDTH else "a narrow width for the quick mode"
 
 
 def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
@@ -215,7 +223,7 @@ def _quality_section(results: dict, rel) -> list[str]:
         f"{ev.get('tokens', '?')} predicted tokens of held-out {ev.get('text', '?')} text in non-overlapping "
         f"windows of {ev.get('seq_len', '?')} tokens (`eval_max_tokens` {ev.get('max_tokens', '?')}), the same "
         "windows for every model. `ratio` is the fraction of attention parameters removed; each cell is the "
-        "perplexity (lower is better), with the exactly counted achieved ratio below it.",
+        "perplexity (lower is better), with the exactly counted achieved ratio in parentheses.",
         "",
         f"Original model: perplexity **{results['original_ppl']:.3f}**.",
         "",
@@ -249,7 +257,8 @@ def _compression_section(results: dict, rel) -> list[str]:
         "",
         f"One real run in a fresh process: `{c['command']}` (method masa, recipe defaults, "
         f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation). "
-        f"Stage times from the run's own summary (`seconds`); peak RSS is the process's `ru_maxrss`.",
+        "Stage times from the run's own summary (`seconds`); peak RSS is the process's high-water mark "
+        "(`VmHWM`).",
         "",
         "| stage | seconds | share |",
         "|---|---|---|",
@@ -293,7 +302,7 @@ def _latency_section(results: dict, rel) -> list[str]:
         "## 3. Inference: the reloaded compressed checkpoint vs the original",
         "",
         f"The checkpoint written in section 2 is reloaded with `load_compressed`; both models run in one "
-        f"process ({lat['torch_threads']} torch threads, the default), measured alternately. Prefill: the "
+        f"process ({lat['torch_threads']} torch threads), measured alternately. Prefill: the "
         f"first {lat['prefill_tokens']} tokens of the held-out text with a KV cache and last-token logits, as "
         f"`generate` does (median of {lat['repeats']} runs after a warm-up). Decode: {lat['decode_tokens']} "
         f"greedy single-token steps with the KV cache after that prefill (median of {lat['repeats']} runs). "
@@ -362,13 +371,14 @@ def _scaling_section(results: dict, rel) -> list[str]:
     lines = [
         "## 4. Scaling with depth",
         "",
-        f"Random Llama models of the bundled width (hidden {width['hidden_size']}, "
+        f"Random Llama models of {_width_name(width)}: hidden {width['hidden_size']}, "
         f"{width['num_attention_heads']} heads, {width['num_key_value_heads']} KV heads, MLP "
-        f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings) with "
+        f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings; with "
         + " and ".join(str(r["layers"]) for r in runs)
         + f" layers; the same {cal['samples']}×{cal['seq_len']} random calibration tokens; the real "
         f"`collect_statistics` + `compress_model` (masa, ratio {runs[0]['ratio']:g}) + `save_compressed`, "
-        "each depth in a fresh process. *Peak RSS* is the process's `ru_maxrss`; *with the model loaded* is "
+        "each depth in a fresh process. *Peak RSS* is the process's high-water mark (`VmHWM`); *with the model "
+        "loaded* is "
         "its RSS once the model is built (Python, torch and the weights); *overhead* is the difference, "
         "what the compression run adds on top of the model.",
         "",
@@ -389,15 +399,25 @@ def _scaling_section(results: dict, rel) -> list[str]:
         f"{_verdict('depth_memory_ratio', results)}). The model itself grows {s['model_ratio']:.2f}x "
         "(its weights are part of every peak).",
         f"- **Compression overhead ratio (peak minus the loaded model): {s['overhead_ratio']:.3f}x**; the "
-        f"overhead at {runs[-1]['layers']} layers is {runs[-1]['overhead_gib'] * 1024:.0f} MiB, of which "
-        f"{runs[-1]['stats_gib'] * 1024:.0f} MiB are the per-layer fp64 autocorrelations (which grow with "
-        f"depth by definition: 2 matrices per layer). The peak is reached during: {peak_stage}.",
+        f"overhead at {runs[0]['layers']} → {runs[-1]['layers']} layers grows {runs[0]['overhead_gib'] * 1024:.0f} "
+        f"→ {runs[-1]['overhead_gib'] * 1024:.0f} MiB. What grows with depth: the fp64 autocorrelations "
+        f"collected for all layers at once ({runs[0]['stats_gib'] * 1024:.0f} → {runs[-1]['stats_gib'] * 1024:.0f}"
+        " MiB, 2 matrices per layer) and the fp64 Cholesky factors `compress_model` keeps for every compressed "
+        f"layer until it returns ({_gib_pair(runs, 'cholesky_gib')} MiB, computed from the plan), both held "
+        "for the whole model rather than one layer at a time; the model's own weights grow "
+        f"{s['model_ratio']:.2f}x. The peak is reached during the stage: {peak_stage}.",
         f"- Compression time ratio: {s['time_ratio']:.2f}x for {s['depth_factor']:g}x the layers.",
         "",
         f"![scaling]({rel('scaling')})",
         "",
     ]
     return lines
+
+
+def _gib_pair(runs: list[dict], key: str) -> str:
+    if not all(key in r for r in runs):
+        return "?"
+    return f"{runs[0][key] * 1024:.0f} → {runs[-1][key] * 1024:.0f}"
 
 
 def _peak_stage(run: dict) -> str:
@@ -428,20 +448,26 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
 
     m = results["machine"]
     load = m.get("load_average_start")
+    raw = Path(os.path.relpath(results["_results_path"], doc.parent)).as_posix()
     lines = [
         "# Benchmarks",
         "",
-        f"Generated by `{results['command']}` on {results['date']} in {results['wall_minutes']:.1f} minutes"
+        f"Generated by `{results['command']}`"
+        + (f" (`{results['make_target']}`)" if results.get("make_target") else "")
+        + f" on {results['date']} in {results['wall_minutes']:.1f} minutes"
         + (" (**quick mode**: reduced settings for CI, not for reading)" if results.get("quick") else "")
-        + ". Every number below comes from that one run, so the ratios compare like with like. Raw numbers: "
-        f"[`{Path(os.path.relpath(results['_results_path'], doc.parent)).as_posix()}`]"
-        f"({Path(os.path.relpath(results['_results_path'], doc.parent)).as_posix()}); "
-        "re-render this page from them with `python -m benchmarks.report`.",
+        + (
+            ". Every number below comes from that one run, so the ratios compare like with like"
+            if not results.get("merged")
+            else ""
+        )
+        + f". Raw numbers: [`{raw}`]({raw}); re-render this page from them with `python -m benchmarks.report`.",
         "",
         "**Machine:** "
         f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['ram_gib']} GiB RAM, {m['os']}; "
-        f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads, the default"
-        + (f", set to {m['threads_requested']}" if m.get("threads_requested") else "")
+        f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} thread"
+        + ("s" if m["torch_threads"] != 1 else "")
+        + (", set with `--threads`" if m.get("threads_requested") else ", torch's default")
         + f"), transformers {m['transformers']}; device {m['device']}."
         + (
             f" Load average at the start: {load[0]:.2f} (1 min); at the end: {m['load_average_end'][0]:.2f}."

@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import log, machine_info, non_finite, run_json_child
+from benchmarks.common import log, machine_info, non_finite, run_json_child, run_module_measured
 from benchmarks.report import REPO, TARGETS, render
 from benchmarks.scaling import BUNDLED_WIDTH, NARROW_WIDTH, run_scaling
 
@@ -122,22 +122,23 @@ def section_quality(s: dict) -> dict:
 def section_compression(s: dict, checkpoint: Path) -> dict:
     """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
     one plain forward pass over the same calibration windows in another fresh process."""
-    args = ["-m", "compressor", MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval"]
+    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval"]
     args += ["--out", str(checkpoint), "--overwrite"]
     forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
     for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
         if s[key] is not None:
             args += [flag, str(s[key])]
             forward_args += [flag, str(s[key])]
-    command = "masa-compress " + " ".join(args[2:]).replace(str(checkpoint), "<tmp>")
+    command = "masa-compress " + " ".join(args).replace(str(checkpoint), "<tmp>")
     log(f"compression run: {command}")
-    summary = run_json_child(args, "the compression run")
+    summary = run_module_measured("compressor", args, "the compression run")
+    peak = summary["process"]["peak_rss_gib"]
     seconds = summary["seconds"]
     stages = {
         k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds
     }
     compress_seconds = sum(stages.values())
-    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {summary['peak_rss_gb']:.2f} GiB")
+    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {peak:.2f} GiB")
     log("plain forward pass over the same calibration windows (fresh process)")
     forward = run_json_child(forward_args, "the plain forward pass")
     calibration = summary["settings"]["calibration"]
@@ -156,7 +157,8 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
             "load_seconds": seconds.get("load", 0.0),
             "other_seconds": seconds["total"] - seconds.get("load", 0.0) - compress_seconds,
             "total_seconds": seconds["total"],
-            "peak_rss_gib": summary["peak_rss_gb"],
+            "peak_rss_gib": peak,
+            "cli_reported_peak_rss_gb": summary["peak_rss_gb"],
             "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
             "forward": forward,
             "forward_seconds": forward["seconds"],
@@ -234,6 +236,38 @@ def check(results: dict, files: list[Path]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------
 # Entry point
+
+
+def notes(results: dict) -> list[str]:
+    """Caveats the reader needs, derived from the run itself."""
+    found = [
+        "Peak memory is each fresh process's own high-water mark (`VmHWM` in /proc/self/status), not "
+        "`ru_maxrss`: on Linux a child started from a large parent inherits the parent's peak in its "
+        "`ru_maxrss`."
+    ]
+    compression = results.get("compression", {})
+    if "cli_reported_peak_rss_gb" in compression:
+        found[0] += (
+            f" (The compression run's own summary, which reads `ru_maxrss`, said "
+            f"{compression['cli_reported_peak_rss_gb']:.2f} GiB; its `VmHWM` was "
+            f"{compression['peak_rss_gib']:.2f} GiB.)"
+        )
+    machine = results["machine"]
+    load = max((machine.get("load_average_start") or [0])[0], (machine.get("load_average_end") or [0])[0])
+    if load > 0.25 * (machine.get("usable_cores") or 1):
+        found.append(
+            f"The machine was not idle (1-minute load average up to {load:.2f} on {machine['usable_cores']} "
+            "cores): times are inflated and noisy. With torch's default threads on a shared CPU, small "
+            "LAPACK calls (the SVDs and Cholesky factorizations) can slow down by orders of magnitude (measured "
+            "once on this project's 2-core machine: one 576×576 fp64 SVD took 16 s with 2 threads under load "
+            "vs 0.12 s with 1). Run alone for numbers to quote."
+        )
+    if machine.get("device", "cpu") != "cpu":
+        found.append(
+            f"Device `{machine['device']}`: the quality section, the compression run and the plain forward "
+            "pass ran there; the latency and inference-memory measurements ran on the CPU."
+        )
+    return found
 
 
 def _command(argv: list[str]) -> str:
@@ -341,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(
         {
             "command": _command(argv),
-            "make_target": "make bench-quick" if args.quick else "make bench",
+            "make_target": {(): "make bench", ("--quick",): "make bench-quick"}.get(tuple(argv)),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine,
             "quick": args.quick,
@@ -353,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             "this_run_minutes": (time.perf_counter() - start) / 60,
         }
     )
+    results["notes"] = notes(results)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     files = [results_path, *render(results, results_path, doc, out_dir)]
     problems = check(results, files)

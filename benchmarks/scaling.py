@@ -91,6 +91,11 @@ def child(width: dict, layers: int, samples: int, seq_len: int, ratio: float, se
     finally:
         shutil.rmtree(out, ignore_errors=True)
     compress_seconds = seconds["calibration"] + seconds["compress"] + seconds["save"]
+    # compress_model caches one fp64 Cholesky factor per compressed layer and input (hidden x hidden for
+    # q/k/v, q_out x q_out for o) until it returns: computed here from the plan, not measured.
+    compressed_layers = {pp.layer for pp in outcome.plan.projections if pp.mode != "dense"}
+    q_out = adapter.geometry.shape("q_proj")[0]
+    cholesky_gib = len(compressed_layers) * (width["hidden_size"] ** 2 + q_out**2) * 8 / GIB
     return {
         "layers": layers,
         "width": width,
@@ -101,6 +106,7 @@ def child(width: dict, layers: int, samples: int, seq_len: int, ratio: float, se
         "model_params": sum(p.numel() for p in model.parameters()),
         "model_gib": model_gib,
         "stats_gib": stats_gib,
+        "cholesky_gib": cholesky_gib,
         "seconds": seconds,
         "stage_seconds": outcome.seconds,
         "compress_seconds": compress_seconds,

@@ -25,10 +25,10 @@ import torch
 from benchmarks.common import GIB, current_rss_gib, log, peak_rss_gib
 
 
-def _load_original(spec: str):
+def _load_original(spec: str, device: str = "cpu"):
     from compressor.models import load_model, resolve_model
 
-    loaded = load_model(resolve_model(spec), device="cpu", dtype="float32", progress=False)
+    loaded = load_model(resolve_model(spec), device=device, dtype="auto", progress=False)
     return loaded.model, loaded.tokenizer
 
 
@@ -96,10 +96,13 @@ def prompt_tokens(tokenizer, n_tokens: int) -> torch.Tensor:
 @torch.no_grad()
 def plain_forward_seconds(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1) -> float:
     """One forward pass over all windows, as `collect_statistics` runs them but without its hooks."""
-    model(input_ids=windows[:1, : min(64, windows.shape[1])], use_cache=False)  # warm-up, not timed
+    device = next(model.parameters()).device
+    model(input_ids=windows[:1, : min(64, windows.shape[1])].to(device), use_cache=False)  # warm-up
     start = time.perf_counter()
     for first in range(0, windows.shape[0], batch_size):
-        model(input_ids=windows[first : first + batch_size], use_cache=False)
+        model(input_ids=windows[first : first + batch_size].to(device), use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -230,7 +233,8 @@ def measure_memory(spec_or_checkpoint: str, prefill: int, decode: int) -> dict:
 
 
 def measure_forward(spec: str, samples: int | None, seq_len: int | None, batch_size: int) -> dict:
-    model, tokenizer = _load_original(spec)
+    # The device the compression run picks (`auto`), so that the two times compare.
+    model, tokenizer = _load_original(spec, device="auto")
     windows = calibration_token_windows(spec, tokenizer, samples, seq_len)
     seconds = plain_forward_seconds(model, windows, batch_size)
     return {
@@ -240,6 +244,7 @@ def measure_forward(spec: str, samples: int | None, seq_len: int | None, batch_s
         "tokens": int(windows.numel()),
         "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(),
+        "device": str(next(model.parameters()).device),
         "peak_rss_gib": peak_rss_gib(),
     }
 

@@ -35,6 +35,8 @@ STATUS_LEGEND = {
     "elsewhere (pass --layout with the groups `inspect` shows to make it final)",
     "initial ranks": "at Algorithm 1's starting ranks; after calibration each pair (q,k), (o,v) moves rank "
     "along r_a + r_b = const within its pair budget, so the final count lies at most at the bound",
+    "bound": "an upper bound: the global allocation decides every rank from the calibration statistics and "
+    "spends the residual budget (rounded down to whole ranks)",
 }
 
 ASSUMED_RULE_ENDS = (
@@ -522,8 +524,10 @@ def plan_from_config(
     with the assumed groups). After calibration: the MASA residual ranks (Algorithm 1 starts from the
     initial ranks reported here and moves rank within each pair along r_a + r_b = const).
     """
-    from compressor.pipeline import METHODS
+    from compressor.pipeline import METHODS, PAPER_SETTINGS
 
+    if settings.method == "masa-paper":
+        settings = settings.model_copy(update=PAPER_SETTINGS)
     if not 0.0 < ratio < 1.0:
         raise UserError(
             f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
@@ -640,7 +644,9 @@ def plan_from_config(
     status |= dict.fromkeys(
         ("atoms", "coefficients", "dense_kept", "biases", "residual_budget", "max_ratio"), given
     )
+    global_ranks = method in ("masa", "masa-paper") and settings.allocation != "paper"
     after = "initial ranks" if method in ("masa", "masa-paper") and settings.allocation == "paper" else given
+    after = "bound" if global_ranks else after
     status |= dict.fromkeys(("residual_params", "attention_params_after", "achieved_ratio"), after)
     status["attention_params_after_max"] = given
     result |= {
@@ -654,7 +660,9 @@ def plan_from_config(
         "biases": counts["biases"],
         "residual_budget": plan.residual_budget(),
         "residual_params": plan.factor_params() if allocated else None,
-        "attention_params_after": plan.attention_params_after() if allocated else None,
+        "attention_params_after": plan.attention_params_after()
+        if allocated
+        else (after_max if global_ranks and reason is None else None),
         "attention_params_after_max": after_max if reason is None else None,
         "achieved_ratio": plan.achieved_ratio() if allocated else None,
         "max_ratio": 1.0 - fixed / before,

@@ -163,10 +163,7 @@ def _resolve_bundled(spec: str, recipe: Recipe | None) -> ModelSource:
 
 
 def _dtype_kwargs(dtype: torch.dtype) -> dict:
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+    return {"dtype": dtype}  # transformers 5 (`torch_dtype` in 4.x)
 
 
 def check_architecture(config, where: str) -> None:

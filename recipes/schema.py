@@ -44,7 +44,7 @@ class CompressionSettings(_Strict):
         "final_norm", description="apply the final norm before the unembedding (standard logit lens) or not"
     )
     allocation: Literal["paper", "global", "global-relative"] = Field(
-        "paper",
+        "global-relative",
         description="paper: Algorithm 1 per (Q,K)/(V,O) pair; global: ranks across all matrices by whitened "
         "energy per parameter; global-relative: the same with each matrix's error relative to its output energy",
     )

@@ -69,7 +69,9 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 )
 def test_plan_counts_equal_the_real_compression(family, largest, singletons):
     ratio = 0.3
-    settings = CompressionSettings(groups=3, largest_group_bases=largest, singletons=singletons)
+    settings = CompressionSettings(
+        groups=3, largest_group_bases=largest, singletons=singletons, allocation="paper"
+    )
     _, before, outcome = _compressed(family, ratio, **settings.model_dump())
     real = outcome.plan
     planned = plan_from_config(
@@ -152,14 +154,14 @@ def test_infeasible_plan_says_what_fits():
 
 def test_plan_cli_json_parses_and_matches_the_table(tmp_path, capsys):
     tiny_config("qwen2", num_hidden_layers=6).save_pretrained(tmp_path)
-    code, out, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--json")
+    code, out, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "paper", "--json")
     assert code == 0
     payload = json.loads(out)
     assert payload["feasible"] is True
     assert payload["groups"]["source"] == "assumed"
     for key in ("attention_params_before", "attention_params_after"):
         assert isinstance(payload[key], int)
-    code, table, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3")
+    code, table, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "paper")
     assert code == 0
     for key in (*COUNT_KEYS, "residual_params", "attention_params_after", "attention_params_after_max"):
         assert f"{payload[key]:,}" in table, key
@@ -280,3 +282,13 @@ def test_show_describes_a_saved_checkpoint(tmp_path, capsys):
     assert code == 0 and "tiny-llama" in table and f"{info['attention_params_after']:,}" in table
     code, _, err = _cli(capsys, "show", str(tmp_path))
     assert code == 2 and "masa_config.json" in err
+
+
+def test_plan_with_global_allocation_reports_the_bound(tmp_path, capsys):
+    tiny_config("llama", num_hidden_layers=6).save_pretrained(tmp_path)
+    code, out, _ = _cli(
+        capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "global-relative", "--json"
+    )
+    payload = json.loads(out)
+    assert code == 0 and payload["status"]["attention_params_after"] == "bound"
+    assert payload["attention_params_after"] == payload["attention_params_after_max"] <= payload["budget"]
