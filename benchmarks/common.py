@@ -117,11 +117,25 @@ def _run(args: list[str], what: str, timeout: float | None) -> str:
     command = [sys.executable, *args]
     # stdin closed: nothing a child runs may stop and wait for an answer.
     proc = subprocess.run(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=timeout
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(command)}")
     return proc.stdout
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to end it when the benchmark process dies (a killed run leaves
+    no orphan computing on)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _json_objects(stdout: str, what: str, args: list[str]) -> list[dict]:

@@ -467,7 +467,11 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['ram_gib']} GiB RAM, {m['os']}; "
         f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} thread"
         + ("s" if m["torch_threads"] != 1 else "")
-        + (", set with `--threads`" if m.get("threads_requested") else ", torch's default")
+        + (
+            ", set with `--threads` (the quick mode sets 1)"
+            if m.get("threads_requested")
+            else ", torch's default"
+        )
         + f"), transformers {m['transformers']}; device {m['device']}."
         + (
             f" Load average at the start: {load[0]:.2f} (1 min); at the end: {m['load_average_end'][0]:.2f}."

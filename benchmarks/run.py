@@ -304,8 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--eval-max-tokens", type=int, help="override the evaluation size of the quality section"
     )
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's default, recorded)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads for every process (default: torch's default, recorded; 1 with --quick, where "
+        "a busy CI machine would otherwise stall the small LAPACK calls of 2 threads)",
+    )
     args = parser.parse_args(argv)
+    if args.quick and not args.threads:
+        args.threads = 1
 
     settings = dict(QUICK if args.quick else FULL)
     if args.eval_max_tokens:

@@ -52,6 +52,35 @@ def _full_disk(tmp: Path, monkeypatch) -> str:
     return str(tmp / "ckpt")
 
 
+def _damaged_checkpoint(tmp: Path, damage: str) -> str:
+    """A real (tiny) compressed checkpoint, then damaged as a disk, a download or a hand edit would."""
+    import json
+
+    from conftest import random_windows, tiny_model
+
+    from compressor.adapters import get_adapter
+    from compressor.capture import collect_statistics
+    from compressor.checkpoint import save_compressed
+    from compressor.pipeline import compress_model
+    from compressor.recipes.schema import CompressionSettings
+
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, random_windows(), progress=False)
+    outcome = compress_model(model, adapter, stats, CompressionSettings(), 0.3, progress=False)
+    path = save_compressed(model, outcome.plan, tmp / "ckpt")
+    weights, config = path / "model.safetensors", path / "masa_config.json"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "newer":
+        data = json.loads(config.read_text())
+        data["format_version"] += 1
+        config.write_text(json.dumps(data))
+    elif damage == "json":
+        config.write_text(config.read_text()[:-20])
+    return str(path)
+
+
 # (description, argv builder, expected substring of the one-line error)
 CASES = [
     ("unknown model alias", lambda t, mp: ["smollm9-1t"], "unknown model 'smollm9-1t'"),
@@ -97,6 +126,21 @@ CASES = [
         "not enough free disk for the checkpoint",
         lambda t, mp: ["smollm2-135m", "--out", _full_disk(t, mp), "--no-eval"],
         "not enough free disk",
+    ),
+    (
+        "truncated checkpoint weights",
+        lambda t, mp: ["eval", _damaged_checkpoint(t, "truncated")],
+        "model.safetensors",
+    ),
+    (
+        "checkpoint written by a newer version",
+        lambda t, mp: ["eval", _damaged_checkpoint(t, "newer")],
+        "newer version",
+    ),
+    (
+        "checkpoint config that is not valid JSON",
+        lambda t, mp: ["show", _damaged_checkpoint(t, "json")],
+        "JSON",
     ),
     ("unknown device", lambda t, mp: ["eval", "smollm2-135m", "--device", "tpu9"], "device"),
     (

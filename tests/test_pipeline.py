@@ -139,3 +139,34 @@ def test_sequential_statistics_of_an_uncompressed_model_equal_the_original(famil
             runner.autocorr(layer, "o_proj"), stats.o_autocorr[layer], rtol=1e-5, atol=1e-6
         )
         runner.advance(layer)
+
+
+def test_rank_deficient_statistics_are_damped_and_reported():
+    """8 calibration tokens for a 64-wide model: C is singular, Cholesky needs damping, and the run says so."""
+    model = tiny_model("llama")
+    outcome = _compress(model, "svd-llm", ratio=0.3, windows=random_windows(1, 8))
+    damping = outcome.report["damping"]
+    assert damping and all(entry["damping"] > 0 and entry["attempts"] > 1 for entry in damping)
+    assert {entry["layer"] for entry in damping} == set(range(6))
+
+
+def test_non_finite_activations_are_reported_with_the_layer():
+    from compressor.errors import NumericalError
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[2].self_attn.v_proj.weight[0, 0] = float("inf")
+    with pytest.raises(NumericalError, match="layer 2 o_proj"):
+        _compress(model, "masa")
+
+
+def test_non_finite_weights_are_reported_with_the_module_name():
+    from compressor.errors import NumericalError
+
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, random_windows(), progress=False)
+    with torch.no_grad():
+        model.model.layers[3].self_attn.k_proj.weight[1, 1] = float("nan")
+    with pytest.raises(NumericalError, match=r"model\.layers\.3\.self_attn\.k_proj"):
+        compress_model(model, adapter, stats, CompressionSettings(method="svd-llm"), 0.3, progress=False)
