@@ -105,7 +105,7 @@ def render(results: list[dict]) -> str:
         rise = "—" if reference is None else f"{(r['ppl'] - original) / (reference - original):.3f}"
         lines.append(
             f"| {r['method']} | {r['ratio']:.2f} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f} | {rise} | "
-            f"{r['compress_seconds']:.0f} |"
+            + ("— |" if r.get("compress_seconds") is None else f"{r['compress_seconds']:.0f} |")
         )
     return "\n".join(lines) + "\n"
 

@@ -302,7 +302,8 @@ def _latency_section(results: dict, rel) -> list[str]:
         "## 3. Inference: the reloaded compressed checkpoint vs the original",
         "",
         f"The checkpoint written in section 2 is reloaded with `load_compressed`; both models run in one "
-        f"process ({lat['torch_threads']} torch threads), measured alternately. Prefill: the "
+        f"process ({lat['torch_threads']} torch thread{'s' if lat['torch_threads'] != 1 else ''}), measured "
+        "alternately. Prefill: the "
         f"first {lat['prefill_tokens']} tokens of the held-out text with a KV cache and last-token logits, as "
         f"`generate` does (median of {lat['repeats']} runs after a warm-up). Decode: {lat['decode_tokens']} "
         f"greedy single-token steps with the KV cache after that prefill (median of {lat['repeats']} runs). "
@@ -345,11 +346,12 @@ def _latency_section(results: dict, rel) -> list[str]:
             f"- What dominates the extra {extra:.1f} ms of {phase}: the attention projections take "
             f"{extra_proj:+.1f} ms more in the compressed model ({o[f'{phase}_projection_ms']:.1f} → "
             f"{k[f'{phase}_projection_ms']:.1f} ms, timed with hooks in separate runs); the rest of the model "
-            f"({extra - extra_proj:+.1f} ms) is the same code, so that part is measurement noise. "
+            f"runs identical code in both, so the remaining {extra - extra_proj:+.1f} ms is not the compressed "
+            "modules' doing (noise between runs). "
             + (
-                "Per decoded token each shared projection first combines its atoms (Σ c·D, an out×in "
-                "operation) and then applies the residual factors: more work than the one dense matmul it "
-                "replaces when the residual rank is large."
+                "Per decoded token each shared projection first materializes Σ c·D (an out×in tensor written, "
+                "then read by the matmul) and then applies the residual factors: at one token per step this "
+                "memory traffic is about twice that of the dense weight it replaces, plus the factors."
                 if phase == "decode"
                 else "For long inputs each shared projection rebuilds its dense weight (Σ c·D + A·B, an "
                 "out×in×r operation) before the matmul."
@@ -376,7 +378,8 @@ def _scaling_section(results: dict, rel) -> list[str]:
         f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings; with "
         + " and ".join(str(r["layers"]) for r in runs)
         + f" layers; the same {cal['samples']}×{cal['seq_len']} random calibration tokens; the real "
-        f"`collect_statistics` + `compress_model` (masa, ratio {runs[0]['ratio']:g}) + `save_compressed`, "
+        f"`collect_statistics` + `compress_model` (masa with the smollm2-135m recipe settings, ratio "
+        f"{runs[0]['ratio']:g}) + `save_compressed`, "
         "each depth in a fresh process. *Peak RSS* is the process's high-water mark (`VmHWM`); *with the model "
         "loaded* is "
         "its RSS once the model is built (Python, torch and the weights); *overhead* is the difference, "
@@ -489,10 +492,45 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_latency_section(results, rel),
         *_scaling_section(results, rel),
     ]
+    lines += _ablation_section(doc)
     notes = results.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+ABLATION_FILES = ("ablation-paper-candidates.json", "ablation-global-relative.json")
+
+
+def _ablation_section(doc: Path) -> list[str]:
+    """Beyond the paper (issue 8): the committed ablation runs (`python -m benchmarks.ablation`), if present.
+
+    They come from their own runs (same calibration and evaluation settings as the quality section), not
+    from this one: their compression times were taken on a machine shared with other jobs.
+    """
+    from benchmarks.ablation import render as render_ablation
+
+    found = [REPO / "benchmarks" / name for name in ABLATION_FILES if (REPO / "benchmarks" / name).is_file()]
+    if not found:
+        return []
+    results = [json.loads(path.read_text()) for path in found]
+    sources = ", ".join(
+        f"[`{Path(os.path.relpath(p, doc.parent)).as_posix()}`]({Path(os.path.relpath(p, doc.parent)).as_posix()})"
+        for p in found
+    )
+    return [
+        "## Beyond the paper: ablation at ratio 0.2",
+        "",
+        f"From `python -m benchmarks.ablation` ({sources}), each candidate alone over the paper-faithful "
+        "configuration, then combinations. The default recipe (`masa`) is the paper's pipeline with "
+        "`allocation: global-relative`: ranks across all residual matrices by whitened discarded energy per "
+        "parameter, each matrix's error divided by its original output energy ‖W S‖² so that projections "
+        "read from different inputs (q/k/v vs o) share one scale. Compression times include calibration "
+        "and were taken while other jobs shared the 2 cores: compare them within the table only.",
+        "",
+        *render_ablation(results).splitlines(),
+        "",
+    ]
 
 
 def render(results: dict, results_path: Path, doc: Path, plot_dir: Path) -> list[Path]:

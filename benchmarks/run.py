@@ -122,7 +122,8 @@ def section_quality(s: dict) -> dict:
 def section_compression(s: dict, checkpoint: Path) -> dict:
     """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
     one plain forward pass over the same calibration windows in another fresh process."""
-    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval"]
+    # --no-stats-cache: the calibration capture is part of what is timed, never read from a cache.
+    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", "--no-stats-cache"]
     args += ["--out", str(checkpoint), "--overwrite"]
     forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
     for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):

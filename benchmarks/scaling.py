@@ -2,10 +2,10 @@
 
 Each configuration runs in a fresh process (`python -m benchmarks.scaling --child ...`), so its peak RSS is
 its own: build the random model, collect the calibration statistics on the same random token windows, run
-the real `compress_model` (method masa, the recipe defaults) and `save_compressed` to a temporary directory.
-The child reports the time of each stage, its RSS after each stage and its peak RSS (ru_maxrss), so the
-parent can separate the model itself (which grows with depth by construction) from the memory the
-compression adds on top of it.
+the real `compress_model` (method masa, the smollm2-135m recipe settings) and `save_compressed` to a
+temporary directory. The child reports the time of each stage, its RSS after each stage and its peak RSS
+(VmHWM), so the parent can separate the model itself (which grows with depth by construction) from the
+memory the compression adds on top of it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def child(width: dict, layers: int, samples: int, seq_len: int, ratio: float, se
     from compressor.capture import collect_statistics
     from compressor.checkpoint import save_compressed
     from compressor.pipeline import compress_model
-    from compressor.recipes.schema import CompressionSettings
+    from compressor.recipes.schema import builtin_recipe
 
     rss: dict[str, float] = {"start": current_rss_gib()}
     peak: dict[str, float] = {"start": peak_rss_gib()}
@@ -79,7 +79,8 @@ def child(width: dict, layers: int, samples: int, seq_len: int, ratio: float, se
     stats_gib = _tensor_gib([*stats.attn_autocorr, *stats.o_autocorr, stats.block_output_means])
 
     t = time.perf_counter()
-    outcome = compress_model(model, adapter, stats, CompressionSettings(method="masa"), ratio, progress=False)
+    settings = builtin_recipe("smollm2-135m").compression.model_copy(update={"method": "masa"})
+    outcome = compress_model(model, adapter, stats, settings, ratio, progress=False, windows=windows)
     mark("compress", t)
     del stats
 
@@ -100,6 +101,7 @@ def child(width: dict, layers: int, samples: int, seq_len: int, ratio: float, se
         "layers": layers,
         "width": width,
         "calibration": {"samples": samples, "seq_len": seq_len, "tokens": samples * seq_len},
+        "compression_settings": settings.model_dump(),
         "ratio": ratio,
         "achieved_ratio": outcome.plan.achieved_ratio(),
         "groups": outcome.report.get("grouping", {}).get("groups"),

@@ -587,7 +587,9 @@ def _load_tokenizer(path: Path, config: dict):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        # The tokenizer is standard: no remote code (config.json's auto_map would otherwise make
+        # transformers ask on stdin whether to run it).
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: could not load the tokenizer ({str(err).splitlines()[0]})") from err
 

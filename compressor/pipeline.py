@@ -93,15 +93,18 @@ class MethodContext:
     def whitening(self, layer: int, projection: str) -> WhiteningFactor:
         """Cholesky factor of the projection's input autocorrelation (q/k/v share one per layer)."""
         key = (layer, "attn" if projection in ATTN_INPUT_PROJECTIONS else "o")
+        if any(cached[0] != layer for cached in self._whitening):
+            # Keep only the current layer's factors (the stages go layer by layer): memory stays flat with
+            # depth; a later pass recomputes them (one Cholesky per input, cheap next to the SVDs).
+            self._whitening.clear()
         if key not in self._whitening:
             autocorr = self.stats.attn_autocorr[layer] if key[1] == "attn" else self.stats.o_autocorr[layer]
             with numerical_context(f"the {key[1]} input autocorrelation of layer {layer}"):
                 factor = whitening_factor(autocorr.to(self.compute_device))
             self._whitening[key] = factor
-            if factor.damping > 0:
-                self.report.setdefault("damping", []).append(
-                    {"layer": layer, "input": key[1], "damping": factor.damping, "attempts": factor.attempts}
-                )
+            entry = {"layer": layer, "input": key[1], "damping": factor.damping, "attempts": factor.attempts}
+            if factor.damping > 0 and entry not in self.report.setdefault("damping", []):
+                self.report["damping"].append(entry)
         return self._whitening[key]
 
     def autocorr(self, layer: int, projection: str) -> torch.Tensor:
