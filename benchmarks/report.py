@@ -405,9 +405,11 @@ def _scaling_section(results: dict, rel) -> list[str]:
         f"overhead at {runs[0]['layers']} → {runs[-1]['layers']} layers grows {runs[0]['overhead_gib'] * 1024:.0f} "
         f"→ {runs[-1]['overhead_gib'] * 1024:.0f} MiB. What grows with depth: the fp64 autocorrelations "
         f"collected for all layers at once ({runs[0]['stats_gib'] * 1024:.0f} → {runs[-1]['stats_gib'] * 1024:.0f}"
-        " MiB, 2 matrices per layer) and the fp64 Cholesky factors `compress_model` keeps for every compressed "
-        f"layer until it returns ({_gib_pair(runs, 'cholesky_gib')} MiB, computed from the plan), both held "
-        "for the whole model rather than one layer at a time; the model's own weights grow "
+        " MiB, 2 matrices per layer, needed until the allocation has seen every layer) and the fp64 stack of the "
+        "largest group's weights that Matrix PCA decomposes (transient, about 2·L_g·out·in·8 bytes for one "
+        f"projection type: {_pca_stack_pair(runs)} MiB); the Cholesky factors are freed layer by layer. "
+        "Streaming the Gram matrix and the atoms layer by layer (and offloading the statistics) would flatten "
+        "both; the model's own weights grow "
         f"{s['model_ratio']:.2f}x. The peak is reached during the stage: {peak_stage}.",
         f"- Compression time ratio: {s['time_ratio']:.2f}x for {s['depth_factor']:g}x the layers.",
         "",
@@ -415,6 +417,17 @@ def _scaling_section(results: dict, rel) -> list[str]:
         "",
     ]
     return lines
+
+
+def _pca_stack_pair(runs: list[dict]) -> str:
+    """Size of Matrix PCA's fp64 input for the largest group (q_proj, the widest square projection), per run:
+    the stacked weights and matrix_pca's flattened copy of them."""
+    sizes = []
+    for run in runs:
+        hidden = run["width"]["hidden_size"]
+        largest = max(len(g) for g in run.get("groups") or [[0] * (run["layers"] - 2)])
+        sizes.append(2 * largest * hidden * hidden * 8 / 2**20)
+    return " → ".join(f"{v:.0f}" for v in sizes)
 
 
 def _gib_pair(runs: list[dict], key: str) -> str:
