@@ -84,8 +84,13 @@ def test_checkpoint_round_trip_with_both_loaders(compressed_run):
         expected = compressed_run.model(input_ids=ids).logits
         ours = load_compressed(out)
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+        reloaded_logits = [reloaded(input_ids=ids).logits for reloaded in (ours, remote)]
+        # The two loaders agree exactly; against the in-memory model the difference is fp32 rounding of
+        # the same tensors in other GEMM calls (measured 1.9e-5 on logits of magnitude ~30): relative bound.
+        assert torch.equal(reloaded_logits[0], reloaded_logits[1])
+        for logits in reloaded_logits:
+            assert (logits - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
         for reloaded in (ours, remote):
-            assert (reloaded(input_ids=ids).logits - expected).abs().max().item() <= 1e-5
             assert (
                 sum(p.numel() for p in reloaded.parameters()) == compressed_run.summary["model_params_after"]
             )
