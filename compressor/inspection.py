@@ -333,17 +333,6 @@ class PlanOptions:
     recipe_file: str | None = None
 
 
-def _with(settings: CompressionSettings, **values) -> CompressionSettings:
-    """A validated copy with some settings replaced (those `api.CompressOptions` does not carry)."""
-    from pydantic import ValidationError
-
-    try:
-        return CompressionSettings.model_validate({**settings.model_dump(), **values})
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise UserError(f"invalid --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
-
-
 def geometry_from_config(config) -> AttentionGeometry:
     """The attention shapes from a transformers config, as `DecoderAdapter.geometry` reads them."""
     heads = config.num_attention_heads
@@ -769,11 +758,10 @@ def plan_compression(model: str, ratio: float, options: PlanOptions | None = Non
             largest_group_bases=options.largest_group_bases,
             end_boundaries=options.end_boundaries,
             allocation=options.allocation,
+            singletons=options.singletons,
         ),
         recipe,
     )
-    if options.singletons is not None:
-        settings = _with(settings, singletons=options.singletons)
     config, where = read_model_config(source)
     result = plan_from_config(config, ratio, settings, options.layout)
     return {
