@@ -166,6 +166,14 @@ def default_output_dir(source_name: str, method: str, ratio: float) -> str:
     return f"out/{stem}-{method}-r{ratio:g}"
 
 
+def _existing_parent(out: str) -> Path:
+    """The nearest existing folder above `out` (where it will be created): its permissions and disk count."""
+    parent = Path(out).resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
 def check_output_dir(out: str, overwrite: bool) -> None:
     """Fail before any heavy work if the output directory cannot be written."""
     import os
@@ -178,9 +186,7 @@ def check_output_dir(out: str, overwrite: bool) -> None:
         raise UserError(f"output directory '{out}' already exists: pass --overwrite or choose another --out")
     if path.exists() and not path.is_dir():
         raise UserError(f"output path '{out}' exists and is not a directory: choose another --out")
-    parent = path.resolve().parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = _existing_parent(out)
     if not os.access(parent, os.W_OK):
         raise UserError(
             f"output directory '{out}' cannot be written ({parent} is not writable): choose another --out"
@@ -193,9 +199,7 @@ def check_free_disk(out: str, checkpoint_bytes: int) -> None:
 
     from compressor.errors import UserError
 
-    parent = Path(out).resolve().parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = _existing_parent(out)
     needed = int(checkpoint_bytes * 1.05) + 64 * 2**20  # tensors + headers, tokenizer, report
     free = shutil.disk_usage(parent).free
     if free < needed:
