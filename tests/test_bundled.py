@@ -85,11 +85,11 @@ def test_checkpoint_round_trip_with_both_loaders(compressed_run):
         ours = load_compressed(out)
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
         reloaded_logits = [reloaded(input_ids=ids).logits for reloaded in (ours, remote)]
-        # The two loaders agree exactly; against the in-memory model the difference is fp32 rounding of
-        # the same tensors in other GEMM calls (measured 1.9e-5 on logits of magnitude ~30): relative bound.
-        assert torch.equal(reloaded_logits[0], reloaded_logits[1])
+        # The bound is 1e-5 in fp32. Both loaders copy tensors out of the file mapping into aligned
+        # memory (MKL rounds differently on misaligned operands: 1.9e-5 before), so they agree bit for bit.
         for logits in reloaded_logits:
-            assert (logits - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+            assert (logits - expected).abs().max().item() <= 1e-5
+            assert torch.equal(logits, expected)
         for reloaded in (ours, remote):
             assert (
                 sum(p.numel() for p in reloaded.parameters()) == compressed_run.summary["model_params_after"]

@@ -182,6 +182,24 @@ def test_load_compressed_round_trip(saved: Saved) -> None:
     assert tokenizer("w5 w6").input_ids == [5, 6]
 
 
+def test_both_loaders_reproduce_long_prefills_bit_for_bit(saved: Saved) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # 2 × 48 tokens: shared projections with a residual (64 × 64, rank ≥ 1) take the materialized-weight path,
+    # which the remote code must mirror; tensors must not stay views into the file mapping (misaligned).
+    long_input = torch.randint(3, VOCAB, (2, 48), generator=torch.Generator().manual_seed(2))
+    q_proj = saved.model.model.layers[1].self_attn.q_proj
+    assert q_proj.rank > 0 and long_input.numel() * (q_proj.in_features + q_proj.out_features) > 64 * 64
+    with torch.no_grad():
+        expected = saved.model(long_input).logits
+        for reloaded in (
+            load_compressed(saved.path),
+            AutoModelForCausalLM.from_pretrained(saved.path, trust_remote_code=True),
+        ):
+            assert torch.equal(reloaded(long_input).logits, expected)
+            assert all(p.data_ptr() % 64 == 0 for p in reloaded.parameters())
+
+
 def test_masa_config_describes_the_checkpoint(saved: Saved) -> None:
     config = json.loads((saved.path / MASA_CONFIG).read_text())
     assert config["format_version"] == 1 and config["metadata"] == METADATA

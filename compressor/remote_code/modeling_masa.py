@@ -82,6 +82,14 @@ class SharedBasisLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = torch.einsum("s,soi->oi", self.coefficients, self.atoms)  # (out, in)
+        tokens = x.numel() // self.in_features
+        if (
+            self.rank > 0
+            and tokens * (self.out_features + self.in_features) > self.out_features * self.in_features
+        ):
+            # Long inputs (prefill): one transient dense weight costs less than the factors on every token.
+            # The same rule and arithmetic as masa-compress's own module, so both loaders give the same logits.
+            return nn.functional.linear(x, torch.addmm(weight, self.lowrank_a, self.lowrank_b), self.bias)
         y = nn.functional.linear(x, weight, self.bias)
         if self.rank > 0:
             y = y + nn.functional.linear(nn.functional.linear(x, self.lowrank_b), self.lowrank_a)
@@ -96,6 +104,17 @@ class SharedAtoms(nn.Module):
         self.atoms = nn.Parameter(torch.zeros(n_atoms, out_features, in_features), requires_grad=False)
 
 
+def _own_aligned_memory(model: nn.Module) -> None:
+    """Copy CPU tensors that are views into the safetensors file mapping into fresh, aligned memory.
+
+    Such views sit at offsets that are only 4-byte aligned, and MKL's GEMMs round differently on misaligned
+    operands: without the copy the loaded model's logits differ from masa-compress's own in the last bits.
+    """
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+            tensor.data = tensor.data.clone()
+
+
 class MasaMixin:
     """Installs the compressed projections that `config.masa` describes into the base family's model."""
 
@@ -104,6 +123,12 @@ class MasaMixin:
         # transformers computes the tied-weight mapping and initializes weights, keeps a single construction pass.
         self._install_masa_projections()
         super().post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        _own_aligned_memory(model)
+        return model
 
     def _install_masa_projections(self) -> None:
         self.masa = nn.Module()
