@@ -40,6 +40,7 @@ ABLATIONS: dict[str, dict] = {
         "singletons": "compress",
         "groups": 1,
     },
+    "global-relative, zero atoms": {**PAPER, "allocation": "global-relative", "bases": 0},
     "global-relative + whitened atoms": {**PAPER, "allocation": "global-relative", "atoms": "whitened"},
     "global-relative + singletons compressed": {
         **PAPER,

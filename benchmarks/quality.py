@@ -10,6 +10,9 @@ import argparse
 import copy
 import json
 import time
+from dataclasses import dataclass
+
+import torch
 
 from compressor.adapters import get_adapter
 from compressor.api import evaluation_token_windows, peak_rss_gb
@@ -32,17 +35,32 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def run_quality(
+@dataclass
+class QualitySetup:
+    """What every measured variant shares: the model, ONE calibration and ONE evaluation."""
+
+    source: object
+    loaded: object
+    calibration: object
+    calib_name: str
+    windows: torch.Tensor
+    evaluation: object
+    eval_windows: list
+    eval_name: str
+    original: object
+    stats: object
+    recipe: object
+
+
+def prepare_quality(
     model: str,
-    variants: dict[str, dict],
-    ratios: list[float],
     calib_samples: int | None = None,
     seq_len: int | None = None,
     eval_seq_len: int | None = None,
     eval_max_tokens: int | None = None,
     progress: bool = True,
     log=print,
-) -> dict:
+) -> QualitySetup:
     source = resolve_model(model)
     recipe = source.recipe
     calibration = recipe.calibration.model_copy(
@@ -63,49 +81,80 @@ def run_quality(
     eval_windows, eval_name = evaluation_token_windows(tokenizer, evaluation)
     original = evaluate_perplexity(loaded.model, eval_windows, progress=progress, description="original")
     log(f"original ppl {original.ppl:.3f} ({original.tokens} tokens, {original.seconds:.0f} s)")
-    adapter = get_adapter(loaded.model)
-    stats = collect_statistics(loaded.model, adapter, windows, progress=progress)
+    stats = collect_statistics(loaded.model, get_adapter(loaded.model), windows, progress=progress)
+    return QualitySetup(
+        source, loaded, calibration, calib_text.name, windows, evaluation, eval_windows, eval_name, original,
+        stats, recipe,
+    )  # fmt: skip
+
+
+def measure_variant(
+    setup: QualitySetup, name: str, overrides: dict, ratio: float, progress: bool = True
+) -> dict:
+    """Compress a copy of the model with the recipe's settings and `overrides`, then evaluate it."""
+    model_copy = copy.deepcopy(setup.loaded.model)
+    settings = CompressionSettings(**{**setup.recipe.compression.model_dump(), **overrides})
+    start = time.perf_counter()
+    outcome = compress_model(
+        model_copy,
+        get_adapter(model_copy),
+        setup.stats,
+        settings,
+        ratio,
+        progress=progress,
+        windows=setup.windows,
+    )
+    seconds = time.perf_counter() - start
+    result = evaluate_perplexity(
+        model_copy, setup.eval_windows, progress=progress, description=f"{name}@{ratio}"
+    )
+    return {
+        "method": name,
+        "ratio": ratio,
+        "achieved_ratio": outcome.plan.achieved_ratio(),
+        "attention_params_after": outcome.plan.attention_params_after(),
+        "ppl": result.ppl,
+        "compress_seconds": seconds + setup.stats.seconds,
+        "stage_seconds": dict(outcome.seconds),
+        "settings": settings.model_dump(),
+        "groups": outcome.report.get("grouping", {}).get("groups"),
+        "report": {
+            k: outcome.report[k] for k in ("shape_search", "effective_settings") if k in outcome.report
+        },
+    }
+
+
+def quality_header(setup: QualitySetup) -> dict:
+    return {
+        "model": setup.source.describe(),
+        "calibration": {
+            **setup.calibration.model_dump(), "text": setup.calib_name, "tokens": int(setup.windows.numel())
+        },
+        "evaluation": {**setup.evaluation.model_dump(), "text": setup.eval_name, "tokens": setup.original.tokens},
+        "original_ppl": setup.original.ppl,
+        "calibration_seconds": setup.stats.seconds,
+    }  # fmt: skip
+
+
+def run_quality(
+    model: str,
+    variants: dict[str, dict],
+    ratios: list[float],
+    calib_samples: int | None = None,
+    seq_len: int | None = None,
+    eval_seq_len: int | None = None,
+    eval_max_tokens: int | None = None,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    setup = prepare_quality(model, calib_samples, seq_len, eval_seq_len, eval_max_tokens, progress, log)
     rows = []
     for ratio in ratios:
         for name, overrides in variants.items():
-            model_copy = copy.deepcopy(loaded.model)
-            settings = CompressionSettings(**{**recipe.compression.model_dump(), **overrides})
-            start = time.perf_counter()
-            outcome = compress_model(
-                model_copy,
-                get_adapter(model_copy),
-                stats,
-                settings,
-                ratio,
-                progress=progress,
-                windows=windows,
-            )
-            seconds = time.perf_counter() - start
-            result = evaluate_perplexity(
-                model_copy, eval_windows, progress=progress, description=f"{name}@{ratio}"
-            )
-            row = {
-                "method": name,
-                "ratio": ratio,
-                "achieved_ratio": outcome.plan.achieved_ratio(),
-                "attention_params_after": outcome.plan.attention_params_after(),
-                "ppl": result.ppl,
-                "compress_seconds": seconds + stats.seconds,
-                "settings": settings.model_dump(),
-                "groups": outcome.report.get("grouping", {}).get("groups"),
-            }
+            row = measure_variant(setup, name, overrides, ratio, progress)
             rows.append(row)
-            log(f"{name:>18} ratio {ratio:.2f} achieved {row['achieved_ratio']:.4f} ppl {result.ppl:.3f}")
-            del model_copy
-    return {
-        "model": source.describe(),
-        "calibration": {**calibration.model_dump(), "text": calib_text.name, "tokens": int(windows.numel())},
-        "evaluation": {**evaluation.model_dump(), "text": eval_name, "tokens": original.tokens},
-        "original_ppl": original.ppl,
-        "calibration_seconds": stats.seconds,
-        "quality": rows,
-        "peak_rss_gb": peak_rss_gb(),
-    }
+            log(f"{name:>18} ratio {ratio:.2f} achieved {row['achieved_ratio']:.4f} ppl {row['ppl']:.3f}")
+    return {**quality_header(setup), "quality": rows, "peak_rss_gb": peak_rss_gb()}
 
 
 def main() -> None:

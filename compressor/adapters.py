@@ -16,6 +16,27 @@ from compressor.errors import UserError
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # q/k/v read the post-input_layernorm hidden state; o reads the attention output.
 ATTN_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+# `--targets mlp`: gate/up read the post-attention-norm hidden state; down reads the gated activation.
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = {"attn": PROJECTIONS, "mlp": MLP_PROJECTIONS}
+# Which input (and so which autocorrelation and whitening) each projection reads.
+INPUT_OF = {
+    **dict.fromkeys(ATTN_INPUT_PROJECTIONS, "attn"),
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+}
+
+
+def target_projections(targets: str) -> tuple[str, ...]:
+    """'attn', 'mlp' or 'attn,mlp' -> projection names, attention first."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if not names or unknown:
+        raise UserError(f"unknown target '{(unknown or [targets])[0]}': use --targets attn, mlp or attn,mlp")
+    return tuple(p for t in TARGETS if t in names for p in TARGETS[t])
+
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -32,10 +53,13 @@ SUPPORTED_MODEL_TYPES = (
 
 @dataclass(frozen=True)
 class AttentionGeometry:
+    """Shapes of a layer's projections (the MLP's too, when `intermediate_size` is known)."""
+
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int = 0
 
     def shape(self, projection: str) -> tuple[int, int]:
         """(out, in) of a projection weight, in nn.Linear orientation."""
@@ -46,7 +70,28 @@ class AttentionGeometry:
             "k_proj": (kv_dim, self.hidden_size),
             "v_proj": (kv_dim, self.hidden_size),
             "o_proj": (self.hidden_size, q_dim),
+            "gate_proj": (self.intermediate_size, self.hidden_size),
+            "up_proj": (self.intermediate_size, self.hidden_size),
+            "down_proj": (self.hidden_size, self.intermediate_size),
         }[projection]
+
+    def input_size(self, kind: str) -> int:
+        """Width of an input kind of INPUT_OF (the size of its autocorrelation)."""
+        return {
+            "attn": self.hidden_size,
+            "o": self.num_heads * self.head_dim,
+            "mlp": self.hidden_size,
+            "down": self.intermediate_size,
+        }[kind]
+
+
+def geometry_from_config(config) -> AttentionGeometry:
+    """The projection shapes from a transformers config (no model needed: `plan` and `inspect` use it too)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    intermediate = getattr(config, "intermediate_size", None) or 0
+    return AttentionGeometry(config.hidden_size, heads, kv_heads, head_dim, intermediate)
 
 
 class DecoderAdapter:
@@ -74,8 +119,13 @@ class DecoderAdapter:
     def attention(self, layer_index: int) -> nn.Module:
         return self.layers[layer_index].self_attn
 
+    def block_of(self, layer_index: int, name: str) -> nn.Module:
+        """The submodule holding projection `name`: self_attn, or mlp for gate/up/down."""
+        layer = self.layers[layer_index]
+        return layer.mlp if name in MLP_PROJECTIONS else layer.self_attn
+
     def projection(self, layer_index: int, name: str) -> nn.Module:
-        return getattr(self.attention(layer_index), name)
+        return getattr(self.block_of(layer_index, name), name)
 
     def projection_path(self, layer_index: int, name: str) -> str:
         """Fully qualified module name, e.g. `model.layers.3.self_attn.q_proj`."""
@@ -85,7 +135,7 @@ class DecoderAdapter:
         raise KeyError(name)
 
     def set_projection(self, layer_index: int, name: str, module: nn.Module) -> None:
-        setattr(self.attention(layer_index), name, module)
+        setattr(self.block_of(layer_index, name), name, module)
 
     @property
     def final_norm(self) -> nn.Module:
@@ -97,19 +147,29 @@ class DecoderAdapter:
 
     @property
     def geometry(self) -> AttentionGeometry:
-        cfg = self.config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        return AttentionGeometry(cfg.hidden_size, heads, kv_heads, head_dim)
+        return geometry_from_config(self.config)
+
+    def check_mlp(self) -> None:
+        """`--targets mlp` needs gated MLPs with separate gate/up/down projections of the config's sizes."""
+        g = self.geometry
+        for i in range(self.num_layers):
+            mlp = getattr(self.layers[i], "mlp", None)
+            for name in MLP_PROJECTIONS:
+                module = getattr(mlp, name, None)
+                if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != g.shape(name):
+                    raise UserError(
+                        f"--targets mlp: layer {i} has no mlp.{name} of shape {list(g.shape(name))} "
+                        f"('{self.model_type}' models are supported for attention only): use --targets attn"
+                    )
 
     # -- parameter accounting -----------------------------------------------------------------------
-    def attention_parameter_count(self) -> int:
-        """Numbers stored by all attention projections (weights and biases), counting shared tensors once."""
+    def attention_parameter_count(self, projections: tuple[str, ...] = PROJECTIONS) -> int:
+        """Numbers stored by the targeted projections (weights and biases; by default the attention's),
+        counting shared tensors once."""
         seen: set[int] = set()
         total = 0
         for i in range(self.num_layers):
-            for name in PROJECTIONS:
+            for name in projections:
                 for p in self.projection(i, name).parameters():
                     if id(p) not in seen:
                         seen.add(id(p))

@@ -85,6 +85,8 @@ class CompressOptions:
     atoms: str | None = None
     singletons: str | None = None
     statistics: str | None = None
+    targets: str | None = None
+    auto_groups: bool | None = None
     calib: str | None = None
     calib_samples: int | None = None
     seq_len: int | None = None
@@ -155,6 +157,8 @@ def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
         atoms=options.atoms,
         singletons=options.singletons,
         statistics=options.statistics,
+        targets=options.targets,
+        auto_groups=options.auto_groups,
     )
     return calibration, evaluation, compression
 
@@ -228,11 +232,11 @@ def compress(
     import time
 
     from compressor import __version__
-    from compressor.adapters import get_adapter
+    from compressor.adapters import MLP_PROJECTIONS, get_adapter, target_projections
     from compressor.calibration.windows import calibration_windows
     from compressor.capture import collect_statistics
     from compressor.errors import UserError
-    from compressor.pipeline import METHODS, compress_model
+    from compressor.pipeline import METHODS, check_targets, compress_model
     from compressor.plan import check_feasible_before_calibration
     from compressor.progress import note
     from compressor.recipes.schema import load_recipe_file
@@ -249,6 +253,7 @@ def compress(
     calibration, evaluation, compression = resolve_run_settings(options, recipe)
     if compression.method not in METHODS:
         raise UserError(f"unknown --method '{compression.method}': use one of {', '.join(METHODS)}")
+    check_targets(compression)
     out = options.out or default_output_dir(
         recipe.name if recipe else source.location, compression.method, options.ratio
     )
@@ -261,16 +266,21 @@ def compress(
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)
     seconds["load"] = time.perf_counter() - t
     adapter = get_adapter(loaded.model)
-    if compression.method.startswith("masa"):
+    targets = target_projections(compression.targets)
+    with_mlp = bool(set(targets) & set(MLP_PROJECTIONS))
+    if with_mlp:
+        adapter.check_mlp()
+    if compression.method.startswith("masa") and not compression.auto_groups:
         check_feasible_before_calibration(
             options.ratio,
-            adapter.attention_parameter_count(),
+            adapter.attention_parameter_count(targets),
             adapter.geometry,
             adapter.num_layers,
             compression.groups,
             compression.bases,
             compression.largest_group_bases,
             compression.singletons == "compress",
+            targets,
         )
     bos = bos_token_id_for(loaded.tokenizer)
     calib_ids = tokenize_documents(loaded.tokenizer, calib_text.documents)
@@ -282,7 +292,7 @@ def compress(
     )
 
     model_params_before = sum(p.numel() for p in loaded.model.parameters())
-    attention_before = adapter.attention_parameter_count()
+    attention_before = adapter.attention_parameter_count(targets)
     if options.save:
         element = next(loaded.model.parameters()).element_size()
         check_free_disk(out, int((model_params_before - options.ratio * attention_before) * element))
@@ -298,11 +308,15 @@ def compress(
     if options.stats_cache:
         from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key
 
-        key = stats_key(model_fingerprint(loaded.model), calib_text.fingerprint, calib_windows, loaded.dtype)
+        key = stats_key(
+            model_fingerprint(loaded.model), calib_text.fingerprint, calib_windows, loaded.dtype, with_mlp
+        )
         stats, cache_note = load_stats(key, adapter)
         note(f"[dim]calibration: {cache_note}[/]", progress)
     if stats is None:
-        stats = collect_statistics(loaded.model, adapter, calib_windows, options.batch_size, progress)
+        stats = collect_statistics(
+            loaded.model, adapter, calib_windows, options.batch_size, progress, mlp=with_mlp
+        )
         if options.stats_cache:
             cache_note = f"computed and cached in {save_stats(stats, key)}"
     seconds["calibration"] = stats.seconds
@@ -327,6 +341,7 @@ def compress(
         "recipe": recipe.name if recipe else None,
         "method": compression.method,
         "ratio_requested": options.ratio,
+        "targets": compression.targets,
         "achieved_ratio": plan.achieved_ratio(),
         "attention_params_before": attention_before,
         "attention_params_after": plan.attention_params_after(),

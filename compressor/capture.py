@@ -2,6 +2,7 @@
 
 Per layer: C_attn = Σ xᵀx over the q/k/v input (post input_layernorm), C_o = Σ zᵀz over the o_proj
 input, both accumulated in fp64; and the token-mean of each block's output per window (for grouping).
+With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the down_proj input.
 """
 
 from __future__ import annotations
@@ -25,28 +26,55 @@ class CalibrationStats:
     tokens: int
     windows: int
     seconds: float = 0.0
+    mlp_autocorr: list[torch.Tensor] | None = None  # L × (hidden, hidden): input of gate/up (mlp=True)
+    down_autocorr: list[torch.Tensor] | None = None  # L × (intermediate, same): input of down_proj
 
     def to(self, device: torch.device) -> CalibrationStats:
+        def moved(matrices):
+            return None if matrices is None else [c.to(device) for c in matrices]
+
         return CalibrationStats(
-            [c.to(device) for c in self.attn_autocorr],
-            [c.to(device) for c in self.o_autocorr],
+            moved(self.attn_autocorr),
+            moved(self.o_autocorr),
             self.block_output_means.to(device),
             self.tokens,
             self.windows,
             self.seconds,
+            moved(self.mlp_autocorr),
+            moved(self.down_autocorr),
         )
+
+    @property
+    def has_mlp(self) -> bool:
+        return self.mlp_autocorr is not None and self.down_autocorr is not None
+
+    def autocorr(self, kind: str, layer: int) -> torch.Tensor:
+        """The autocorrelation of input `kind` (adapters.INPUT_OF) at `layer`."""
+        matrices = {
+            "attn": self.attn_autocorr,
+            "o": self.o_autocorr,
+            "mlp": self.mlp_autocorr,
+            "down": self.down_autocorr,
+        }[kind]
+        if matrices is None:
+            raise ValueError(f"the {kind} input autocorrelations were not collected: pass mlp=True")
+        return matrices[layer]
 
 
 class _Accumulator:
     """Owns the hooks; always removes them (also on error)."""
 
-    def __init__(self, adapter: DecoderAdapter, n_windows: int, device: torch.device):
+    def __init__(self, adapter: DecoderAdapter, n_windows: int, device: torch.device, mlp: bool = False):
         self.adapter = adapter
         geometry = adapter.geometry
-        q_out, _ = geometry.shape("q_proj")
         f64 = {"dtype": torch.float64, "device": device}
-        self.attn = [torch.zeros(geometry.hidden_size, geometry.hidden_size, **f64) for _ in adapter.layers]
-        self.o = [torch.zeros(q_out, q_out, **f64) for _ in adapter.layers]
+
+        def zeros(kind: str) -> list[torch.Tensor]:
+            size = geometry.input_size(kind)
+            return [torch.zeros(size, size, **f64) for _ in adapter.layers]
+
+        self.attn, self.o = zeros("attn"), zeros("o")
+        self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
         self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
         self.window_offset = 0
         self.handles: list = []
@@ -75,6 +103,19 @@ class _Accumulator:
                 )
             )
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
+            if self.mlp is not None:
+                gate = self.adapter.projection(i, "gate_proj")
+                down = self.adapter.projection(i, "down_proj")
+                self.handles.append(
+                    gate.register_forward_pre_hook(
+                        lambda m, a, i=i: self._gram_into(self.mlp[i], a[0], f"layer {i} gate_proj")
+                    )
+                )
+                self.handles.append(
+                    down.register_forward_pre_hook(
+                        lambda m, a, i=i: self._gram_into(self.down[i], a[0], f"layer {i} down_proj")
+                    )
+                )
         return self
 
     def _block_mean(self, i: int, output) -> None:
@@ -95,13 +136,17 @@ def collect_statistics(
     windows: torch.Tensor,
     batch_size: int = 1,
     progress: bool = True,
+    mlp: bool = False,
 ) -> CalibrationStats:
-    """Run the calibration windows (N, T) through the original model and reduce the statistics."""
+    """Run the calibration windows (N, T) through the original model and reduce the statistics
+    (with `mlp`, also the MLP inputs' autocorrelations)."""
     device = next(model.parameters()).device
     start = time.perf_counter()
     n = windows.shape[0]
+    if mlp:
+        adapter.check_mlp()
     with (
-        _Accumulator(adapter, n, device) as acc,
+        _Accumulator(adapter, n, device, mlp) as acc,
         progress_bar("Calibration", total=n, enabled=progress) as bar,
     ):
         for first in range(0, n, batch_size):
@@ -116,4 +161,6 @@ def collect_statistics(
         tokens=int(windows.numel()),
         windows=n,
         seconds=time.perf_counter() - start,
+        mlp_autocorr=acc.mlp,
+        down_autocorr=acc.down,
     )

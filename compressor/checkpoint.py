@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from compressor import __version__
-from compressor.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, DecoderAdapter, get_adapter
+from compressor.adapters import SUPPORTED_MODEL_TYPES, DecoderAdapter, get_adapter
 from compressor.errors import CheckpointError, UserError
 from compressor.modules import LowRankLinear, SharedBasisLinear
 from compressor.plan import CompressionPlan
@@ -126,7 +126,7 @@ def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[
     atoms: dict[int, str] = {}
     owners: dict[str, int] = {}
     for layer in range(adapter.num_layers):
-        for name in PROJECTIONS:
+        for name in plan.targets:
             module = adapter.projection(layer, name)
             spec = _projection_spec(layer, name, module, plan)
             if spec["mode"] == "shared":
@@ -214,13 +214,15 @@ def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def _counts(model: nn.Module, adapter: DecoderAdapter, plan: CompressionPlan) -> dict:
     total = sum(p.numel() for p in model.parameters())
-    attention = adapter.attention_parameter_count()
+    attention = adapter.attention_parameter_count(plan.targets)
     if plan.ranks_allocated() and plan.attention_params_after() != attention:
         raise ValueError(
-            f"the plan counts {plan.attention_params_after():,} attention parameters but the model stores "
-            f"{attention:,}: the installed modules do not match the plan"
+            f"the plan counts {plan.attention_params_after():,} parameters in {', '.join(plan.targets)} but the "
+            f"model stores {attention:,}: the installed modules do not match the plan"
         )
+    # "attention" counts the targeted projections (q/k/v/o unless the run also compressed the MLP).
     return {
+        "targets": list(plan.targets),
         "attention_params_before": plan.attention_params_before,
         "attention_params_after": attention,
         "achieved_ratio": 1.0 - attention / plan.attention_params_before,
@@ -632,11 +634,10 @@ def export_dense(
     model = load_compressed(path)
     compressed_params = sum(p.numel() for p in model.parameters())
     adapter = get_adapter(model)
-    for layer in range(adapter.num_layers):
-        for name in PROJECTIONS:
-            module = adapter.projection(layer, name)
-            if not isinstance(module, nn.Linear):
-                adapter.set_projection(layer, name, _dense_linear(module))
+    for spec in config["layout"]["projections"]:
+        module = adapter.projection(spec["layer"], spec["projection"])
+        if not isinstance(module, nn.Linear):
+            adapter.set_projection(spec["layer"], spec["projection"], _dense_linear(module))
     with _atomic_directory(out_dir, overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
         if config.get("tokenizer", False):

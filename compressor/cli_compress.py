@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
+from compressor.errors import UserError
 from compressor.pipeline import METHODS
 
 console = Console()
@@ -19,7 +20,11 @@ def compress_command(
     model: ModelArg,
     ratio: Annotated[
         float,
-        typer.Option("--ratio", "-r", help="Fraction of the attention parameters to remove, in (0, 1)."),
+        typer.Option(
+            "--ratio",
+            "-r",
+            help="Fraction of the targeted parameters (attention by default) to remove, in (0, 1).",
+        ),
     ] = 0.2,
     method: Annotated[
         str | None,
@@ -81,6 +86,22 @@ def compress_command(
             "--statistics",
             help="original (whitening statistics of the original model, paper) or sequential (layer l's "
             "statistics on the model whose earlier layers are already compressed; ~1 extra forward pass).",
+        ),
+    ] = None,
+    targets: Annotated[
+        str | None,
+        typer.Option(
+            "--targets",
+            help="Projections compressed and counted by --ratio: attn (q/k/v/o, default), mlp (gate/up/down), "
+            "or attn,mlp (every linear projection of the layers, as Basis Sharing does).",
+        ),
+    ] = None,
+    auto_groups: Annotated[
+        bool | None,
+        typer.Option(
+            "--auto-groups/--fixed-groups",
+            help="Choose G (1-8) and B (0-2) by a proxy computed before building anything (the relative "
+            "whitened error left under the budget) instead of --groups/--bases; adds ~1-3 min. Default: the recipe's.",
         ),
     ] = None,
     dry_run: Annotated[
@@ -152,6 +173,16 @@ def compress_command(
     if dry_run:
         from compressor.cli_inspect import plan_command
 
+        if targets not in (None, "attn"):
+            raise UserError(
+                f"--dry-run plans attention only: drop --targets {targets} to see the plan, or run without --dry-run"
+            )
+        if auto_groups:
+            raise UserError(
+                "--dry-run cannot plan with --auto-groups: G and B are chosen from calibration statistics; "
+                "drop --auto-groups (or pass --groups/--bases) to see a plan"
+            )
+
         plan_command(
             model, ratio=ratio, method=method, groups=groups, bases=bases,
             largest_group_bases=largest_group_bases, end_boundaries=end_boundaries, allocation=allocation,
@@ -170,6 +201,8 @@ def compress_command(
         atoms=atoms,
         singletons=singletons,
         statistics=statistics,
+        targets=targets,
+        auto_groups=auto_groups,
         calib=calib,
         calib_samples=calib_samples,
         seq_len=seq_len,
@@ -204,12 +237,20 @@ def print_summary(summary: dict) -> None:
             f"[bold]Groups[/] ({grouping['rule']}): "
             + "  ".join(f"[{g[0]}]" if len(g) == 1 else f"[{g[0]}–{g[-1]}]" for g in grouping["groups"])
         )
+    search = summary["report"].get("shape_search")
+    if search:
+        chosen = search["chosen"]
+        console.print(
+            f"[bold]G and B chosen by the proxy[/]: G={chosen['groups']}, B={chosen['bases']} "
+            f"(lowest relative whitened error of {len(search['candidates'])} feasible candidates)"
+        )
     table = Table(title=f"masa-compress · {summary['model']} · method {summary['method']}")
     table.add_column("")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
+    targets = summary.get("targets", "attn")
     table.add_row(
-        "attention parameters",
+        "attention parameters" if targets == "attn" else f"targeted parameters ({targets})",
         f"{summary['attention_params_before']:,}",
         f"{summary['attention_params_after']:,}",
     )
@@ -217,7 +258,7 @@ def print_summary(summary: dict) -> None:
         "model parameters", f"{summary['model_params_before']:,}", f"{summary['model_params_after']:,}"
     )
     table.add_row(
-        "attention ratio removed",
+        "ratio removed" + (" of attention" if targets == "attn" else f" of {targets}"),
         f"requested {summary['ratio_requested']:.3f}",
         f"achieved {summary['achieved_ratio']:.4f}",
     )

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from compressor.adapters import PROJECTIONS, AttentionGeometry, DecoderAdapter
+from compressor.adapters import PROJECTIONS, AttentionGeometry, DecoderAdapter, geometry_from_config
 from compressor.allocation import _initial_ranks
 from compressor.errors import UserError
 from compressor.grouping import consecutive_kl, contiguous_groups, group_layers, logit_lens_distributions
@@ -331,14 +331,6 @@ class PlanOptions:
     singletons: str | None = None
     layout: list[int] | None = None  # group sizes, first to last; replaces the assumed groups
     recipe_file: str | None = None
-
-
-def geometry_from_config(config) -> AttentionGeometry:
-    """The attention shapes from a transformers config, as `DecoderAdapter.geometry` reads them."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return AttentionGeometry(config.hidden_size, heads, kv_heads, head_dim)
 
 
 def bias_projections(config) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compressor.adapters import ATTN_INPUT_PROJECTIONS, PROJECTIONS, DecoderAdapter
+from compressor.adapters import INPUT_OF, MLP_PROJECTIONS, DecoderAdapter, target_projections
 from compressor.allocation import allocate_global, balance_pair_paper
 from compressor.capture import CalibrationStats
 from compressor.errors import NumericalError, UserError
@@ -86,19 +86,24 @@ class MethodContext:
             )
         return w
 
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projection types compressed (`targets`): q/k/v/o by default."""
+        return target_projections(self.settings.targets)
+
     def bias(self, layer: int, projection: str) -> torch.Tensor | None:
         b = self.adapter.projection(layer, projection).bias
         return None if b is None else b.detach().clone()
 
     def whitening(self, layer: int, projection: str) -> WhiteningFactor:
-        """Cholesky factor of the projection's input autocorrelation (q/k/v share one per layer)."""
-        key = (layer, "attn" if projection in ATTN_INPUT_PROJECTIONS else "o")
+        """Cholesky factor of the projection's input autocorrelation (q/k/v share one per layer, gate/up too)."""
+        key = (layer, INPUT_OF[projection])
         if any(cached[0] != layer for cached in self._whitening):
             # Keep only the current layer's factors (the stages go layer by layer): memory stays flat with
             # depth; a later pass recomputes them (one Cholesky per input, cheap next to the SVDs).
             self._whitening.clear()
         if key not in self._whitening:
-            autocorr = self.stats.attn_autocorr[layer] if key[1] == "attn" else self.stats.o_autocorr[layer]
+            autocorr = self.stats.autocorr(key[1], layer)
             with numerical_context(f"the {key[1]} input autocorrelation of layer {layer}"):
                 factor = whitening_factor(autocorr.to(self.compute_device))
             self._whitening[key] = factor
@@ -108,20 +113,21 @@ class MethodContext:
         return self._whitening[key]
 
     def autocorr(self, layer: int, projection: str) -> torch.Tensor:
-        """Input autocorrelation of a projection: the layer input for q/k/v, the attention output for o."""
-        stats = self.stats.attn_autocorr if projection in ATTN_INPUT_PROJECTIONS else self.stats.o_autocorr
-        return stats[layer]
+        """Input autocorrelation of a projection: the layer input for q/k/v, the attention output for o, the
+        post-attention-norm hidden state for gate/up, the gated activation for down."""
+        return self.stats.autocorr(INPUT_OF[projection], layer)
 
     def biases(self) -> dict[tuple[int, str], int]:
         return {
             (layer, p): self.adapter.projection(layer, p).bias.numel()
             for layer in range(self.adapter.num_layers)
-            for p in PROJECTIONS
+            for p in self.projections
             if self.adapter.projection(layer, p).bias is not None
         }
 
     def attention_params_before(self) -> int:
-        return self.adapter.attention_parameter_count()
+        """Numbers stored by the targeted projections before compression (the ratio's denominator)."""
+        return self.adapter.attention_parameter_count(self.projections)
 
     def grouping(self, n_groups: int) -> Grouping:
         start = time.perf_counter()
@@ -166,6 +172,20 @@ class CompressionOutcome:
 # MASA
 
 
+def group_atoms(
+    ctx: MethodContext, layers: list[int], n_atoms: int, p: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Matrix PCA of one group's weights for projection type `p`: atoms (B', out, in), coefficients (L, B'),
+    eigenvalues; B' < `n_atoms` when the stacked weights have a lower numerical rank."""
+    stacked = torch.stack([ctx.weight(layer, p) for layer in layers])  # (L, out, in)
+    if ctx.settings.atoms == "whitened":
+        autocorrs = [ctx.autocorr(layer, p).to(ctx.compute_device) for layer in layers]
+        group_factor = whitening_factor(torch.stack(autocorrs).sum(dim=0))
+        d, _, eigenvalues = whitened_matrix_pca(stacked, group_factor.S, n_atoms)
+        return d, refit_coefficients(stacked, d, autocorrs), eigenvalues
+    return matrix_pca(stacked, n_atoms)
+
+
 def _group_atoms(
     ctx: MethodContext, plan: CompressionPlan
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
@@ -174,17 +194,10 @@ def _group_atoms(
     atoms: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     energy = []
     shared = [g for g in plan.groups if g.n_atoms > 0]
-    with progress_bar("Matrix PCA", total=len(shared) * len(PROJECTIONS), enabled=ctx.progress) as bar:
+    with progress_bar("Matrix PCA", total=len(shared) * len(ctx.projections), enabled=ctx.progress) as bar:
         for group in shared:
-            for p in PROJECTIONS:
-                stacked = torch.stack([ctx.weight(layer, p) for layer in group.layers])  # (L, out, in)
-                if ctx.settings.atoms == "whitened":
-                    autocorrs = [ctx.autocorr(layer, p).to(ctx.compute_device) for layer in group.layers]
-                    group_factor = whitening_factor(torch.stack(autocorrs).sum(dim=0))
-                    d, _, eigenvalues = whitened_matrix_pca(stacked, group_factor.S, group.n_atoms)
-                    c = refit_coefficients(stacked, d, autocorrs)
-                else:
-                    d, c, eigenvalues = matrix_pca(stacked, group.n_atoms)
+            for p in ctx.projections:
+                d, c, eigenvalues = group_atoms(ctx, group.layers, group.n_atoms, p)
                 atoms[(group.index, p)] = (d, c)
                 # PCA returns fewer atoms when the group's weights have a lower numerical rank.
                 for layer in group.layers:
@@ -210,8 +223,24 @@ def _residual(ctx: MethodContext, plan: CompressionPlan, atoms, layer: int, p: s
     if pp.mode != "shared":
         return w
     d, c = atoms[(pp.group, p)]
-    row = plan.groups[pp.group].layers.index(layer)
-    return w - torch.einsum("s,soi->oi", c[row], d)
+    return w - shared_part(d, c, plan.groups[pp.group].layers.index(layer))
+
+
+def shared_part(atoms: torch.Tensor, coefficients: torch.Tensor, row: int) -> torch.Tensor:
+    """Σ_s c_(row, s) D_s: what the atoms reconstruct of the group's `row`-th layer."""
+    return torch.einsum("s,soi->oi", coefficients[row], atoms)
+
+
+def residual_tail(ctx: MethodContext, layer: int, p: str, residual: torch.Tensor) -> torch.Tensor:
+    """Discarded whitened energy of the residual at every rank (`tail[r]`), on the CPU."""
+    with numerical_context(f"layer {layer} {p}"):
+        _, sigma, _ = whitened_svd(residual, ctx.whitening(layer, p).S)
+    return discarded_energy(sigma).cpu()
+
+
+def output_energy(ctx: MethodContext, layer: int, p: str) -> float:
+    """‖W S‖²: the whitened output energy of the original weight, the scale of `global-relative` errors."""
+    return float(((ctx.weight(layer, p) @ ctx.whitening(layer, p).S) ** 2).sum())
 
 
 def _allocate_paper(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> None:
@@ -221,7 +250,7 @@ def _allocate_paper(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> N
     if not layers:
         return
     geometry = plan.geometry
-    size = {p: math.prod(geometry.shape(p)) for p in PROJECTIONS}
+    size = {p: math.prod(geometry.shape(p)) for p in plan.targets}
     layer_budget = plan.residual_budget() // len(layers)
     qk_budget = layer_budget * (size["q_proj"] + size["k_proj"]) // layer_dense_params(geometry)
     pair_budgets = {("q_proj", "k_proj"): qk_budget, ("o_proj", "v_proj"): layer_budget - qk_budget}
@@ -255,7 +284,7 @@ def _allocate_global(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> 
     scale = {k: 1.0 for k in keys}
     if ctx.settings.allocation == "global-relative":
         for layer, p in keys:
-            scale[(layer, p)] = float(((ctx.weight(layer, p) @ ctx.whitening(layer, p).S) ** 2).sum())
+            scale[(layer, p)] = output_energy(ctx, layer, p)
     ranks = allocate_global(
         {n: tails[k] / scale[k] for n, k in names.items()},
         {n: plan.geometry.shape(k[1]) for n, k in names.items()},
@@ -296,20 +325,38 @@ def _install_projection(
     ctx.install(layer, p, module)
 
 
-def compress_masa(ctx: MethodContext) -> CompressionPlan:
-    s = ctx.settings
-    grouping = ctx.grouping(s.groups)
-    plan = shared_plan(
+def masa_plan(ctx: MethodContext, groups: list[list[int]], bases: int, largest_group_bases: int | None):
+    """The MASA layout of a grouping under the budget (ranks not yet allocated)."""
+    return shared_plan(
         ctx.settings.method,
         ctx.ratio,
         ctx.attention_params_before(),
         ctx.adapter.geometry,
-        grouping.groups,
-        s.bases,
-        s.largest_group_bases,
+        groups,
+        bases,
+        largest_group_bases,
         ctx.biases(),
-        compress_singletons=s.singletons == "compress",
+        compress_singletons=ctx.settings.singletons == "compress",
+        projections_compressed=ctx.projections,
     )
+
+
+def allocate_ranks(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> None:
+    (_allocate_paper if ctx.settings.allocation == "paper" else _allocate_global)(ctx, plan, tails)
+
+
+def compress_masa(ctx: MethodContext) -> CompressionPlan:
+    if ctx.settings.auto_groups:
+        from compressor.shape_search import choose_groups_and_bases
+
+        choice = choose_groups_and_bases(ctx)
+        ctx.settings = ctx.settings.model_copy(
+            update={"groups": choice.groups, "bases": choice.bases, "largest_group_bases": None}
+        )
+        ctx.report["effective_settings"] = ctx.settings.model_dump()
+    s = ctx.settings
+    grouping = ctx.grouping(s.groups)
+    plan = masa_plan(ctx, grouping.groups, s.bases, s.largest_group_bases)
     atoms = _group_atoms(ctx, plan)
     targets = [(pp.layer, pp.projection) for pp in plan.projections if pp.mode != "dense"]
 
@@ -319,11 +366,9 @@ def compress_masa(ctx: MethodContext) -> CompressionPlan:
     tails = {}
     with progress_bar("Residual spectra", total=len(targets), enabled=ctx.progress) as bar:
         for layer, p in targets:
-            with numerical_context(f"layer {layer} {p}"):
-                _, sigma, _ = whitened_svd(_residual(ctx, plan, atoms, layer, p), ctx.whitening(layer, p).S)
-            tails[(layer, p)] = discarded_energy(sigma).cpu()
+            tails[(layer, p)] = residual_tail(ctx, layer, p, _residual(ctx, plan, atoms, layer, p))
             bar.advance()
-    (_allocate_paper if s.allocation == "paper" else _allocate_global)(ctx, plan, tails)
+    allocate_ranks(ctx, plan, tails)
     plan.check_budget()
     # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.
     ctx.report["residual_error"] = float(sum(tails[k][plan.get(*k).rank] for k in targets))
@@ -361,6 +406,7 @@ def _compress_lowrank(ctx: MethodContext, whitened: bool) -> CompressionPlan:
         ctx.adapter.geometry,
         ctx.adapter.num_layers,
         ctx.biases(),
+        ctx.projections,
     )
     start = time.perf_counter()
     dtype, device = ctx.model_dtype, ctx.model_device
@@ -403,7 +449,10 @@ def compress_shared_mean(ctx: MethodContext) -> CompressionPlan:
 
     def plan_for(n_groups: int) -> CompressionPlan:
         grouping = ctx.grouping(n_groups)
-        plan = shared_plan(ctx.settings.method, ctx.ratio, before, geometry, grouping.groups, 1, None, biases)
+        plan = shared_plan(
+            ctx.settings.method, ctx.ratio, before, geometry, grouping.groups, 1, None, biases,
+            projections_compressed=ctx.projections,
+        )  # fmt: skip
         for pp in plan.projections:
             if pp.mode == "shared":
                 pp.rank = 0
@@ -427,7 +476,7 @@ def compress_shared_mean(ctx: MethodContext) -> CompressionPlan:
     for group in plan.groups:
         if group.singleton:
             continue
-        for p in PROJECTIONS:
+        for p in ctx.projections:
             mean = torch.stack([ctx.weight(layer, p) for layer in group.layers]).mean(dim=0)
             atoms = nn.Parameter(mean[None].to(device=device, dtype=dtype).contiguous(), requires_grad=False)
             for layer in group.layers:
@@ -448,6 +497,21 @@ METHOD_FUNCTIONS: dict[str, Callable[[MethodContext], CompressionPlan]] = {
     "svd": compress_plain_svd,
     "shared-mean": compress_shared_mean,
 }
+
+
+def check_targets(settings: CompressionSettings) -> None:
+    """Refuse, before any heavy work, the settings that have no rule for MLP projections."""
+    if "mlp" not in settings.targets:
+        return
+    if settings.method == "masa-paper" or settings.allocation == "paper":
+        raise UserError(
+            "--targets mlp: Algorithm 1 (--allocation paper, --method masa-paper) balances (Q,K) and (V,O) pairs "
+            "and has no rule for MLP projections: use --method masa with --allocation global-relative"
+        )
+    if settings.statistics == "sequential" and settings.method.startswith("masa"):
+        raise UserError(
+            "--targets mlp: --statistics sequential collects attention inputs only: use --statistics original"
+        )
 
 
 @torch.no_grad()
@@ -472,13 +536,20 @@ def compress_model(
     if settings.method == "masa-paper":
         # The paper's training-free path, whatever the recipe's improved defaults are.
         settings = settings.model_copy(update=PAPER_SETTINGS)
+    check_targets(settings)
+    projections = target_projections(settings.targets)
+    if set(projections) & set(MLP_PROJECTIONS):
+        if not stats.has_mlp:
+            raise ValueError(
+                "--targets mlp needs the MLP inputs' statistics: collect_statistics(..., mlp=True)"
+            )
     if settings.statistics == "sequential" and windows is None:
         raise ValueError("sequential statistics need the calibration windows: pass `windows`")
     ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress, windows)
     ctx.report["effective_settings"] = settings.model_dump()
     plan = METHOD_FUNCTIONS[settings.method](ctx)
     plan.check_budget()
-    counted = adapter.attention_parameter_count()
+    counted = adapter.attention_parameter_count(projections)
     if counted != plan.attention_params_after():
         raise AssertionError(
             f"installed modules store {counted} numbers, the plan says {plan.attention_params_after()}"

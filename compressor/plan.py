@@ -59,6 +59,9 @@ class CompressionPlan:
     geometry: AttentionGeometry
     groups: list[GroupPlan]
     projections: list[ProjectionPlan] = field(default_factory=list)
+    # The projection types compressed. "attention" in the counts below means these targets: with
+    # `--targets attn,mlp` the budget and the counts cover the MLP projections too.
+    targets: tuple[str, ...] = PROJECTIONS
 
     # -- budget --------------------------------------------------------------------------------------
     @property
@@ -124,6 +127,7 @@ class CompressionPlan:
         return {
             "method": self.method,
             "ratio_requested": self.ratio,
+            "targets": list(self.targets),
             "attention_params_before": self.attention_params_before,
             "budget": self.budget,
             "atoms": self.atom_params(),
@@ -139,8 +143,8 @@ class CompressionPlan:
         }
 
 
-def layer_dense_params(geometry: AttentionGeometry) -> int:
-    return sum(o * i for o, i in (geometry.shape(p) for p in PROJECTIONS))
+def layer_dense_params(geometry: AttentionGeometry, projections: tuple[str, ...] = PROJECTIONS) -> int:
+    return sum(o * i for o, i in (geometry.shape(p) for p in projections))
 
 
 def shared_plan(
@@ -153,6 +157,7 @@ def shared_plan(
     largest_group_bases: int | None,
     biases: dict[tuple[int, str], int],
     compress_singletons: bool = False,
+    projections_compressed: tuple[str, ...] = PROJECTIONS,
 ) -> CompressionPlan:
     """MASA layout: singleton groups dense (or low rank); other groups share B atoms per projection type
     plus per-layer residuals."""
@@ -171,7 +176,7 @@ def shared_plan(
             )
         group_plans.append(GroupPlan(index=g, layers=layers, n_atoms=n_atoms))
         for layer in layers:
-            for p in PROJECTIONS:
+            for p in projections_compressed:
                 out, inp = geometry.shape(p)
                 if len(layers) == 1:
                     mode: Mode = "lowrank" if compress_singletons else "dense"
@@ -191,7 +196,9 @@ def shared_plan(
                         bias=biases.get((layer, p), 0),
                     )
                 )
-    plan = CompressionPlan(method, ratio, attention_params_before, geometry, group_plans, projections)
+    plan = CompressionPlan(
+        method, ratio, attention_params_before, geometry, group_plans, projections, projections_compressed
+    )
     _check_feasible(plan, groups, bases)
     return plan
 
@@ -203,17 +210,20 @@ def lowrank_plan(
     geometry: AttentionGeometry,
     n_layers: int,
     biases: dict[tuple[int, str], int],
+    projections_compressed: tuple[str, ...] = PROJECTIONS,
 ) -> CompressionPlan:
     """SVD baselines: every projection low rank, the same kept fraction of each matrix."""
     projections = []
     for layer in range(n_layers):
-        for p in PROJECTIONS:
+        for p in projections_compressed:
             out, inp = geometry.shape(p)
             rank = min(min(out, inp), math.floor((1.0 - ratio) * out * inp / (out + inp)))
             projections.append(
                 ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=biases.get((layer, p), 0))
             )
-    plan = CompressionPlan(method, ratio, attention_params_before, geometry, [], projections)
+    plan = CompressionPlan(
+        method, ratio, attention_params_before, geometry, [], projections, projections_compressed
+    )
     plan.check_budget()
     return plan
 
@@ -227,6 +237,7 @@ def check_feasible_before_calibration(
     bases: int,
     largest_group_bases: int | None,
     compress_singletons: bool,
+    projections_compressed: tuple[str, ...] = PROJECTIONS,
 ) -> None:
     """Fail before any heavy work when no grouping into `groups` groups can meet the budget.
 
@@ -234,7 +245,7 @@ def check_feasible_before_calibration(
     holds atoms (B ≥ 1) or is a singleton kept whole: the cheapest layout gives a lower bound.
     """
     budget = math.floor((1.0 - ratio) * attention_params_before)
-    per_layer = layer_dense_params(geometry)
+    per_layer = layer_dense_params(geometry, projections_compressed)
     fewest_atoms = min(bases, largest_group_bases if largest_group_bases is not None else bases)
     singleton_cost = 0 if compress_singletons else per_layer
     shared_cost = fewest_atoms * per_layer

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from compressor.adapters import PROJECTIONS
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.pca import captured_energy_fraction
 
 DPI = 100
@@ -31,7 +31,18 @@ MAP_EXTRA_INCHES = 0.9
 INSPECT_ENERGY_FIGSIZE = (13.0, 4.5)
 ENERGY_CURVE_MAX_ATOMS = 8
 
-PROJECTION_COLORS = {"q_proj": "#4C72B0", "k_proj": "#DD8452", "v_proj": "#55A868", "o_proj": "#C44E52"}
+PROJECTION_COLORS = {
+    "q_proj": "#4C72B0", "k_proj": "#DD8452", "v_proj": "#55A868", "o_proj": "#C44E52",
+    "gate_proj": "#8172B3", "up_proj": "#937860", "down_proj": "#DA8BC3",
+}  # fmt: skip
+
+
+def present_projections(rows: Sequence[dict]) -> list[str]:
+    """The projection types named in `rows` (attention first, then MLP): what a run compressed."""
+    named = {row["projection"] for row in rows}
+    return [p for p in (*PROJECTIONS, *MLP_PROJECTIONS) if p in named]
+
+
 GROUP_COLORS = ("#9ecae1", "#c7e9c0")  # alternate shared groups
 SINGLETON_COLOR = "#fcbba1"  # layers kept whole
 
@@ -85,7 +96,7 @@ def energy_record(
 def pooled_energy(energy: Sequence[dict]) -> dict[str, float | None]:
     """Per projection type, the energy captured over all shared groups together (Σ captured / Σ total)."""
     out: dict[str, float | None] = {}
-    for p in PROJECTIONS:
+    for p in dict.fromkeys((*PROJECTIONS, *present_projections(energy))):
         rows = [e for e in energy if e["projection"] == p and e["atoms"] > 0]
         total = sum(e["energy_total"] for e in rows)
         out[p] = sum(e["energy_captured"] * e["energy_total"] for e in rows) / total if total > 0 else None
@@ -202,13 +213,14 @@ def plot_grouping(
 
 def _draw_energy_bars(ax, energy: Sequence[dict], groups: Sequence[Sequence[int]] | None) -> None:
     shared = sorted({e["group"] for e in energy if e["atoms"] > 0})
-    width = 0.8 / len(PROJECTIONS)
-    for k, p in enumerate(PROJECTIONS):
+    names = present_projections(energy) or list(PROJECTIONS)
+    width = 0.8 / len(names)
+    for k, p in enumerate(names):
         values = []
         for g in shared:
             row = next((e for e in energy if e["group"] == g and e["projection"] == p), None)
             values.append(100 * row["energy_captured"] if row else 0.0)
-        xs = [i + (k - 1.5) * width for i in range(len(shared))]
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(shared))]
         bars = ax.bar(xs, values, width, color=PROJECTION_COLORS[p], label=p)
         ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
     labels = []
@@ -279,7 +291,7 @@ def plot_ranks(
     for i, layer in enumerate(dense):
         label = "kept whole" if i == 0 else None
         ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label=label)
-    for p in PROJECTIONS:
+    for p in present_projections(projections):
         rows = sorted(
             (pp["layer"], pp["rank"]) for pp in projections if pp["projection"] == p and pp["mode"] != "dense"
         )

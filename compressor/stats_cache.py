@@ -36,7 +36,9 @@ def model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def stats_key(model_hash: str, text_fingerprint: str, windows: torch.Tensor, dtype: torch.dtype) -> str:
+def stats_key(
+    model_hash: str, text_fingerprint: str, windows: torch.Tensor, dtype: torch.dtype, mlp: bool = False
+) -> str:
     spec = {
         "format": STATS_FORMAT,
         "tool_version": __version__,
@@ -47,6 +49,8 @@ def stats_key(model_hash: str, text_fingerprint: str, windows: torch.Tensor, dty
         "shape": list(windows.shape),
         "dtype": str(dtype),
     }
+    if mlp:  # a different set of statistics (attention-only keys stay what they were)
+        spec["inputs"] = ["attn", "o", "mlp", "down"]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -58,11 +62,12 @@ def save_stats(stats: CalibrationStats, key: str) -> Path:
     path = stats_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"block_output_means": stats.block_output_means.contiguous().cpu()}
-    for i, (a, o) in enumerate(zip(stats.attn_autocorr, stats.o_autocorr, strict=True)):
-        tensors[f"attn.{i}"] = a.contiguous().cpu()
-        tensors[f"o.{i}"] = o.contiguous().cpu()
+    for kind in _kinds(stats.has_mlp):
+        for i in range(len(stats.attn_autocorr)):
+            tensors[f"{kind}.{i}"] = stats.autocorr(kind, i).contiguous().cpu()
     metadata = {
         "key": key,
+        "mlp": str(stats.has_mlp),
         "tokens": str(stats.tokens),
         "windows": str(stats.windows),
         "seconds": str(stats.seconds),
@@ -87,19 +92,27 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
             if metadata.get("key") != key:
                 return None, f"{path.name} was written for other inputs"
             n = adapter.num_layers
-            attn = [f.get_tensor(f"attn.{i}") for i in range(n)]
-            o = [f.get_tensor(f"o.{i}") for i in range(n)]
+            kinds = _kinds(metadata.get("mlp") == "True")
+            autocorr = {kind: [f.get_tensor(f"{kind}.{i}") for i in range(n)] for kind in kinds}
             means = f.get_tensor("block_output_means")
     except Exception as err:  # a truncated or foreign file: recompute rather than trust it
         return None, f"{path.name} is unreadable ({type(err).__name__})"
     g = adapter.geometry
-    q_out = g.shape("q_proj")[0]
-    for a, b in zip(attn, o, strict=True):
-        if a.shape != (g.hidden_size, g.hidden_size) or b.shape != (q_out, q_out):
-            return None, f"{path.name} has the wrong shapes"
-        if a.dtype != torch.float64 or not torch.isfinite(a).all() or not torch.isfinite(b).all():
-            return None, f"{path.name} holds non-finite or non-fp64 statistics"
-        if not torch.equal(a, a.T) and (a - a.T).abs().max() > 1e-9 * a.abs().max():
-            return None, f"{path.name} holds non-symmetric autocorrelations"
-    stats = CalibrationStats(attn, o, means, int(metadata["tokens"]), int(metadata["windows"]), 0.0)
+    for kind, matrices in autocorr.items():
+        size = g.input_size(kind)
+        for a in matrices:
+            if a.shape != (size, size):
+                return None, f"{path.name} has the wrong shapes"
+            if a.dtype != torch.float64 or not torch.isfinite(a).all():
+                return None, f"{path.name} holds non-finite or non-fp64 statistics"
+            if not torch.equal(a, a.T) and (a - a.T).abs().max() > 1e-9 * a.abs().max():
+                return None, f"{path.name} holds non-symmetric autocorrelations"
+    stats = CalibrationStats(
+        autocorr["attn"], autocorr["o"], means, int(metadata["tokens"]), int(metadata["windows"]), 0.0,
+        autocorr.get("mlp"), autocorr.get("down"),
+    )  # fmt: skip
     return stats, f"reused cached statistics {path}"
+
+
+def _kinds(mlp: bool) -> tuple[str, ...]:
+    return ("attn", "o", "mlp", "down") if mlp else ("attn", "o")

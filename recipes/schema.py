@@ -58,6 +58,16 @@ class CompressionSettings(_Strict):
         description="original: whitening statistics of the original model (paper); sequential: layer l's "
         "statistics collected on the model whose earlier layers are already compressed",
     )
+    targets: Literal["attn", "mlp", "attn,mlp"] = Field(
+        "attn",
+        description="projections compressed and counted by --ratio: attn (q/k/v/o, the paper), mlp (gate/up/down), "
+        "or attn,mlp (every linear projection of the decoder layers, as Basis Sharing does)",
+    )
+    auto_groups: bool = Field(
+        False,
+        description="choose groups G and atoms B (ignoring groups/bases) by a proxy computed before any module is "
+        "built: the total relative whitened error left under the budget, the lowest over G ≤ 8 and B ≤ 2",
+    )
     singletons: Literal["keep", "compress"] = Field(
         "keep",
         description="keep: singleton groups keep their weights (paper); compress: whitened SVD instead",

@@ -149,6 +149,17 @@ CASES = [
         "CUDA is not available",
     ),
     ("unknown dtype", lambda t, mp: ["eval", "smollm2-135m", "--dtype", "float8"], "unknown dtype"),
+    ("unknown --targets", lambda t, mp: ["smollm2-135m", "--targets", "ffn"], "invalid --targets"),
+    (
+        "MLP targets with Algorithm 1",
+        lambda t, mp: ["smollm2-135m", "--targets", "attn,mlp", "--method", "masa-paper"],
+        "no rule for MLP projections",
+    ),
+    (
+        "a dry run cannot choose G and B",
+        lambda t, mp: ["smollm2-135m", "--dry-run", "--auto-groups"],
+        "--dry-run cannot plan with --auto-groups",
+    ),
     (
         "ratio the groups/atoms cannot meet",
         lambda t, mp: [

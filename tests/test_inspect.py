@@ -10,7 +10,7 @@ import torch
 from conftest import random_windows, tiny_config, tiny_model
 from PIL import Image
 
-from compressor.adapters import PROJECTIONS, get_adapter
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, geometry_from_config, get_adapter
 from compressor.capture import collect_statistics
 from compressor.errors import UserError
 from compressor.grouping import group_layers
@@ -18,7 +18,6 @@ from compressor.inspection import (
     assumed_groups,
     biases_from_config,
     collect_block_means,
-    geometry_from_config,
     inspect_statistics,
     parse_group_counts,
     plan_from_config,
@@ -112,7 +111,10 @@ def test_low_rank_plans_are_final_and_exact(method):
 def test_geometry_and_biases_from_the_config_match_the_model(family, overrides):
     model = tiny_model(family, num_hidden_layers=2, **overrides)
     adapter = get_adapter(model)
-    assert geometry_from_config(model.config) == adapter.geometry
+    # The shapes the config implies are the weights' real shapes, attention and MLP.
+    geometry = geometry_from_config(model.config)
+    for p in (*PROJECTIONS, *MLP_PROJECTIONS):
+        assert tuple(adapter.projection(1, p).weight.shape) == geometry.shape(p)
     real = {
         (layer, p): adapter.projection(layer, p).bias.numel()
         for layer in range(2)

@@ -51,3 +51,16 @@ def test_damaged_or_foreign_cache_files_are_not_trusted(monkeypatch, tmp_path):
     loaded, why = load_stats(key, adapter)
     assert loaded is None and "non-finite" in why
     assert stats_path(key).is_file()
+
+
+def test_mlp_statistics_round_trip_under_their_own_key(monkeypatch, tmp_path):
+    model, adapter, windows, _, attn_key = _setup(monkeypatch, tmp_path)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    key = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32, mlp=True)
+    assert key != attn_key  # attention-only statistics never stand in for these
+    save_stats(stats, key)
+    loaded, why = load_stats(key, adapter)
+    assert loaded is not None and loaded.has_mlp, why
+    for kind in ("attn", "o", "mlp", "down"):
+        for layer in range(adapter.num_layers):
+            assert torch.equal(stats.autocorr(kind, layer), loaded.autocorr(kind, layer))

@@ -45,6 +45,11 @@ from transformers import (
 )
 
 ATOMS_KEY = "masa.groups.{group}.{projection}.atoms"
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # in `layer.mlp`; the others in `layer.self_attn`
+
+
+def _block(projection: str) -> str:
+    return "mlp" if projection in MLP_PROJECTIONS else "self_attn"
 
 
 class LowRankLinear(nn.Module):
@@ -150,13 +155,15 @@ class MasaMixin:
                 module = SharedBasisLinear(group[name].atoms, spec["rank"], bias=spec["bias"])
             else:
                 raise ValueError(f"config.masa: unknown mode {mode!r} for layer {spec['layer']} {name}")
-            setattr(self.model.layers[spec["layer"]].self_attn, name, module)
+            setattr(getattr(self.model.layers[spec["layer"]], _block(name)), name, module)
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
         tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
         for spec in self.config.masa["projections"]:
             if spec["mode"] == "shared":
-                layer_key = f"model.layers.{spec['layer']}.self_attn.{spec['projection']}.atoms"
+                layer_key = (
+                    f"model.layers.{spec['layer']}.{_block(spec['projection'])}.{spec['projection']}.atoms"
+                )
                 tied[layer_key] = ATOMS_KEY.format(group=spec["group"], projection=spec["projection"])
         return tied
 

@@ -1,0 +1,163 @@
+"""`--targets mlp`: the same machinery on gate/up/down projections, on tiny random models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import random_windows, tiny_model
+
+from compressor.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS, get_adapter, target_projections
+from compressor.capture import collect_statistics
+from compressor.checkpoint import load_compressed, save_compressed
+from compressor.errors import UserError
+from compressor.modules import LowRankLinear, SharedBasisLinear, dense_weight
+from compressor.pipeline import compress_model
+from compressor.recipes.schema import CompressionSettings
+
+
+def _compress(model, ratio=0.3, windows=None, **settings):
+    adapter = get_adapter(model)
+    windows = windows if windows is not None else random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    return compress_model(
+        model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
+    )
+
+
+def test_target_names():
+    assert target_projections("attn") == PROJECTIONS
+    assert target_projections("mlp") == MLP_PROJECTIONS
+    assert target_projections("mlp,attn") == PROJECTIONS + MLP_PROJECTIONS
+    with pytest.raises(UserError, match="unknown target 'ffn'"):
+        target_projections("attn,ffn")
+
+
+def test_mlp_autocorrelations_are_the_grams_of_the_mlp_inputs():
+    model = tiny_model("llama", num_hidden_layers=2)
+    adapter = get_adapter(model)
+    windows = random_windows(4, 16)
+    seen = {"gate_proj": [], "down_proj": []}
+    handles = [
+        adapter.projection(1, name).register_forward_hook(
+            lambda m, a, out, name=name: seen[name].append(a[0])
+        )
+        for name in seen
+    ]
+    with torch.no_grad():
+        for window in windows:
+            model(input_ids=window[None])
+    for handle in handles:
+        handle.remove()
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    for name, kind in (("gate_proj", "mlp"), ("down_proj", "down")):
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen[name]]).double()
+        torch.testing.assert_close(stats.autocorr(kind, 1), x.T @ x, rtol=1e-10, atol=1e-8)
+    assert stats.autocorr("down", 0).shape == (128, 128)  # intermediate_size
+
+
+@pytest.mark.parametrize("targets", ["mlp", "attn,mlp"])
+@pytest.mark.parametrize("method", ["masa", "svd-llm"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_targets_meet_the_budget_and_count_exactly(targets, method, family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    names = target_projections(targets)
+    before_total = sum(p.numel() for p in model.parameters())
+    before = adapter.attention_parameter_count(names)
+    attention_before = adapter.attention_parameter_count()
+    outcome = _compress(model, ratio=0.3, method=method, targets=targets)
+    plan = outcome.plan
+    assert plan.targets == names and plan.attention_params_before == before
+    assert adapter.attention_parameter_count(names) == plan.attention_params_after() <= plan.budget
+    assert plan.achieved_ratio() >= 0.3
+    assert sum(p.numel() for p in model.parameters()) == before_total - before + plan.attention_params_after()
+    # Every MLP projection was replaced; attention untouched when not targeted.
+    compressed = (SharedBasisLinear, LowRankLinear)
+    middle = adapter.num_layers // 2
+    assert all(isinstance(adapter.projection(middle, p), compressed) for p in MLP_PROJECTIONS)
+    if targets == "mlp":
+        assert adapter.attention_parameter_count() == attention_before
+    assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
+
+
+def test_planted_identical_mlps_are_reproduced_exactly_by_one_atom():
+    model = tiny_model("llama", num_hidden_layers=4)
+    adapter = get_adapter(model)
+    for layer in range(1, 4):
+        for p in MLP_PROJECTIONS:
+            adapter.projection(layer, p).weight.data.copy_(adapter.projection(0, p).weight.data)
+    x = random_windows(2, 16)
+    expected = model(input_ids=x).logits
+    outcome = _compress(model, ratio=0.5, targets="mlp", groups=1, bases=1)
+    assert outcome.plan.attention_params_after() <= outcome.plan.budget
+    torch.testing.assert_close(model(input_ids=x).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mlp_errors_are_the_whitened_tails_the_allocation_saw():
+    """Each compressed MLP projection's whitened error equals the discarded energy at its allocated rank."""
+    original = tiny_model("llama")
+    model = copy.deepcopy(original)
+    windows = random_windows()
+    stats = collect_statistics(original, get_adapter(original), windows, progress=False, mlp=True)
+    outcome = compress_model(
+        model, get_adapter(model), stats, CompressionSettings(targets="mlp", auto_groups=True), 0.3,
+        progress=False, windows=windows,
+    )  # fmt: skip
+    chosen = outcome.report["shape_search"]["chosen"]
+    proxy = next(
+        c["proxy"]
+        for c in outcome.report["shape_search"]["candidates"]
+        if (c["groups"], c["bases"]) == (chosen["groups"], chosen["bases"])
+    )
+    total = 0.0
+    before, after = get_adapter(original), get_adapter(model)
+    for layer in range(before.num_layers):
+        for p in MLP_PROJECTIONS:
+            c = stats.autocorr(INPUT_OF[p], layer)
+            w = before.projection(layer, p).weight.detach().double()
+            e = w - dense_weight(after.projection(layer, p)).detach().double()
+            total += float(torch.trace(e @ c @ e.T) / torch.trace(w @ c @ w.T))
+    assert total == pytest.approx(proxy, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"allocation": "paper"}, "Algorithm 1"),
+        ({"method": "masa-paper"}, "Algorithm 1"),
+        ({"statistics": "sequential"}, "sequential"),
+    ],
+)
+def test_settings_without_an_mlp_rule_are_refused(settings, message):
+    with pytest.raises(UserError, match=message):
+        _compress(tiny_model("llama"), targets="attn,mlp", **settings)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_mlp_checkpoints_round_trip_with_both_loaders(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(family)
+    outcome = _compress(model, ratio=0.3, targets="attn,mlp")
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt")
+    x = random_windows(2, 48, seed=3)  # long enough for the materialized-weight prefill path
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        for reloaded in (
+            load_compressed(path),
+            AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True),
+        ):
+            assert torch.equal(reloaded(input_ids=x).logits, expected)
+            assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in model.parameters())
+            layers = reloaded.model.layers
+            # The remote code defines its own SharedBasisLinear: compare by name.
+            shared = [
+                p
+                for p in MLP_PROJECTIONS
+                if type(layers[2].mlp.get_submodule(p)).__name__ == "SharedBasisLinear"
+            ]
+            assert shared == list(MLP_PROJECTIONS)
+            for p in shared:  # one atoms Parameter per group, in every layer that shares it
+                assert layers[2].mlp.get_submodule(p).atoms is layers[3].mlp.get_submodule(p).atoms
