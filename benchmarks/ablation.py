@@ -14,7 +14,8 @@ from benchmarks.quality import run_quality
 # The paper-faithful settings spelled out under method `masa`, so that each row can change one of them
 # (`--method masa-paper` pins them all).
 PAPER = {"method": "masa", "groups": 3, "bases": 1, "atoms": "plain", "allocation": "paper",
-         "singletons": "keep", "end_boundaries": True, "statistics": "original"}  # fmt: skip
+         "singletons": "keep", "end_boundaries": True, "statistics": "original",
+         "dense_when_cheaper": False}  # fmt: skip
 
 ABLATIONS: dict[str, dict] = {
     "svd-llm": {"method": "svd-llm"},
@@ -54,6 +55,21 @@ ABLATIONS: dict[str, dict] = {
         "atoms": "whitened",
         "statistics": "sequential",
     },
+    # The default recipe (`masa`: global-relative allocation) and the baseline, for calibration-size sweeps.
+    "global-relative + dense when cheaper": {
+        **PAPER,
+        "allocation": "global-relative",
+        "dense_when_cheaper": True,
+    },
+    "masa (default)": {"method": "masa"},
+    "masa (default), zero atoms": {"method": "masa", "bases": 0},
+    "masa (default) + singletons compressed": {"method": "masa", "singletons": "compress"},
+    "auto G and B (proxy)": {"method": "masa", "auto_groups": True},
+    # `--targets attn,mlp`: the ratio then counts every linear projection of the layers; the reference is
+    # SVD-LLM on the same targets.
+    "svd-llm, attn+mlp": {"method": "svd-llm", "targets": "attn,mlp"},
+    "masa (default), attn+mlp": {"method": "masa", "targets": "attn,mlp"},
+    "masa (default), attn+mlp, zero atoms": {"method": "masa", "targets": "attn,mlp", "bases": 0},
 }
 
 
@@ -62,6 +78,8 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.2")
     parser.add_argument("--only", help="semicolon-separated row names")
     parser.add_argument("--eval-max-tokens", type=int, default=20480)
+    parser.add_argument("--calib-samples", type=int, help="calibration windows (recipe: 64)")
+    parser.add_argument("--seq-len", type=int, help="calibration window length (recipe: 512)")
     parser.add_argument("--out", default="benchmarks/ablation.json")
     parser.add_argument(
         "--render", nargs="+", metavar="JSON", help="only print the markdown table of these files"
@@ -75,6 +93,8 @@ def main() -> None:
         "smollm2-135m",
         variants,
         [float(r) for r in args.ratios.split(",")],
+        calib_samples=args.calib_samples,
+        seq_len=args.seq_len,
         eval_max_tokens=args.eval_max_tokens,
         progress=False,
     )
@@ -91,7 +111,8 @@ def render(results: list[dict]) -> str:
             raise ValueError("ablation files with different calibration or evaluation cannot share a table")
     rows = [row for result in results for row in result["quality"]]
     original = base["original_ppl"]
-    svd_llm = {r["ratio"]: r["ppl"] for r in rows if r["method"] == "svd-llm"}
+    # The reference of a row: SVD-LLM at the same ratio on the same targets (attention unless stated).
+    svd_llm = {(r["ratio"], _targets(r)): r["ppl"] for r in rows if r["settings"].get("method") == "svd-llm"}
     lines = [
         f"Bundled SmolLM2-135M, calibration {base['calibration']['samples']}×{base['calibration']['seq_len']} "
         f"tokens of {base['calibration']['text']}, evaluation {base['evaluation']['tokens']:,} tokens of "
@@ -102,13 +123,17 @@ def render(results: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        reference = svd_llm.get(r["ratio"])
+        reference = svd_llm.get((r["ratio"], _targets(r)))
         rise = "—" if reference is None else f"{(r['ppl'] - original) / (reference - original):.3f}"
         lines.append(
             f"| {r['method']} | {r['ratio']:.2f} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f} | {rise} | "
             + ("— |" if r.get("compress_seconds") is None else f"{r['compress_seconds']:.0f} |")
         )
     return "\n".join(lines) + "\n"
+
+
+def _targets(row: dict) -> str:
+    return row["settings"].get("targets", "attn")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def prepare_quality(
     eval_max_tokens: int | None = None,
     progress: bool = True,
     log=print,
+    mlp: bool = False,
 ) -> QualitySetup:
     source = resolve_model(model)
     recipe = source.recipe
@@ -81,7 +82,7 @@ def prepare_quality(
     eval_windows, eval_name = evaluation_token_windows(tokenizer, evaluation)
     original = evaluate_perplexity(loaded.model, eval_windows, progress=progress, description="original")
     log(f"original ppl {original.ppl:.3f} ({original.tokens} tokens, {original.seconds:.0f} s)")
-    stats = collect_statistics(loaded.model, get_adapter(loaded.model), windows, progress=progress)
+    stats = collect_statistics(loaded.model, get_adapter(loaded.model), windows, progress=progress, mlp=mlp)
     return QualitySetup(
         source, loaded, calibration, calib_text.name, windows, evaluation, eval_windows, eval_name, original,
         stats, recipe,
@@ -147,7 +148,9 @@ def run_quality(
     progress: bool = True,
     log=print,
 ) -> dict:
-    setup = prepare_quality(model, calib_samples, seq_len, eval_seq_len, eval_max_tokens, progress, log)
+    # The MLP inputs' statistics only when a variant compresses MLP projections (they cost calibration time).
+    mlp = any("mlp" in overrides.get("targets", "attn") for overrides in variants.values())
+    setup = prepare_quality(model, calib_samples, seq_len, eval_seq_len, eval_max_tokens, progress, log, mlp)
     rows = []
     for ratio in ratios:
         for name, overrides in variants.items():

@@ -506,13 +506,27 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_scaling_section(results, rel),
     ]
     lines += _ablation_section(doc)
+    lines += _calibration_size_section(doc)
+    lines += _mlp_section(doc)
+    lines += _shape_search_section(doc)
     notes = results.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-ABLATION_FILES = ("ablation-paper-candidates.json", "ablation-global-relative.json")
+ABLATION_FILES = (
+    "ablation-paper-candidates.json",
+    "ablation-global-relative.json",
+    "ablation-remaining.json",
+)
+CALIBRATION_FILES = (
+    "ablation-calib-16x512.json",
+    "ablation-calib-128x256.json",
+    "ablation-calib-128x512.json",
+)
+MLP_FILE = "ablation-mlp.json"
+SHAPE_SEARCH_FILE = "shape-search.json"
 
 
 def _ablation_section(doc: Path) -> list[str]:
@@ -542,6 +556,99 @@ def _ablation_section(doc: Path) -> list[str]:
         "and were taken while other jobs shared the 2 cores: compare them within the table only.",
         "",
         *render_ablation(results).splitlines(),
+        "",
+    ]
+
+
+def _link(path: Path, doc: Path) -> str:
+    rel = Path(os.path.relpath(path, doc.parent)).as_posix()
+    return f"[`{rel}`]({rel})"
+
+
+def _committed(name: str) -> Path | None:
+    path = REPO / "benchmarks" / name
+    return path if path.is_file() else None
+
+
+def _calibration_size_section(doc: Path) -> list[str]:
+    """Issue 8's calibration-size candidate: the default and SVD-LLM at several calibration sizes."""
+    found = [p for name in ("ablation-paper-candidates.json", *CALIBRATION_FILES) if (p := _committed(name))]
+    if len(found) < 2:
+        return []
+    wanted = {"svd-llm": "svd-llm", "masa (default)": "masa", "+ global-relative allocation": "masa",
+              "global-relative + singletons compressed": "singletons"}  # fmt: skip
+    singletons = {}
+    if remaining := _committed("ablation-remaining.json"):  # the 64×512 row of the singletons variant
+        for row in json.loads(remaining.read_text())["quality"]:
+            if row["method"] == "global-relative + singletons compressed":
+                singletons = {"ppl": row["ppl"]}
+    lines = [
+        "### Calibration size and window length (ratio 0.2)",
+        "",
+        "From `python -m benchmarks.ablation --calib-samples N --seq-len T --only ...` "
+        f"({', '.join(_link(p, doc) for p in found[1:])}; the 64×512 row is the ablation above). Same evaluation "
+        "text and windows in every row; each row's rise ratio uses SVD-LLM calibrated on the same windows.",
+        "",
+        "| calibration (windows × tokens) | tokens | calibration time (s) | SVD-LLM | masa (default) | rise ratio "
+        "| + singletons compressed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for path in found:
+        result = json.loads(path.read_text())
+        ppl = {wanted[r["method"]]: r["ppl"] for r in result["quality"] if r["method"] in wanted}
+        if path.name == "ablation-paper-candidates.json" and singletons:
+            ppl.setdefault("singletons", singletons["ppl"])
+        cal, original = result["calibration"], result["original_ppl"]
+        rise = (
+            (ppl["masa"] - original) / (ppl["svd-llm"] - original)
+            if {"masa", "svd-llm"} <= ppl.keys()
+            else None
+        )
+        seconds = result.get("calibration_seconds")
+        rows.append((cal["tokens"], cal["seq_len"], [
+            f"{cal['samples']}×{cal['seq_len']}", f"{cal['tokens']:,}",
+            "—" if seconds is None else f"{seconds:.0f}",
+            *(f"{ppl[k]:.3f}" if k in ppl else "—" for k in ("svd-llm", "masa")),
+            "—" if rise is None else f"{rise:.3f}", f"{ppl['singletons']:.3f}" if "singletons" in ppl else "—",
+        ]))  # fmt: skip
+    lines += ["| " + " | ".join(cells) + " |" for *_, cells in sorted(rows, key=lambda r: (r[0], r[1]))]
+    return [*lines, ""]
+
+
+def _mlp_section(doc: Path) -> list[str]:
+    """Issue 8's `--targets attn,mlp` candidate, against SVD-LLM on the same targets."""
+    from benchmarks.ablation import render as render_ablation
+
+    path = _committed(MLP_FILE)
+    if path is None:
+        return []
+    return [
+        "### The same machinery on the MLP projections (`--targets attn,mlp`)",
+        "",
+        f"From `python -m benchmarks.ablation --ratios 0.05,0.2 --only ...` ({_link(path, doc)}). The ratio then "
+        "counts every linear projection of the layers (q/k/v/o and gate/up/down: 106.2M numbers instead of 26.5M), "
+        "and the rise ratio compares with SVD-LLM on the same targets. Ratio 0.05 of attn+mlp removes as many "
+        "numbers (5.3M) as ratio 0.2 of the attention alone.",
+        "",
+        *render_ablation([json.loads(path.read_text())]).splitlines(),
+        "",
+    ]
+
+
+def _shape_search_section(doc: Path) -> list[str]:
+    """Issue 8's automatic choice of G and B, validated against measured perplexity."""
+    from benchmarks.shape_search import render as render_search
+
+    path = _committed(SHAPE_SEARCH_FILE)
+    if path is None:
+        return []
+    return [
+        "### Automatic choice of G and B (`--auto-groups`)",
+        "",
+        f"From `python -m benchmarks.shape_search` ({_link(path, doc)}).",
+        "",
+        *render_search(json.loads(path.read_text())).splitlines(),
         "",
     ]
 

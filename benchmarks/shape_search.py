@@ -56,7 +56,7 @@ def render(result: dict) -> str:
         f"Bundled SmolLM2-135M at ratio {result['ratio']}, calibration {result['calibration']['samples']}×"
         f"{result['calibration']['seq_len']} tokens, evaluation {result['evaluation']['tokens']:,} tokens; "
         f"original perplexity {result['original_ppl']:.3f}. Every feasible (G, B) with G ≤ 8 and B ≤ 2 "
-        "(duplicate groupings once), sorted by the proxy.",
+        "(layouts that are the same once: with B = 0 only the singletons matter), sorted by the proxy.",
         "",
         "| G | B | groups | proxy (relative whitened error) | perplexity | rank by perplexity |",
         "|---|---|---|---|---|---|",

@@ -180,3 +180,29 @@ def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], budg
         remaining -= costs[name]
         push(heap, name)
     return ranks
+
+
+def allocate_global_with_dense(
+    tails: Mapping[str, Tail],
+    shapes: Mapping[str, Shape],
+    budget: int,
+    dense_costs: Mapping[str, int],
+) -> tuple[dict[str, int], set[str]]:
+    """`allocate_global`, where a matrix may instead be stored whole (exact) for `dense_costs[name]` numbers.
+
+    Factors of rank r cost r·(out + in); past r = out·in/(out + in) they cost more than the matrix itself
+    and still lose energy. Whenever the greedy gives a matrix factors that cost at least its dense cost, the
+    matrix is stored whole instead, the difference returns to the budget and the others are allocated again;
+    repeated until no matrix crosses (the set of dense matrices only grows, so this ends). The dense costs
+    and the remaining ranks' costs never exceed `budget`. (A single matrix may end with less rank than plain
+    `allocate_global` gives it: the dense cost is paid up front, so a large step can stop fitting earlier.)
+    """
+    dense: set[str] = set()
+    while True:
+        free = {name: tail for name, tail in tails.items() if name not in dense}
+        remaining = budget - sum(dense_costs[name] for name in dense)
+        ranks = allocate_global(free, {name: shapes[name] for name in free}, remaining)
+        crossing = {name for name, r in ranks.items() if r * sum(shapes[name]) >= dense_costs[name]}
+        if not crossing:
+            return ranks, dense
+        dense |= crossing

@@ -277,7 +277,9 @@ def show_command(
     if info["attention_params_before"] is not None:
         rows.append(
             (
-                "attention parameters",
+                "attention parameters"
+                if info["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+                else f"targeted parameters ({'/'.join(p.removesuffix('_proj') for p in info['targets'])})",
                 f"{info['attention_params_before']:,} → {info['attention_params_after']:,}",
             )
         )

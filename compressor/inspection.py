@@ -802,6 +802,7 @@ def describe_checkpoint(path: str) -> dict:
         "method": meta.get("method") or plan.get("method"),
         "ratio_requested": counts.get("ratio_requested", plan.get("ratio_requested")),
         "achieved_ratio": counts.get("achieved_ratio"),
+        "targets": counts.get("targets", list(PROJECTIONS)),  # checkpoints before --targets: attention
         "attention_params_before": counts.get("attention_params_before"),
         "attention_params_after": counts.get("attention_params_after"),
         "total_params": counts.get("total_params"),

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compressor.adapters import INPUT_OF, MLP_PROJECTIONS, DecoderAdapter, target_projections
-from compressor.allocation import allocate_global, balance_pair_paper
+from compressor.allocation import allocate_global, allocate_global_with_dense, balance_pair_paper
 from compressor.capture import CalibrationStats
 from compressor.errors import NumericalError, UserError
 from compressor.grouping import Grouping, consecutive_kl, group_layers, logit_lens_distributions
@@ -285,13 +285,22 @@ def _allocate_global(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> 
     if ctx.settings.allocation == "global-relative":
         for layer, p in keys:
             scale[(layer, p)] = output_energy(ctx, layer, p)
-    ranks = allocate_global(
-        {n: tails[k] / scale[k] for n, k in names.items()},
-        {n: plan.geometry.shape(k[1]) for n, k in names.items()},
-        plan.residual_budget(),
-    )
+    scaled = {n: tails[k] / scale[k] for n, k in names.items()}
+    shapes = {n: plan.geometry.shape(k[1]) for n, k in names.items()}
+    if not ctx.settings.dense_when_cheaper:
+        ranks, dense = allocate_global(scaled, shapes, plan.residual_budget()), set()
+    else:
+        # Keeping a projection whole costs its weight and gives back its coefficients, within the residual budget.
+        dense_costs = {n: plan.get(*k).dense_params - plan.get(*k).n_atoms for n, k in names.items()}
+        ranks, dense = allocate_global_with_dense(scaled, shapes, plan.residual_budget(), dense_costs)
     for n, k in names.items():
-        plan.get(*k).rank = ranks[n]
+        pp = plan.get(*k)
+        if n in dense:
+            pp.mode, pp.n_atoms, pp.rank = "dense", 0, None
+        else:
+            pp.rank = ranks[n]
+    if dense:
+        ctx.report["kept_whole_by_allocation"] = sorted(names[n] for n in dense)
 
 
 def _install_projection(
@@ -370,6 +379,7 @@ def compress_masa(ctx: MethodContext) -> CompressionPlan:
             bar.advance()
     allocate_ranks(ctx, plan, tails)
     plan.check_budget()
+    targets = [k for k in targets if plan.get(*k).mode != "dense"]  # the allocation may keep some whole
     # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.
     ctx.report["residual_error"] = float(sum(tails[k][plan.get(*k).rank] for k in targets))
     ctx.seconds["residual_svd"] = time.perf_counter() - start

@@ -267,9 +267,9 @@ def _check_feasible(plan: CompressionPlan, groups: list[list[int]], bases: int) 
         return
     fixed = plan.fixed_params()
     max_ratio = 1.0 - fixed / plan.attention_params_before
-    singles = sum(1 for g in groups if len(g) == 1)
+    whole = sorted({pp.layer for pp in plan.projections if pp.mode == "dense"})
     raise UserError(
-        f"--ratio {plan.ratio:g} is infeasible with {len(groups)} groups ({singles} singleton layers kept whole) "
+        f"--ratio {plan.ratio:g} is infeasible with {len(groups)} groups ({len(whole)} singleton layers kept whole) "
         f"and {bases} atom(s): atoms, coefficients and whole layers alone need {fixed:,} of the "
         f"{plan.budget:,} numbers allowed; use --ratio ≤ {max_ratio:.3f}, fewer atoms (--bases 0/1), or "
         "groups without singletons (--no-end-boundaries)"

@@ -7,7 +7,8 @@ allocated rank, relative to that projection's whitened output energy ‖W S‖²
 different inputs, add on one scale). The candidate with the lowest proxy is chosen.
 
 Spectra are cached by (group layers, atoms, layer, projection): consecutive G share most of their groups,
-and with B = 0 a residual is the weight itself whatever the grouping.
+and with B = 0 a residual is the weight itself whatever the grouping (such layouts differ only by their
+singletons, so one candidate stands for all groupings with the same singletons).
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def choose_groups_and_bases(
                 except UserError:  # more groups than the transitions allowed to be boundaries
                     bar.advance()
                     continue
-                key = (tuple(map(tuple, groups)), bases)
+                # Without atoms a grouping matters only through its singletons (kept whole or compressed
+                # alone): groupings with the same singletons are the same layout.
+                singletons = tuple(g[0] for g in groups if len(g) == 1)
+                key = (singletons, 0) if bases == 0 else (tuple(map(tuple, groups)), bases)
                 if key not in seen:
                     seen.add(key)
                     proxy = _proxy(ctx, groups, bases, tails, scales)
@@ -125,4 +129,8 @@ def _proxy(
         return None
     allocate_ranks(ctx, plan, {k: tails[key][0] for k, key in keyed.items()})
     plan.check_budget()
-    return sum(float(tails[key][0][plan.get(*k).rank]) / scales[k] for k, key in keyed.items())
+    return sum(
+        float(tails[key][0][plan.get(*k).rank]) / scales[k]
+        for k, key in keyed.items()
+        if plan.get(*k).mode != "dense"  # kept whole by the allocation: exact
+    )

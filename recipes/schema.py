@@ -48,6 +48,11 @@ class CompressionSettings(_Strict):
         description="paper: Algorithm 1 per (Q,K)/(V,O) pair; global: ranks across all matrices by whitened "
         "energy per parameter; global-relative: the same with each matrix's error relative to its output energy",
     )
+    dense_when_cheaper: bool = Field(
+        True,
+        description="global allocations: a projection whose factors would cost at least its weight is kept whole "
+        "(exact, cheaper) and the numbers saved go to the others",
+    )
     atoms: Literal["plain", "whitened"] = Field(
         "plain",
         description="plain: Matrix PCA of the weights (paper); whitened: atoms minimizing the group's output "
@@ -69,8 +74,9 @@ class CompressionSettings(_Strict):
         "built: the total relative whitened error left under the budget, the lowest over G ≤ 8 and B ≤ 2",
     )
     singletons: Literal["keep", "compress"] = Field(
-        "keep",
-        description="keep: singleton groups keep their weights (paper); compress: whitened SVD instead",
+        "compress",
+        description="keep: singleton groups keep their weights (paper); compress: whitened low rank like any "
+        "residual (with dense_when_cheaper the allocation still keeps whole what factors would overpay)",
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from compressor.allocation import (
     PairSplit,
     allocate_global,
+    allocate_global_with_dense,
     balance_pair_bruteforce,
     balance_pair_paper,
     lowrank_params,
@@ -177,3 +178,33 @@ def test_allocate_global_does_not_spend_on_nothing() -> None:
     assert allocate_global(tails, shapes, 5) == {"a": 0, "b": 0}
     with pytest.raises(ValueError, match="different"):
         allocate_global(tails, {"a": (3, 3)}, 10)
+
+
+def test_dense_when_cheaper_keeps_whole_what_factors_would_overpay_and_never_loses() -> None:
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"q": (16, 16), "v": (4, 16), "o": (16, 8), "w": (12, 12)}
+    trials_with_dense = 0
+    for _trial in range(40):
+        tails = {}
+        for name, (out, in_) in shapes.items():
+            sigma2 = (
+                torch.rand(min(out, in_), generator=gen, dtype=torch.float64).sort(descending=True).values
+            )
+            sigma2 = sigma2 * (10.0 if name == "v" else 1.0)  # v matters most: the greedy wants its full rank
+            tails[name] = torch.cat([sigma2.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+        dense_costs = {name: out * in_ for name, (out, in_) in shapes.items()}
+        budget = int(torch.randint(50, 500, (1,), generator=gen))
+        plain = allocate_global(tails, shapes, budget)
+        ranks, dense = allocate_global_with_dense(tails, shapes, budget, dense_costs)
+        spent = sum(dense_costs[n] for n in dense) + sum(r * sum(shapes[n]) for n, r in ranks.items())
+        assert spent <= budget
+        # Nothing left as factors that cost at least the matrix itself.
+        assert all(r * sum(shapes[n]) < dense_costs[n] for n, r in ranks.items())
+        # The total error is at most plain greedy's (the budget no longer buys overpriced factors).
+        total = sum(float(tails[n][r]) for n, r in ranks.items())
+        assert total <= sum(float(tails[n][r]) for n, r in plain.items()) + 1e-12
+        trials_with_dense += bool(dense)
+    assert 5 <= trials_with_dense < 40  # the rule was exercised, and not everywhere
+    # With room for everything, every matrix is kept whole (exact): full-rank factors would cost more.
+    ranks, dense = allocate_global_with_dense(tails, shapes, 10_000, dense_costs)
+    assert dense == set(shapes) and ranks == {}

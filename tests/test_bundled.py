@@ -142,3 +142,31 @@ def test_export_dense_cli_writes_a_plain_checkpoint_that_is_not_smaller(compress
     with torch.no_grad():
         difference = (dense(input_ids=ids).logits - compressed_run.model(input_ids=ids).logits).abs().max()
     assert difference.item() <= 1e-4
+
+
+def test_attention_and_mlp_targets_end_to_end(tmp_path):
+    """`--targets attn,mlp` on the real model: MLP statistics, the budget over all projections, a checkpoint
+    that reloads to the same logits and the planned parameter count."""
+    from compressor.api import CompressOptions, compress
+    from compressor.checkpoint import load_compressed
+
+    options = CompressOptions(
+        ratio=0.1, targets="attn,mlp", calib_samples=4, seq_len=128, eval_seq_len=256, eval_max_tokens=512,
+        out=str(tmp_path / "ckpt"), stats_cache=False,
+    )  # fmt: skip
+    run = compress("smollm2-135m", options, device="cpu", dtype="float32", progress=False)
+    summary = run.summary
+    assert summary["targets"] == "attn,mlp" and summary["achieved_ratio"] >= 0.1
+    # 30 layers × (q/k/v/o + gate/up/down) of SmolLM2-135M: 106,168,320 numbers before.
+    assert summary["attention_params_before"] == 106_168_320
+    assert summary["model_params_before"] - summary["model_params_after"] == (
+        summary["attention_params_before"] - summary["attention_params_after"]
+    )
+    assert math.isfinite(summary["ppl_after"])
+    reloaded = load_compressed(summary["out"])
+    ids = run.tokenizer("The capital of France is Paris. It is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, run.model(input_ids=ids).logits)
+    assert sum(p.numel() for p in reloaded.parameters()) == summary["model_params_after"]
+    mlp = reloaded.model.layers[15].mlp
+    assert any(type(getattr(mlp, p)).__name__ != "Linear" for p in ("gate_proj", "up_proj", "down_proj"))

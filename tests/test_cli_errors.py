@@ -165,7 +165,7 @@ CASES = [
         lambda t, mp: [
             "smollm2-135m",
             "--ratio",
-            "0.95",
+            "0.99",
             "--groups",
             "3",
             "--no-save",

@@ -141,7 +141,8 @@ def test_assumed_groups():
 
 def test_infeasible_plan_says_what_fits():
     config = tiny_config("llama", num_hidden_layers=6)
-    planned = plan_from_config(config, 0.9, CompressionSettings(groups=3, bases=1))
+    settings = CompressionSettings(groups=3, bases=1, singletons="keep")
+    planned = plan_from_config(config, 0.9, settings)
     assert not planned["feasible"] and "infeasible" in planned["reason"]
     assert planned["attention_params_after"] is None and planned["residual_budget"] < 0
     assert planned["alternatives"]

@@ -73,7 +73,8 @@ def test_same_inputs_same_weights():
 
 def test_shared_atoms_are_one_tensor_per_group():
     model = tiny_model("llama", num_hidden_layers=6)
-    outcome = _compress(model, "masa", ratio=0.3, groups=1)
+    # dense_when_cheaper off: at ratio 0.3 the allocation would keep some tiny k_proj whole instead.
+    outcome = _compress(model, "masa", ratio=0.3, groups=1, dense_when_cheaper=False)
     adapter = get_adapter(model)
     atoms = {id(adapter.projection(layer, "k_proj").atoms) for layer in range(6)}
     assert len(atoms) == 1
@@ -106,8 +107,26 @@ def test_masa_options_meet_the_budget_and_count_exactly(settings):
     plan = outcome.plan
     assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget
     assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
-    if settings.get("singletons") == "compress":
-        assert all(pp.mode != "dense" for pp in plan.projections)
+    if settings.get("singletons") == "compress":  # nothing kept whole but what the allocation chose to
+        kept = {(pp.layer, pp.projection) for pp in plan.projections if pp.mode == "dense"}
+        assert kept == set(map(tuple, outcome.report.get("kept_whole_by_allocation", [])))
+
+
+def test_dense_when_cheaper_keeps_whole_only_what_factors_would_overpay():
+    model = tiny_model("llama")
+    outcome = _compress(model, "masa", ratio=0.1, singletons="compress")
+    plan = outcome.plan
+    kept = outcome.report["kept_whole_by_allocation"]
+    assert kept  # at ratio 0.1 some residuals would need factors dearer than the matrix
+    adapter = get_adapter(model)
+    for layer, p in kept:
+        assert plan.get(layer, p).mode == "dense" and isinstance(
+            adapter.projection(layer, p), torch.nn.Linear
+        )
+    for pp in plan.projections:
+        if pp.mode != "dense":
+            assert pp.rank * (pp.out_features + pp.in_features) < pp.out_features * pp.in_features
+    assert adapter.attention_parameter_count() == plan.attention_params_after() <= plan.budget
 
 
 def test_global_allocation_spends_the_budget_better_than_the_paper_split():
