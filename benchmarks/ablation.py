@@ -61,9 +61,15 @@ ABLATIONS: dict[str, dict] = {
         "allocation": "global-relative",
         "dense_when_cheaper": True,
     },
+    "global-relative + dense when cheaper, zero atoms": {
+        **PAPER,
+        "allocation": "global-relative",
+        "dense_when_cheaper": True,
+        "bases": 0,
+    },
+    # The default: global-relative + dense when cheaper + singletons compressed (the rest as the paper).
     "masa (default)": {"method": "masa"},
     "masa (default), zero atoms": {"method": "masa", "bases": 0},
-    "masa (default) + singletons compressed": {"method": "masa", "singletons": "compress"},
     "auto G and B (proxy)": {"method": "masa", "auto_groups": True},
     # `--targets attn,mlp`: the ratio then counts every linear projection of the layers; the reference is
     # SVD-LLM on the same targets.
