@@ -519,6 +519,7 @@ ABLATION_FILES = (
     "ablation-paper-candidates.json",
     "ablation-global-relative.json",
     "ablation-remaining.json",
+    "ablation-dense.json",
 )
 CALIBRATION_FILES = (
     "ablation-calib-16x512.json",
@@ -549,11 +550,15 @@ def _ablation_section(doc: Path) -> list[str]:
         "## Beyond the paper: ablation at ratio 0.2",
         "",
         f"From `python -m benchmarks.ablation` ({sources}), each candidate alone over the paper-faithful "
-        "configuration, then combinations. The default recipe (`masa`) is the paper's pipeline with "
-        "`allocation: global-relative`: ranks across all residual matrices by whitened discarded energy per "
-        "parameter, each matrix's error divided by its original output energy ‖W S‖² so that projections "
-        "read from different inputs (q/k/v vs o) share one scale. Compression times include calibration "
-        "and were taken while other jobs shared the 2 cores: compare them within the table only.",
+        "configuration, then combinations; every row's `settings` are in its file. The default recipe (`masa`) "
+        "is the paper's pipeline with three changes, each measured below: `allocation: global-relative` (ranks "
+        "across all residual matrices by whitened discarded energy per parameter, each matrix's error divided "
+        "by its original output energy ‖W S‖² so that projections read from different inputs (q/k/v vs o) share "
+        "one scale), `dense_when_cheaper` (a matrix whose factors would cost at least the matrix itself is kept "
+        "whole, exact, and the numbers saved go to the others) and `singletons: compress` (singleton layers "
+        "enter the same allocation, which keeps them whole when that is cheaper). The zero-atom rows isolate "
+        "what sharing contributes. Compression times include calibration and were taken while other jobs "
+        "shared the 2 cores: compare them within the table only.",
         "",
         *render_ablation(results).splitlines(),
         "",
@@ -572,47 +577,43 @@ def _committed(name: str) -> Path | None:
 
 def _calibration_size_section(doc: Path) -> list[str]:
     """Issue 8's calibration-size candidate: the default and SVD-LLM at several calibration sizes."""
-    found = [p for name in ("ablation-paper-candidates.json", *CALIBRATION_FILES) if (p := _committed(name))]
-    if len(found) < 2:
+    sweep = [p for name in CALIBRATION_FILES if (p := _committed(name))]
+    if not sweep:
         return []
-    wanted = {"svd-llm": "svd-llm", "masa (default)": "masa", "+ global-relative allocation": "masa",
-              "global-relative + singletons compressed": "singletons"}  # fmt: skip
-    singletons = {}
-    if remaining := _committed("ablation-remaining.json"):  # the 64×512 row of the singletons variant
-        for row in json.loads(remaining.read_text())["quality"]:
-            if row["method"] == "global-relative + singletons compressed":
-                singletons = {"ppl": row["ppl"]}
+    by_calibration: dict[tuple[int, int], dict] = {}
+    for path in [p for name in ABLATION_FILES if (p := _committed(name))] + sweep:
+        result = json.loads(path.read_text())
+        cal = result["calibration"]
+        entry = by_calibration.setdefault(
+            (cal["samples"], cal["seq_len"]),
+            {"tokens": cal["tokens"], "original": result["original_ppl"], "seconds": None, "ppl": {}},
+        )
+        if path in sweep:
+            entry["seconds"] = result.get("calibration_seconds")
+        for row in result["quality"]:
+            if row["method"] in ("svd-llm", "masa (default)"):
+                entry["ppl"][row["method"]] = row["ppl"]
     lines = [
         "### Calibration size and window length (ratio 0.2)",
         "",
-        "From `python -m benchmarks.ablation --calib-samples N --seq-len T --only ...` "
-        f"({', '.join(_link(p, doc) for p in found[1:])}; the 64×512 row is the ablation above). Same evaluation "
-        "text and windows in every row; each row's rise ratio uses SVD-LLM calibrated on the same windows.",
+        'From `python -m benchmarks.ablation --calib-samples N --seq-len T --only "svd-llm;masa (default)"` '
+        f"({', '.join(_link(p, doc) for p in sweep)}; the 64×512 row is the ablation above). Same evaluation text "
+        "and windows in every row; each row's rise ratio uses SVD-LLM calibrated on the same windows. Calibration "
+        "time: the statistics capture of that run (shared machine).",
         "",
-        "| calibration (windows × tokens) | tokens | calibration time (s) | SVD-LLM | masa (default) | rise ratio "
-        "| + singletons compressed |",
-        "|---|---|---|---|---|---|---|",
+        "| calibration (windows × tokens) | tokens | calibration time (s) | SVD-LLM | masa (default) | rise ratio |",
+        "|---|---|---|---|---|---|",
     ]
-    rows = []
-    for path in found:
-        result = json.loads(path.read_text())
-        ppl = {wanted[r["method"]]: r["ppl"] for r in result["quality"] if r["method"] in wanted}
-        if path.name == "ablation-paper-candidates.json" and singletons:
-            ppl.setdefault("singletons", singletons["ppl"])
-        cal, original = result["calibration"], result["original_ppl"]
-        rise = (
-            (ppl["masa"] - original) / (ppl["svd-llm"] - original)
-            if {"masa", "svd-llm"} <= ppl.keys()
-            else None
+    for (samples, seq_len), e in sorted(by_calibration.items(), key=lambda kv: (kv[1]["tokens"], kv[0][1])):
+        ppl = e["ppl"]
+        if {"svd-llm", "masa (default)"} - ppl.keys():
+            continue
+        rise = (ppl["masa (default)"] - e["original"]) / (ppl["svd-llm"] - e["original"])
+        seconds = "—" if e["seconds"] is None else f"{e['seconds']:.0f}"
+        lines.append(
+            f"| {samples}×{seq_len} | {e['tokens']:,} | {seconds} | {ppl['svd-llm']:.3f} | "
+            f"{ppl['masa (default)']:.3f} | {rise:.3f} |"
         )
-        seconds = result.get("calibration_seconds")
-        rows.append((cal["tokens"], cal["seq_len"], [
-            f"{cal['samples']}×{cal['seq_len']}", f"{cal['tokens']:,}",
-            "—" if seconds is None else f"{seconds:.0f}",
-            *(f"{ppl[k]:.3f}" if k in ppl else "—" for k in ("svd-llm", "masa")),
-            "—" if rise is None else f"{rise:.3f}", f"{ppl['singletons']:.3f}" if "singletons" in ppl else "—",
-        ]))  # fmt: skip
-    lines += ["| " + " | ".join(cells) + " |" for *_, cells in sorted(rows, key=lambda r: (r[0], r[1]))]
     return [*lines, ""]
 
 

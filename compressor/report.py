@@ -282,25 +282,42 @@ def plot_inspect_energy(path: Path, inspection: dict, title: str) -> Path:
 def plot_ranks(
     path: Path, projections: Sequence[dict], title: str, initial: dict[str, int] | None = None
 ) -> Path:
-    """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded; with `initial`
-    (projection → Algorithm 1's starting rank) dotted lines show where the balancing started."""
+    """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded, single projections
+    kept whole (factors would have cost more) marked × at their full rank; with `initial` (projection →
+    Algorithm 1's starting rank) dotted lines show where the balancing started."""
     fig = _figure(*RUN_FIGSIZE)
     ax = fig.add_subplot()
     n_layers = 1 + max(pp["layer"] for pp in projections)
-    dense = sorted({pp["layer"] for pp in projections if pp["mode"] == "dense"})
-    for i, layer in enumerate(dense):
-        label = "kept whole" if i == 0 else None
+    modes: dict[int, set[str]] = {}
+    for pp in projections:
+        modes.setdefault(pp["layer"], set()).add(pp["mode"])
+    whole_layers = sorted(layer for layer, m in modes.items() if m == {"dense"})
+    for i, layer in enumerate(whole_layers):
+        label = "layer kept whole" if i == 0 else None
         ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label=label)
+    marked = False
     for p in present_projections(projections):
-        rows = sorted(
-            (pp["layer"], pp["rank"]) for pp in projections if pp["projection"] == p and pp["mode"] != "dense"
+        mine = [pp for pp in projections if pp["projection"] == p and pp["layer"] not in whole_layers]
+        rows = sorted((pp["layer"], pp["rank"]) for pp in mine if pp["mode"] != "dense")
+        whole = sorted(
+            (pp["layer"], min(pp["out_features"], pp["in_features"])) for pp in mine if pp["mode"] == "dense"
         )
-        if not rows:
-            continue
-        xs, ys = [r[0] for r in rows], [r[1] or 0 for r in rows]
-        ax.plot(xs, ys, "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
-        if initial and p in initial:
-            ax.plot(xs, [initial[p]] * len(xs), ":", lw=1.2, color=PROJECTION_COLORS[p])
+        if rows:
+            xs, ys = [r[0] for r in rows], [r[1] or 0 for r in rows]
+            # NaN where the projection is not factored, so that the line breaks instead of bridging the gap.
+            line = [float("nan")] * n_layers
+            for x, y in zip(xs, ys, strict=True):
+                line[x] = y
+            ax.plot(range(n_layers), line, "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
+            if initial and p in initial:
+                ax.plot(xs, [initial[p]] * len(xs), ":", lw=1.2, color=PROJECTION_COLORS[p])
+        if whole:
+            ax.plot(
+                *zip(*whole, strict=True), "x", ms=5, color=PROJECTION_COLORS[p], label=None if rows else p
+            )
+            marked = True
+    if marked:
+        ax.plot([], [], "x", color="#555555", label="kept whole (factors dearer)")
     if initial:
         ax.plot([], [], ":", color="#555555", label="initial (Algorithm 1)")
     ax.set_xlim(-0.5, n_layers - 0.5)
