@@ -89,33 +89,20 @@ class _Accumulator:
             target.add_((x.float().T @ x.float()).double())
 
     def __enter__(self) -> _Accumulator:
+        # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
+        inputs = [("q_proj", self.attn), ("o_proj", self.o)]
+        if self.mlp is not None:
+            inputs += [("gate_proj", self.mlp), ("down_proj", self.down)]
         for i, layer in enumerate(self.adapter.layers):
-            q = self.adapter.projection(i, "q_proj")
-            o = self.adapter.projection(i, "o_proj")
-            self.handles.append(
-                q.register_forward_pre_hook(
-                    lambda m, a, i=i: self._gram_into(self.attn[i], a[0], f"layer {i} q_proj")
+            for name, grams in inputs:
+                self.handles.append(
+                    self.adapter.projection(i, name).register_forward_pre_hook(
+                        lambda m, a, i=i, name=name, grams=grams: self._gram_into(
+                            grams[i], a[0], f"layer {i} {name}"
+                        )
+                    )
                 )
-            )
-            self.handles.append(
-                o.register_forward_pre_hook(
-                    lambda m, a, i=i: self._gram_into(self.o[i], a[0], f"layer {i} o_proj")
-                )
-            )
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
-            if self.mlp is not None:
-                gate = self.adapter.projection(i, "gate_proj")
-                down = self.adapter.projection(i, "down_proj")
-                self.handles.append(
-                    gate.register_forward_pre_hook(
-                        lambda m, a, i=i: self._gram_into(self.mlp[i], a[0], f"layer {i} gate_proj")
-                    )
-                )
-                self.handles.append(
-                    down.register_forward_pre_hook(
-                        lambda m, a, i=i: self._gram_into(self.down[i], a[0], f"layer {i} down_proj")
-                    )
-                )
         return self
 
     def _block_mean(self, i: int, output) -> None:
