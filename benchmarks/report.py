@@ -624,15 +624,25 @@ def _mlp_section(doc: Path) -> list[str]:
     path = _committed(MLP_FILE)
     if path is None:
         return []
+    result = json.loads(path.read_text())
+    before = {}  # targeted numbers before compression, per targets, from each row's exact counts
+    for row in result["quality"]:
+        targets = row["settings"].get("targets", "attn")
+        before[targets] = round(row["attention_params_after"] / (1 - row["achieved_ratio"]))
+    if {"attn", "attn,mlp"} - before.keys():
+        return []
+    equal_ratio = 0.2 * before["attn"] / before["attn,mlp"]
     return [
         "### The same machinery on the MLP projections (`--targets attn,mlp`)",
         "",
-        f"From `python -m benchmarks.ablation --ratios 0.05,0.2 --only ...` ({_link(path, doc)}). The ratio then "
-        "counts every linear projection of the layers (q/k/v/o and gate/up/down: 106.2M numbers instead of 26.5M), "
-        "and the rise ratio compares with SVD-LLM on the same targets. Ratio 0.05 of attn+mlp removes as many "
-        "numbers (5.3M) as ratio 0.2 of the attention alone.",
+        f"From `python -m benchmarks.ablation --ratios 0.05,0.2 --only ...` ({_link(path, doc)}). With "
+        "`--targets attn,mlp` the ratio counts every linear projection of the layers (q/k/v/o and gate/up/down: "
+        f"{before['attn,mlp'] / 1e6:.1f}M numbers instead of {before['attn'] / 1e6:.1f}M), and the rise ratio "
+        "compares with SVD-LLM on the same targets; the zero-atom rows without `attn+mlp` are attention only "
+        f"(same calibration). Ratio {equal_ratio:.2f} of attn+mlp removes as many numbers "
+        f"({0.2 * before['attn'] / 1e6:.1f}M) as ratio 0.2 of the attention alone.",
         "",
-        *render_ablation([json.loads(path.read_text())]).splitlines(),
+        *render_ablation([result]).splitlines(),
         "",
     ]
 
