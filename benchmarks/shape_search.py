@@ -80,6 +80,8 @@ def render(result: dict) -> str:
         f"{result['auto']['compress_seconds']:.0f} s including {result['calibration_seconds']:.0f} s of "
         "calibration.",
     ]
+    if result.get("note"):
+        lines.append(f"- Note: {result['note']}")
     return "\n".join(lines) + "\n"
 
 
