@@ -75,6 +75,7 @@ class MethodContext:
     seconds: dict[str, float] = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     _whitening: dict[tuple[int, str], WhiteningFactor] = field(default_factory=dict)
+    _output_energy: dict[tuple[int, str], float] = field(default_factory=dict)
 
     # -- shared stage interfaces ----------------------------------------------------------------------
     def weight(self, layer: int, projection: str) -> torch.Tensor:
@@ -111,6 +112,15 @@ class MethodContext:
             if factor.damping > 0 and entry not in self.report.setdefault("damping", []):
                 self.report["damping"].append(entry)
         return self._whitening[key]
+
+    def output_energy(self, layer: int, projection: str) -> float:
+        """‖W S‖²: the whitened output energy of the original weight, the scale of `global-relative` errors.
+        Memoized: the G/B search allocates once per candidate, over the same matrices."""
+        key = (layer, projection)
+        if key not in self._output_energy:
+            w = self.weight(layer, projection)
+            self._output_energy[key] = float(((w @ self.whitening(layer, projection).S) ** 2).sum())
+        return self._output_energy[key]
 
     def autocorr(self, layer: int, projection: str) -> torch.Tensor:
         """Input autocorrelation of a projection: the layer input for q/k/v, the attention output for o, the
@@ -238,11 +248,6 @@ def residual_tail(ctx: MethodContext, layer: int, p: str, residual: torch.Tensor
     return discarded_energy(sigma).cpu()
 
 
-def output_energy(ctx: MethodContext, layer: int, p: str) -> float:
-    """‖W S‖²: the whitened output energy of the original weight, the scale of `global-relative` errors."""
-    return float(((ctx.weight(layer, p) @ ctx.whitening(layer, p).S) ** 2).sum())
-
-
 def _allocate_paper(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> None:
     """Algorithm 1: the residual budget spread evenly over compressed layers, split per layer between
     (Q,K) and (V,O) in proportion to their dense sizes, then balanced within each pair."""
@@ -284,7 +289,7 @@ def _allocate_global(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> 
     scale = {k: 1.0 for k in keys}
     if ctx.settings.allocation == "global-relative":
         for layer, p in keys:
-            scale[(layer, p)] = output_energy(ctx, layer, p)
+            scale[(layer, p)] = ctx.output_energy(layer, p)
     scaled = {n: tails[k] / scale[k] for n, k in names.items()}
     shapes = {n: plan.geometry.shape(k[1]) for n, k in names.items()}
     if not ctx.settings.dense_when_cheaper:

@@ -24,7 +24,6 @@ from compressor.pipeline import (
     allocate_ranks,
     group_atoms,
     masa_plan,
-    output_energy,
     residual_tail,
     shared_part,
 )
@@ -50,7 +49,6 @@ def choose_groups_and_bases(
         (g, b) for g in range(1, min(max_groups, ctx.adapter.num_layers) + 1) for b in range(max_bases + 1)
     ]
     tails: dict[tuple, tuple[torch.Tensor, int]] = {}  # key -> (discarded-energy tail, atoms stored)
-    scales: dict[tuple[int, str], float] = {}
     rows, seen = [], set()
     progress, ctx.progress = ctx.progress, False  # one bar for the search, not one per stage
     try:
@@ -67,7 +65,7 @@ def choose_groups_and_bases(
                 key = (singletons, 0) if bases == 0 else (tuple(map(tuple, groups)), bases)
                 if key not in seen:
                     seen.add(key)
-                    proxy = _proxy(ctx, groups, bases, tails, scales)
+                    proxy = _proxy(ctx, groups, bases, tails)
                     if proxy is not None:
                         rows.append({"groups": n_groups, "bases": bases, "layers": groups, "proxy": proxy})
                 bar.advance()
@@ -93,7 +91,6 @@ def _proxy(
     groups: list[list[int]],
     bases: int,
     tails: dict[tuple, tuple[torch.Tensor, int]],
-    scales: dict[tuple[int, str], float],
 ) -> float | None:
     """Relative whitened error left by the layout under the budget; None when it does not fit."""
     try:
@@ -123,14 +120,12 @@ def _proxy(
             tails[key] = (residual_tail(ctx, layer, p, residual), stored_atoms)
         if plan.get(layer, p).mode == "shared":
             plan.get(layer, p).n_atoms = tails[key][1]
-        if (layer, p) not in scales:
-            scales[(layer, p)] = output_energy(ctx, layer, p)
     if plan.residual_budget() < 0:
         return None
     allocate_ranks(ctx, plan, {k: tails[key][0] for k, key in keyed.items()})
     plan.check_budget()
     return sum(
-        float(tails[key][0][plan.get(*k).rank]) / scales[k]
+        float(tails[key][0][plan.get(*k).rank]) / ctx.output_energy(*k)
         for k, key in keyed.items()
         if plan.get(*k).mode != "dense"  # kept whole by the allocation: exact
     )

@@ -110,10 +110,12 @@ class SharedAtoms(nn.Module):
 
 
 def _own_aligned_memory(model: nn.Module) -> None:
-    """Copy CPU tensors that are views into the safetensors file mapping into fresh, aligned memory.
+    """Copy the CPU tensors that do not start on a 64-byte boundary into fresh, aligned memory.
 
-    Such views sit at offsets that are only 4-byte aligned, and MKL's GEMMs round differently on misaligned
-    operands: without the copy the loaded model's logits differ from masa-compress's own in the last bits.
+    masa-compress writes every tensor whose size allows it 64-byte aligned, so the views of the file mapping
+    are aligned; what is left is odd-sized (coefficient vectors) or a file rewritten by another tool. MKL's
+    GEMMs round differently on misaligned operands: without this the logits differ from masa-compress's own
+    in the last bits.
     """
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
