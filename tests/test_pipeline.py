@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_windows, tiny_model
+from conftest import plant_identical_layers, random_windows, tiny_model
 
 from compressor.adapters import PROJECTIONS, get_adapter
 from compressor.capture import collect_statistics
@@ -39,10 +39,7 @@ def test_every_method_meets_the_budget_and_counts_exactly(method, family):
 
 def test_planted_identical_layers_are_reproduced_exactly_by_one_atom():
     model = tiny_model("llama", num_hidden_layers=4)
-    adapter = get_adapter(model)
-    for layer in range(1, 4):
-        for p in PROJECTIONS:
-            adapter.projection(layer, p).weight.data.copy_(adapter.projection(0, p).weight.data)
+    plant_identical_layers(model, PROJECTIONS)
     x = random_windows(2, 16)
     expected = model(input_ids=x).logits
     _compress(model, "masa", ratio=0.5, groups=1, bases=1)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from conftest import random_windows, tiny_model
+from conftest import plant_identical_layers, random_windows, relative_whitened_error, tiny_model
 
 from compressor.adapters import PROJECTIONS, get_adapter
 from compressor.capture import collect_statistics
-from compressor.modules import dense_weight
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings
 
@@ -20,19 +18,6 @@ def _run(model, stats, windows, ratio=0.3, **settings):
     return compress_model(
         model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
     )
-
-
-def _relative_error(original, compressed, stats) -> float:
-    """Σ over projections of ‖(W − Ŵ) S‖² / ‖W S‖², computed as tr(E C Eᵀ) / tr(W C Wᵀ) with C = S Sᵀ."""
-    before, after = get_adapter(original), get_adapter(compressed)
-    total = 0.0
-    for layer in range(before.num_layers):
-        for p in PROJECTIONS:
-            c = stats.attn_autocorr[layer] if p != "o_proj" else stats.o_autocorr[layer]
-            w = before.projection(layer, p).weight.detach().double()
-            e = w - dense_weight(after.projection(layer, p)).detach().double()
-            total += float(torch.trace(e @ c @ e.T) / torch.trace(w @ c @ w.T))
-    return total
 
 
 def test_proxy_is_the_relative_error_of_the_model_built_with_that_shape():
@@ -49,7 +34,9 @@ def test_proxy_is_the_relative_error_of_the_model_built_with_that_shape():
         built = _run(model, stats, windows, groups=candidate["groups"], bases=candidate["bases"])
         assert built.report["grouping"]["groups"] == candidate["layers"]
         assert built.plan.attention_params_after() <= built.plan.budget
-        assert _relative_error(original, model, stats) == pytest.approx(candidate["proxy"], rel=1e-6)
+        assert relative_whitened_error(original, model, stats, PROJECTIONS) == pytest.approx(
+            candidate["proxy"], rel=1e-6
+        )
 
 
 def test_the_choice_is_the_lowest_proxy_and_is_what_gets_built():
@@ -65,17 +52,17 @@ def test_the_choice_is_the_lowest_proxy_and_is_what_gets_built():
     assert (effective["groups"], effective["bases"]) == (best["groups"], best["bases"])
     assert outcome.report["grouping"]["groups"] == best["layers"]
     assert outcome.plan.attention_params_after() <= outcome.plan.budget
-    assert abs(_relative_error(original, model, stats) - best["proxy"]) <= 1e-6 * best["proxy"]
+    assert (
+        abs(relative_whitened_error(original, model, stats, PROJECTIONS) - best["proxy"])
+        <= 1e-6 * best["proxy"]
+    )
 
 
 def test_planted_shared_layers_are_found_one_group_one_atom():
     model = tiny_model("llama", num_hidden_layers=4)
-    adapter = get_adapter(model)
-    for layer in range(1, 4):
-        for p in PROJECTIONS:
-            adapter.projection(layer, p).weight.data.copy_(adapter.projection(0, p).weight.data)
+    plant_identical_layers(model, PROJECTIONS)
     windows = random_windows()
-    stats = collect_statistics(model, adapter, windows, progress=False)
+    stats = collect_statistics(model, get_adapter(model), windows, progress=False)
     outcome = _run(model, stats, windows, ratio=0.5, auto_groups=True, end_boundaries=False)
     # One atom holds all four equal layers exactly: zero error, and the fewest atoms and groups win ties.
     assert outcome.report["shape_search"]["chosen"] == {"groups": 1, "bases": 1}

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from conftest import random_windows, tiny_model
+from conftest import plant_identical_layers, random_windows, relative_whitened_error, tiny_model
 
-from compressor.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS, get_adapter, target_projections
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter, target_projections
 from compressor.capture import collect_statistics
 from compressor.checkpoint import load_compressed, save_compressed
 from compressor.errors import UserError
-from compressor.modules import LowRankLinear, SharedBasisLinear, dense_weight
+from compressor.modules import LowRankLinear, SharedBasisLinear
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings
 
@@ -84,10 +84,7 @@ def test_targets_meet_the_budget_and_count_exactly(targets, method, family):
 
 def test_planted_identical_mlps_are_reproduced_exactly_by_one_atom():
     model = tiny_model("llama", num_hidden_layers=4)
-    adapter = get_adapter(model)
-    for layer in range(1, 4):
-        for p in MLP_PROJECTIONS:
-            adapter.projection(layer, p).weight.data.copy_(adapter.projection(0, p).weight.data)
+    plant_identical_layers(model, MLP_PROJECTIONS)
     x = random_windows(2, 16)
     expected = model(input_ids=x).logits
     outcome = _compress(model, ratio=0.5, targets="mlp", groups=1, bases=1)
@@ -111,15 +108,7 @@ def test_mlp_errors_are_the_whitened_tails_the_allocation_saw():
         for c in outcome.report["shape_search"]["candidates"]
         if (c["groups"], c["bases"]) == (chosen["groups"], chosen["bases"])
     )
-    total = 0.0
-    before, after = get_adapter(original), get_adapter(model)
-    for layer in range(before.num_layers):
-        for p in MLP_PROJECTIONS:
-            c = stats.autocorr(INPUT_OF[p], layer)
-            w = before.projection(layer, p).weight.detach().double()
-            e = w - dense_weight(after.projection(layer, p)).detach().double()
-            total += float(torch.trace(e @ c @ e.T) / torch.trace(w @ c @ w.T))
-    assert total == pytest.approx(proxy, rel=1e-6)
+    assert relative_whitened_error(original, model, stats, MLP_PROJECTIONS) == pytest.approx(proxy, rel=1e-6)
 
 
 @pytest.mark.parametrize(
