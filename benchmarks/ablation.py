@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.quality import run_quality
+from benchmarks.quality import compare, run_quality, strip_windows, variant_key
 
 # The paper-faithful settings spelled out under method `masa`, so that each row can change one of them
 # (`--method masa-paper` pins them all).
@@ -83,7 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ratios", default="0.2")
     parser.add_argument("--only", help="semicolon-separated row names")
-    parser.add_argument("--eval-max-tokens", type=int, default=20480)
+    parser.add_argument(
+        "--split", default="validation", help="evaluation split: validation (default: choices) or test"
+    )
+    parser.add_argument("--eval-max-tokens", type=int, help="cap on evaluated tokens (default: all)")
     parser.add_argument("--calib-samples", type=int, help="calibration windows (recipe: 64)")
     parser.add_argument("--seq-len", type=int, help="calibration window length (recipe: 512)")
     parser.add_argument("--out", default="benchmarks/ablation.json")
@@ -103,9 +106,38 @@ def main() -> None:
         seq_len=args.seq_len,
         eval_max_tokens=args.eval_max_tokens,
         progress=False,
+        split=args.split,
     )
+    add_differences(result)
+    result["scores"] = strip_windows(result["_scores"])
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump({k: v for k, v in result.items() if not k.startswith("_")}, f, indent=2)
+
+
+def add_differences(result: dict) -> None:
+    """Per row, the paired-bootstrap difference to the default and to SVD-LLM at the same ratio and targets."""
+    scores, rows = result["_scores"], result["quality"]
+
+    def reference(row: dict, method: str, targets: str) -> dict | None:
+        return next(
+            (
+                r
+                for r in rows
+                if r["ratio"] == row["ratio"] and r["method"] == method and _targets(r) == targets
+            ),
+            None,
+        )
+
+    for row in rows:
+        key = variant_key(row["method"], row["ratio"])
+        svd_llm = next(
+            (r for r in rows if r["ratio"] == row["ratio"] and r["settings"].get("method") == "svd-llm"
+             and _targets(r) == _targets(row)),
+            None,
+        )  # fmt: skip
+        for label, ref in (("vs_default", reference(row, "masa (default)", "attn")), ("vs_svd_llm", svd_llm)):
+            if ref is not None and ref is not row:
+                row[label] = compare(scores, key, variant_key(ref["method"], ref["ratio"]))
 
 
 def render(results: list[dict]) -> str:
@@ -119,23 +151,39 @@ def render(results: list[dict]) -> str:
     original = base["original_ppl"]
     # The reference of a row: SVD-LLM at the same ratio on the same targets (attention unless stated).
     svd_llm = {(r["ratio"], _targets(r)): r["ppl"] for r in rows if r["settings"].get("method") == "svd-llm"}
+    split = base["evaluation"].get("split", "the former held-out part (before the validation/test split)")
     lines = [
+        f"Evaluation split: **{split}**. "
         f"Bundled SmolLM2-135M, calibration {base['calibration']['samples']}×{base['calibration']['seq_len']} "
         f"tokens of {base['calibration']['text']}, evaluation {base['evaluation']['tokens']:,} tokens of "
         f"{base['evaluation']['text']} in {base['evaluation']['seq_len']}-token windows; original perplexity "
         f"{original:.3f}. Rise ratio = (ppl − original) / (SVD-LLM's ppl − original) at the same ratio.",
         "",
-        "| configuration | ratio | achieved | perplexity | rise ratio vs SVD-LLM | compression time (s) |",
-        "|---|---|---|---|---|---|",
+        "| configuration | ratio | achieved | perplexity [95% CI] | rise ratio vs SVD-LLM | "
+        "Δ ppl vs default [95% CI] | KL from original | compression time (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         reference = svd_llm.get((r["ratio"], _targets(r)))
         rise = "—" if reference is None else f"{(r['ppl'] - original) / (reference - original):.3f}"
+        ci = r.get("ppl_ci95")
+        ppl = f"{r['ppl']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
         lines.append(
-            f"| {r['method']} | {r['ratio']:.2f} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f} | {rise} | "
+            f"| {r['method']} | {r['ratio']:.2f} | {r['achieved_ratio']:.4f} | {ppl} | {rise} | "
+            f"{format_difference(r.get('vs_default'))} | "
+            + ("—" if r.get("kl_to_original") is None else f"{r['kl_to_original']:.4f}")
+            + " | "
             + ("— |" if r.get("compress_seconds") is None else f"{r['compress_seconds']:.0f} |")
         )
     return "\n".join(lines) + "\n"
+
+
+def format_difference(diff: dict | None) -> str:
+    """`+0.123 [0.05, 0.20]`, with "tie" where the interval contains 0; "—" where there is none."""
+    if diff is None:
+        return "—"
+    lo, hi = diff["ci95"]
+    return f"{diff['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" tie" if diff["tie"] else "")
 
 
 def _targets(row: dict) -> str:

@@ -19,7 +19,8 @@ from compressor.api import evaluation_token_windows, peak_rss_gb
 from compressor.calibration.sources import load_documents
 from compressor.calibration.windows import bos_token_id_for, calibration_windows, tokenize_documents
 from compressor.capture import collect_statistics
-from compressor.evaluate import evaluate_perplexity
+from compressor.evaluate import evaluate_against, evaluate_perplexity
+from compressor.intervals import paired_difference
 from compressor.models import load_model, resolve_model
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
@@ -47,9 +48,23 @@ class QualitySetup:
     evaluation: object
     eval_windows: list
     eval_name: str
-    original: object
+    original: object  # PerplexityResult of the original on eval_windows (None until scored)
     stats: object
     recipe: object
+
+
+def evaluation_settings(
+    recipe,
+    split: str = "test",
+    seq_len: int | None = None,
+    max_tokens: int | None = None,
+    text: str | None = None,
+) -> EvaluationSettings:
+    """The recipe's evaluation with the given split, window length, token cap (None: all) and text."""
+    base = recipe.evaluation if recipe else EvaluationSettings()
+    update = {"split": split, "max_tokens": max_tokens}
+    update.update({k: v for k, v in {"seq_len": seq_len, "source": text}.items() if v is not None})
+    return base.model_copy(update=update)
 
 
 def prepare_quality(
@@ -61,17 +76,15 @@ def prepare_quality(
     progress: bool = True,
     log=print,
     mlp: bool = False,
+    split: str = "test",
+    evaluate_original: bool = True,
 ) -> QualitySetup:
     source = resolve_model(model)
     recipe = source.recipe
     calibration = recipe.calibration.model_copy(
         update={k: v for k, v in {"samples": calib_samples, "seq_len": seq_len}.items() if v is not None}
     )
-    evaluation = (recipe.evaluation if recipe else EvaluationSettings()).model_copy(
-        update={
-            k: v for k, v in {"seq_len": eval_seq_len, "max_tokens": eval_max_tokens}.items() if v is not None
-        }
-    )
+    evaluation = evaluation_settings(recipe, split, eval_seq_len, eval_max_tokens)
     loaded = load_model(source, progress=progress)
     tokenizer = loaded.tokenizer
     calib_text = load_documents(calibration.source, "calibration")
@@ -80,8 +93,12 @@ def prepare_quality(
         ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos_token_id_for(tokenizer)
     )
     eval_windows, eval_name = evaluation_token_windows(tokenizer, evaluation)
-    original = evaluate_perplexity(loaded.model, eval_windows, progress=progress, description="original")
-    log(f"original ppl {original.ppl:.3f} ({original.tokens} tokens, {original.seconds:.0f} s)")
+    original = None
+    if evaluate_original:
+        original = evaluate_perplexity(loaded.model, eval_windows, progress=progress, description="original")
+        log(
+            f"original ppl {original.ppl:.3f} ({original.tokens} tokens of {split}, {original.seconds:.0f} s)"
+        )
     stats = collect_statistics(loaded.model, get_adapter(loaded.model), windows, progress=progress, mlp=mlp)
     return QualitySetup(
         source, loaded, calibration, calib_text.name, windows, evaluation, eval_windows, eval_name, original,
@@ -89,10 +106,10 @@ def prepare_quality(
     )  # fmt: skip
 
 
-def measure_variant(
+def build_variant(
     setup: QualitySetup, name: str, overrides: dict, ratio: float, progress: bool = True
-) -> dict:
-    """Compress a copy of the model with the recipe's settings and `overrides`, then evaluate it."""
+) -> tuple[torch.nn.Module, dict]:
+    """A compressed copy of the model (the recipe's settings with `overrides`) and its row, not yet scored."""
     model_copy = copy.deepcopy(setup.loaded.model)
     settings = CompressionSettings(**{**setup.recipe.compression.model_dump(), **overrides})
     start = time.perf_counter()
@@ -106,15 +123,11 @@ def measure_variant(
         windows=setup.windows,
     )
     seconds = time.perf_counter() - start
-    result = evaluate_perplexity(
-        model_copy, setup.eval_windows, progress=progress, description=f"{name}@{ratio}"
-    )
-    return {
+    row = {
         "method": name,
         "ratio": ratio,
         "achieved_ratio": outcome.plan.achieved_ratio(),
         "attention_params_after": outcome.plan.attention_params_after(),
-        "ppl": result.ppl,
         "compress_seconds": seconds + setup.stats.seconds,
         "stage_seconds": dict(outcome.seconds),
         "settings": settings.model_dump(),
@@ -123,6 +136,73 @@ def measure_variant(
             k: outcome.report[k] for k in ("shape_search", "effective_settings") if k in outcome.report
         },
     }
+    return model_copy, row
+
+
+def measure_variant(
+    setup: QualitySetup, name: str, overrides: dict, ratio: float, progress: bool = True
+) -> dict:
+    """Compress a copy of the model with the recipe's settings and `overrides`, then evaluate it."""
+    model_copy, row = build_variant(setup, name, overrides, ratio, progress)
+    result = evaluate_perplexity(
+        model_copy, setup.eval_windows, progress=progress, description=f"{name}@{ratio}"
+    )
+    return {**row, "ppl": result.ppl, "ppl_ci95": result.ppl_ci95}
+
+
+def score(
+    setup: QualitySetup,
+    models: dict[str, torch.nn.Module],
+    evaluation: EvaluationSettings,
+    progress: bool = True,
+) -> dict:
+    """Score the original and `models` on `evaluation`'s windows in one pass (same windows for all).
+
+    Returns the evaluation's description, the original's perplexity with its interval, and per model its
+    perplexity, interval, KL from the original, top-1 agreement and per-window NLL (for paired differences).
+    """
+    windows, text = evaluation_token_windows(setup.loaded.tokenizer, evaluation)
+    original, scored = evaluate_against(setup.loaded.model, models, windows, progress=progress)
+    return {
+        "evaluation": {
+            **evaluation.model_dump(),
+            "text": text,
+            "tokens": original.tokens,
+            "windows": original.windows,
+        },
+        "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95, "window_nll": original.window_nll},
+        "models": {
+            name: {
+                "ppl": result.ppl,
+                "ppl_ci95": result.ppl_ci95,
+                **faith.to_dict(),
+                "window_nll": result.window_nll,
+            }
+            for name, (result, faith) in scored.items()
+        },
+        "window_tokens": original.window_tokens,
+    }
+
+
+def compare(scores: dict, a: str, b: str) -> dict:
+    """Paired difference ppl(a) − ppl(b) on the windows of `scores` (`"original"` names the original)."""
+
+    def nll(name):
+        return (
+            scores["original"]["window_nll"] if name == "original" else scores["models"][name]["window_nll"]
+        )
+
+    return paired_difference(nll(a), nll(b), scores["window_tokens"]).to_dict()
+
+
+def strip_windows(scores: dict) -> dict:
+    """`scores` without the per-window arrays (kept out of the committed JSON: they are bulky)."""
+    out = {**scores, "original": {k: v for k, v in scores["original"].items() if k != "window_nll"}}
+    out["models"] = {
+        n: {k: v for k, v in m.items() if k != "window_nll"} for n, m in scores["models"].items()
+    }
+    out.pop("window_tokens", None)
+    return out
 
 
 def quality_header(setup: QualitySetup) -> dict:
@@ -131,10 +211,18 @@ def quality_header(setup: QualitySetup) -> dict:
         "calibration": {
             **setup.calibration.model_dump(), "text": setup.calib_name, "tokens": int(setup.windows.numel())
         },
-        "evaluation": {**setup.evaluation.model_dump(), "text": setup.eval_name, "tokens": setup.original.tokens},
-        "original_ppl": setup.original.ppl,
+        "evaluation": {
+            **setup.evaluation.model_dump(), "text": setup.eval_name,
+            "tokens": setup.original.tokens if setup.original else None,
+        },
+        "original_ppl": setup.original.ppl if setup.original else None,
+        "original_ppl_ci95": setup.original.ppl_ci95 if setup.original else None,
         "calibration_seconds": setup.stats.seconds,
     }  # fmt: skip
+
+
+def variant_key(name: str, ratio: float) -> str:
+    return f"{name}@{ratio:g}"
 
 
 def run_quality(
@@ -147,17 +235,49 @@ def run_quality(
     eval_max_tokens: int | None = None,
     progress: bool = True,
     log=print,
+    split: str = "test",
+    extra_variants: dict[float, list[str]] | None = None,
 ) -> dict:
+    """Every variant at every ratio (and `extra_variants`: ratio -> names, e.g. one ablation at 0.2), built
+    from ONE calibration and scored with the original in ONE pass over the same windows of `split`.
+
+    The built models stay in memory (``result["_models"]``), so that callers can score them on other texts
+    or window lengths without compressing again.
+    """
     # The MLP inputs' statistics only when a variant compresses MLP projections (they cost calibration time).
     mlp = any("mlp" in overrides.get("targets", "attn") for overrides in variants.values())
-    setup = prepare_quality(model, calib_samples, seq_len, eval_seq_len, eval_max_tokens, progress, log, mlp)
-    rows = []
-    for ratio in ratios:
-        for name, overrides in variants.items():
-            row = measure_variant(setup, name, overrides, ratio, progress)
-            rows.append(row)
-            log(f"{name:>18} ratio {ratio:.2f} achieved {row['achieved_ratio']:.4f} ppl {row['ppl']:.3f}")
-    return {**quality_header(setup), "quality": rows, "peak_rss_gb": peak_rss_gb()}
+    setup = prepare_quality(
+        model, calib_samples, seq_len, eval_seq_len, eval_max_tokens, progress, log, mlp, split,
+        evaluate_original=False,
+    )  # fmt: skip
+    plan = [(name, ratio) for ratio in ratios for name in variants]
+    plan += [(name, ratio) for ratio, names in (extra_variants or {}).items() for name in names]
+    models, rows = {}, []
+    for name, ratio in plan:
+        model_copy, row = build_variant(
+            setup, name, VARIANTS.get(name, variants.get(name, {})), ratio, progress
+        )
+        models[variant_key(name, ratio)] = model_copy
+        rows.append(row)
+        log(f"built {name:>18} ratio {ratio:.2f} achieved {row['achieved_ratio']:.4f}")
+    scores = score(setup, models, setup.evaluation, progress)
+    for row in rows:
+        row.update({k: v for k, v in scores["models"][variant_key(row["method"], row["ratio"])].items()
+                    if k != "window_nll"})  # fmt: skip
+        log(f"{row['method']:>18} ratio {row['ratio']:.2f} ppl {row['ppl']:.3f} {row['ppl_ci95']}")
+    setup.original = None
+    header = quality_header(setup)
+    header["evaluation"]["tokens"] = scores["evaluation"]["tokens"]
+    header["original_ppl"] = scores["original"]["ppl"]
+    header["original_ppl_ci95"] = scores["original"]["ppl_ci95"]
+    return {
+        **header,
+        "quality": rows,
+        "peak_rss_gb": peak_rss_gb(),
+        "_scores": scores,
+        "_models": models,
+        "_setup": setup,
+    }
 
 
 def main() -> None:
@@ -180,7 +300,7 @@ def main() -> None:
         eval_max_tokens=args.eval_max_tokens,
         progress=False,
     )
-    text = json.dumps(result, indent=2)
+    text = json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -70,9 +70,11 @@ def plot_quality(results: dict, path: Path) -> None:
     ax.axhline(results["original_ppl"], color="black", linestyle="--", linewidth=1, label="original")
     ax.set_yscale("log")
     ax.set_xlabel("attention parameters kept (%)")
-    ax.set_ylabel("perplexity (held-out text, log scale)")
+    ax.set_ylabel("perplexity (log scale)")
     evaluation = results.get("quality_details", {}).get("evaluation", {})
-    ax.set_title(f"Perplexity vs size ({evaluation.get('tokens', '?')} evaluation tokens)")
+    ax.set_title(
+        f"Perplexity vs size ({evaluation.get('tokens', '?')} tokens of the {evaluation.get('split', '?')} split)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -207,42 +209,81 @@ def _summary(results: dict) -> list[str]:
     return rows
 
 
+def _ci(values, digits: int = 2) -> str:
+    return "" if not values else f" [{values[0]:.{digits}f}, {values[1]:.{digits}f}]"
+
+
+def _difference(diff: dict | None) -> str:
+    """`−5.31 [−5.62, −5.01]`, or `tie` where the paired interval contains 0."""
+    if not diff:
+        return "—"
+    lo, hi = diff["ci95"]
+    return f"{diff['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" (tie)" if diff["tie"] else "")
+
+
+def _quality_table(results: dict) -> list[str]:
+    rows = results["quality"]
+    details = results.get("quality_details", {})
+    default = details.get("default", rows[0]["method"])
+    lines = [
+        f"| method | ratio | achieved | perplexity [95% CI] | KL from original | top-1 agreement | "
+        f"`{default}` minus this [95% CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["ratio"], r["method"] != default)):
+        kl, top1 = r.get("kl_to_original"), r.get("top1_agreement")
+        lines.append(
+            f"| `{r['method']}` | {r['ratio']:g} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f}{_ci(r.get('ppl_ci95'))} "
+            f"| {_f(kl, 4)} | {'—' if top1 is None else f'{top1:.1%}'} | {_difference(r.get('default_minus_this'))} |"
+        )
+    return lines
+
+
+def _headline_table(results: dict) -> list[str]:
+    headline = results.get("headline_evaluations") or {}
+    if not headline:
+        return []
+    details = results.get("quality_details", {})
+    default, baseline = details.get("default", "masa"), details.get("baseline", "svd-llm")
+    lines = [
+        f"The headline pair at ratio {details.get('headline_ratio', 0.2):g}, scored again on other windows and "
+        "text (same compressed models, test split):",
+        "",
+        f"| evaluation | tokens | original | `{default}` | `{baseline}` | `{default}` minus `{baseline}` [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in headline.values():
+        ev, models = h["evaluation"], h["models"]
+        lines.append(
+            f"| {ev['text']}, {ev['seq_len']}-token windows | {ev['tokens']:,} | {h['original']['ppl']:.3f}"
+            f"{_ci(h['original']['ppl_ci95'])} | {models[default]['ppl']:.3f}{_ci(models[default]['ppl_ci95'])} | "
+            f"{models[baseline]['ppl']:.3f}{_ci(models[baseline]['ppl_ci95'])} | "
+            f"{_difference(h.get('default_minus_baseline'))} |"
+        )
+    return [*lines, ""]
+
+
 def _quality_section(results: dict, rel) -> list[str]:
     details = results.get("quality_details", {})
     cal, ev = details.get("calibration", {}), details.get("evaluation", {})
-    rows = results["quality"]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    ratios = sorted({r["ratio"] for r in rows})
-    cell = {(r["method"], r["ratio"]): r for r in rows}
     lines = [
         "## 1. Quality at equal size",
         "",
         f"Model: {details.get('model', '?')}. Calibration: {cal.get('samples', '?')} windows × "
         f"{cal.get('seq_len', '?')} tokens of {cal.get('text', '?')} (seed {cal.get('seed', '?')}), "
-        f"collected **once** on the original model and reused by every method and ratio. Evaluation: "
-        f"{ev.get('tokens', '?')} predicted tokens of held-out {ev.get('text', '?')} text in non-overlapping "
-        f"windows of {ev.get('seq_len', '?')} tokens (`eval_max_tokens` {ev.get('max_tokens', '?')}), the same "
-        "windows for every model. `ratio` is the fraction of attention parameters removed; each cell is the "
-        "perplexity (lower is better), with the exactly counted achieved ratio in parentheses.",
+        f"collected **once** on the original model and reused by every method and ratio. Evaluation: the "
+        f"**{ev.get('split', '?')}** split, {ev.get('tokens', '?'):,} predicted tokens of {ev.get('text', '?')} in "
+        f"non-overlapping windows of {ev.get('seq_len', '?')} tokens, every model scored with the original in "
+        "one pass over the same windows. `ratio` is the fraction of attention parameters removed (achieved: "
+        "counted exactly). Intervals: 95% percentile bootstrap over windows (1000 resamples, seed 0); the last "
+        "column is a *paired* bootstrap of the difference on the same windows, and a difference whose interval "
+        "contains 0 is a tie. KL from original: mean KL(p_original ‖ p_model) in nats per predicted token.",
         "",
-        f"Original model: perplexity **{results['original_ppl']:.3f}**.",
+        f"Original model: perplexity **{results['original_ppl']:.3f}**{_ci(results.get('original_ppl_ci95'))}.",
         "",
-        "| method | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |",
-        "|---|" + "---|" * len(ratios),
-    ]
-    for method in methods:
-        cells = []
-        for ratio in ratios:
-            row = cell.get((method, ratio))
-            cells.append("—" if row is None else f"{row['ppl']:.3f} ({row['achieved_ratio']:.3f})")
-        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
-    best = {ratio: min((r for r in rows if r["ratio"] == ratio), key=lambda r: r["ppl"]) for ratio in ratios}
-    lines += [
+        *_quality_table(results),
         "",
-        "Best per ratio: "
-        + ", ".join(f"{r:g} → `{b['method']}` ({b['ppl']:.3f})" for r, b in best.items())
-        + ".",
-        "",
+        *_headline_table(results),
         f"![perplexity vs attention parameters kept]({rel('quality')})",
         "",
     ]

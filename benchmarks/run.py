@@ -1,8 +1,11 @@
 """`make bench`: the project's benchmark, in one run so that its ratios compare like with like.
 
 Sections (all on the bundled SmolLM2-135M unless said otherwise):
-1. quality: perplexity at attention ratios 0.1-0.4 for masa, svd-llm, svd, shared-mean, with ONE calibration
-   and ONE evaluation (`benchmarks.quality.run_quality`);
+1. quality: perplexity on the TEST split at attention ratios 0.1-0.4 for masa and svd-llm (and the ablations
+   masa-paper and zero atoms at 0.2), with ONE calibration and ONE evaluation pass that scores every model with
+   the original on the same windows (`benchmarks.quality.run_quality`): 95% bootstrap intervals, paired
+   differences, KL from the original and top-1 agreement; the 0.2 headline again with 2048-token windows and
+   on a second text domain;
 2. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
    RSS, the checkpoint), and one plain forward pass over the same calibration tokens in another fresh
    process: their ratio is `compress_over_forward`;
@@ -36,12 +39,19 @@ MODEL = "smollm2-135m"
 SECTIONS = ("quality", "compression", "latency", "scaling")
 
 FULL = {
-    "methods": ["masa", "svd-llm", "svd", "shared-mean"],
+    "methods": ["masa", "svd-llm"],
     "ratios": [0.1, 0.2, 0.3, 0.4],
+    # Ablations measured once, at the headline ratio: the paper's configuration and the default without atoms.
+    "extra_variants": {0.2: ["masa-paper", "masa-zero-atoms"]},
     "calib_samples": None,  # the recipe's: 64 windows
     "seq_len": None,  # the recipe's: 512 tokens
+    "eval_split": "test",
     "eval_seq_len": 512,
-    "eval_max_tokens": 20480,
+    "eval_max_tokens": None,  # every test token
+    # The headline pair (masa and svd-llm at 0.2) scored again: the literature's 2048-token windows, and a
+    # second text domain.
+    "headline_ratio": 0.2,
+    "extra_evaluations": [{"seq_len": 2048}, {"text": "books"}],
     "stage_ratio": 0.2,
     "prefill_tokens": 512,
     "decode_tokens": 64,
@@ -54,10 +64,14 @@ FULL = {
 QUICK = {
     "methods": ["masa", "svd"],
     "ratios": [0.2],
+    "extra_variants": {},
     "calib_samples": 4,
     "seq_len": 128,
+    "eval_split": "test",
     "eval_seq_len": 512,
     "eval_max_tokens": 1024,
+    "headline_ratio": 0.2,
+    "extra_evaluations": [{"seq_len": 1024, "max_tokens": 2048}],
     "stage_ratio": 0.2,
     "prefill_tokens": 64,
     "decode_tokens": 8,
@@ -85,7 +99,8 @@ REQUIRED_KEYS = (
 
 
 def section_quality(s: dict) -> dict:
-    from benchmarks.quality import VARIANTS, run_quality
+    from benchmarks.quality import VARIANTS, compare, evaluation_settings, run_quality, score, strip_windows
+    from benchmarks.quality import variant_key as key
 
     result = run_quality(
         MODEL,
@@ -97,26 +112,51 @@ def section_quality(s: dict) -> dict:
         eval_max_tokens=s["eval_max_tokens"],
         progress=False,
         log=log,
+        split=s["eval_split"],
+        extra_variants=s["extra_variants"],
     )
-    rows = [
-        {
-            "method": r["method"],
-            "ratio": r["ratio"],
-            "ppl": r["ppl"],
-            "achieved_ratio": r["achieved_ratio"],
-            "attention_params_after": r["attention_params_after"],
-            "compress_seconds": r["compress_seconds"],
-            "groups": r["groups"],
-        }
-        for r in result["quality"]
-    ]
+    scores, models, setup = result["_scores"], result["_models"], result["_setup"]
+    default, baseline = s["methods"][0], s["methods"][1]
+    rows = []
+    for r in result["quality"]:
+        row = {k: r[k] for k in ("method", "ratio", "ppl", "ppl_ci95", "kl_to_original", "top1_agreement",
+                                 "achieved_ratio", "attention_params_after", "compress_seconds", "groups")}  # fmt: skip
+        row["rise_ci95"] = compare(scores, key(r["method"], r["ratio"]), "original")["ci95"]
+        if r["method"] != default:
+            # Paired: the default minus this row's method at the same ratio, on the same windows.
+            row["default_minus_this"] = compare(
+                scores, key(default, r["ratio"]), key(r["method"], r["ratio"])
+            )
+        rows.append(row)
+    headline = {}
+    pair = {name: models[key(name, s["headline_ratio"])] for name in (default, baseline)}
+    for spec in s["extra_evaluations"]:
+        evaluation = evaluation_settings(
+            setup.recipe, s["eval_split"], spec.get("seq_len", s["eval_seq_len"]),
+            spec.get("max_tokens", s["eval_max_tokens"]), spec.get("text"),
+        )  # fmt: skip
+        log(f"headline pair on {evaluation.source} {evaluation.split}, {evaluation.seq_len}-token windows")
+        extra = score(setup, pair, evaluation, progress=False)
+        extra["default_minus_baseline"] = compare(extra, default, baseline)
+        headline[f"{evaluation.source}@{evaluation.seq_len}"] = strip_windows(extra)
     first = rows[0]
     details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
     details["attention_params_before"] = round(
         first["attention_params_after"] / (1 - first["achieved_ratio"])
     )
     details["peak_rss_gib"] = result["peak_rss_gb"]
-    return {"quality": rows, "original_ppl": result["original_ppl"], "quality_details": details}
+    details["default"], details["baseline"], details["headline_ratio"] = (
+        default,
+        baseline,
+        s["headline_ratio"],
+    )
+    return {
+        "quality": rows,
+        "original_ppl": result["original_ppl"],
+        "original_ppl_ci95": result["original_ppl_ci95"],
+        "quality_details": details,
+        "headline_evaluations": headline,
+    }
 
 
 def section_compression(s: dict, checkpoint: Path) -> dict:

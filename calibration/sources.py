@@ -3,16 +3,22 @@
 Every command (compress, evaluate, inspect) names its text the same way, with a *spec*:
 
 * ``None`` or ``"wikipedia"`` -- the offline default: Wikipedia articles from the gensim wheel,
-  split by article into a calibration part and an evaluation part that never overlap (see
-  :func:`split_wikipedia` for the exact rule).
+  split by article into calibration, validation and test parts that never overlap (see
+  :func:`split_by_title` for the exact rule).
 * ``"wikitext2"`` (also ``"wikitext-2"``, ``"wikitext-2-raw-v1"``) -- WikiText-2 raw from the
-  Hugging Face hub: ``train`` for calibration, ``test`` for evaluation (the paper's protocol).
-* ``"c4"`` -- allenai/c4 English, first documents of one pinned shard: ``train`` shard 0 for
-  calibration, ``validation`` shard 0 for evaluation (the GPTQ/SparseGPT convention).
+  Hugging Face hub: ``train`` for calibration, ``validation`` and ``test`` as named (the paper's
+  protocol reports ``test``).
+* ``"c4"`` -- allenai/c4 English, first documents of pinned shards: ``train`` shard 0 for
+  calibration, ``validation`` shard 0 for test (the GPTQ/SparseGPT convention), ``validation``
+  shard 1 for validation.
 * ``"hf:NAME[:CONFIG][:SPLIT][:FIELD]"`` -- any hub data set (streamed; ``SPLIT`` defaults to
-  ``train`` for calibration and ``test`` for evaluation, ``FIELD`` to ``text``).
+  ``train`` for calibration and to the split's own name otherwise, ``FIELD`` to ``text``).
 * a path -- a UTF-8 text file, or a directory whose ``*.txt`` files (sorted by name) are read; the
-  whole content is used for the requested split, so pass different files for the two splits.
+  whole content is used for whatever split is asked, so pass different files for calibration and
+  evaluation (the commands warn when they are the same).
+
+The three splits: ``calibration`` feeds the statistics; ``validation`` is where every choice
+(recipe defaults, ablations, ``--auto-groups`` checks) is made; ``test`` is only for reporting.
 
 The names above are reserved: a local file or folder literally called ``c4`` is read with ``./c4``.
 Hub sources need the network; the project's machines have none, so they fail with a
@@ -28,33 +34,40 @@ from pathlib import Path
 from compressor.calibration.wikipedia import Article, wikipedia_articles
 from compressor.errors import UserError
 
-#: The two roles a text can play. They must never share text (method.md, evaluation protocol).
-SPLITS = ("calibration", "evaluation")
+#: The roles a text can play. They never share text (docs/method.md, evaluation protocol).
+SPLITS = ("calibration", "validation", "test")
+#: The splits a perplexity can be measured on.
+EVALUATION_SPLITS = ("validation", "test")
 
-#: Share of the Wikipedia characters that goes to evaluation. 20% of ~2.8M characters is ~560k
-#: characters, ~130k SmolLM2 tokens: well above the 100k tokens a stable perplexity needs, while
-#: calibration keeps ~2.2M characters (~520k tokens, enough for 256 x 2048 windows).
+#: Share of the Wikipedia characters held out from calibration. 20% of ~2.8M characters is ~560k
+#: characters, ~130k SmolLM2 tokens, while calibration keeps ~2.2M characters (~520k tokens, enough
+#: for 256 x 2048 windows). The held-out part was fixed before the validation/test split existed,
+#: so calibration text (and every statistics cache keyed by it) is unchanged by that split.
 WIKIPEDIA_EVAL_FRACTION = 0.2
+#: Share of the held-out characters that goes to test; the rest is validation. Test gets the
+#: larger part so that the headline perplexity rests on at least 60k tokens.
+TEST_FRACTION_OF_HELD_OUT = 0.55
 
 _WIKITEXT2_NAMES = frozenset({"wikitext2", "wikitext-2", "wikitext-2-raw-v1"})
 #: Canonical hub id of WikiText (the old "wikitext" id redirects here).
 _WIKITEXT_REPO = "Salesforce/wikitext"
-_WIKITEXT2_SPLITS = {"calibration": "train", "evaluation": "test"}
+_WIKITEXT2_SPLITS = {"calibration": "train", "validation": "validation", "test": "test"}
 
 _C4_REPO = "allenai/c4"
 #: One pinned shard per role, so "the first N documents" means the same text on every machine.
 _C4_FILES = {
     "calibration": ("train", "en/c4-train.00000-of-01024.json.gz"),
-    "evaluation": ("validation", "en/c4-validation.00000-of-00008.json.gz"),
+    "validation": ("validation", "en/c4-validation.00001-of-00008.json.gz"),
+    "test": ("validation", "en/c4-validation.00000-of-00008.json.gz"),
 }
 #: ~500 tokens per C4 document: 5000 documents (~2.5M tokens) cover 256 x 2048 calibration windows
 #: with room to sample; 1100 validation documents is the usual C4 perplexity set (~500k tokens).
-_C4_DOCS = {"calibration": 5000, "evaluation": 1100}
+_C4_DOCS = {"calibration": 5000, "validation": 1100, "test": 1100}
 
 #: Generic hub sets are streamed and cut here: far more than any calibration or evaluation run
 #: needs (~5M tokens), and it keeps a huge data set from being read to the end.
 _HF_MAX_CHARS = 20_000_000
-_HF_DEFAULT_SPLITS = {"calibration": "train", "evaluation": "test"}
+_HF_DEFAULT_SPLITS = {"calibration": "train", "validation": "validation", "test": "test"}
 
 _ACCEPTED = (
     "'wikipedia' (offline default), 'wikitext2', 'c4', 'hf:NAME[:CONFIG][:SPLIT][:FIELD]', "
@@ -89,7 +102,7 @@ class TextSource:
 def load_documents(spec: str | None, split: str) -> TextSource:
     """Resolve a text spec (see the module docstring) into the documents for ``split``.
 
-    ``split`` is ``"calibration"`` or ``"evaluation"``. Raises :class:`UserError` for a spec that
+    ``split`` is one of :data:`SPLITS`. Raises :class:`UserError` for a spec that
     is unknown, a path that is missing, empty or not UTF-8, or a hub data set that cannot be loaded.
     """
     if split not in SPLITS:
@@ -122,38 +135,54 @@ def load_documents(spec: str | None, split: str) -> TextSource:
 # --- Wikipedia (offline default) -------------------------------------------------------------
 
 
-def _title_key(title: str) -> str:
+def _title_key(title: str, salt: str = "") -> str:
     # A cryptographic hash, not Python's hash(): stable across processes, versions and platforms.
-    return hashlib.sha256(title.encode("utf-8")).hexdigest()
+    return hashlib.sha256((salt + title).encode("utf-8")).hexdigest()
 
 
-def split_wikipedia(
-    articles: list[Article], eval_fraction: float = WIKIPEDIA_EVAL_FRACTION
+def _take_by_hash(
+    articles: list[Article], fraction: float, salt: str = ""
 ) -> tuple[list[Article], list[Article]]:
-    """Split articles into ``(calibration, evaluation)`` by whole article, deterministically.
-
-    Rule: order the articles by the sha256 of their title; walk that order and give articles to
-    evaluation until it holds at least ``eval_fraction`` of all characters; the rest is
-    calibration. Each part keeps the dump order. Whole articles never straddle the split, so no
-    paragraph can appear on both sides, and the rule depends only on the articles themselves (no
-    seed, no RNG), so every machine gets the same split.
-    """
+    """``(taken, rest)``: walk the articles in the order of the sha256 of (salt + title) and take
+    them until the taken ones hold at least ``fraction`` of the characters. Both keep input order."""
     total = sum(len(a.text) for a in articles)
-    eval_titles: set[str] = set()
-    eval_chars = 0
-    for article in sorted(articles, key=lambda a: _title_key(a.title)):
-        if eval_chars >= eval_fraction * total:
+    taken_titles: set[str] = set()
+    taken_chars = 0
+    for article in sorted(articles, key=lambda a: _title_key(a.title, salt)):
+        if taken_chars >= fraction * total:
             break
-        eval_titles.add(article.title)
-        eval_chars += len(article.text)
-    calibration = [a for a in articles if a.title not in eval_titles]
-    evaluation = [a for a in articles if a.title in eval_titles]
-    return calibration, evaluation
+        taken_titles.add(article.title)
+        taken_chars += len(article.text)
+    return (
+        [a for a in articles if a.title in taken_titles],
+        [a for a in articles if a.title not in taken_titles],
+    )
+
+
+def split_by_title(
+    articles: list[Article],
+    held_out_fraction: float = WIKIPEDIA_EVAL_FRACTION,
+    test_fraction: float = TEST_FRACTION_OF_HELD_OUT,
+) -> dict[str, list[Article]]:
+    """Split articles into calibration, validation and test by whole article, deterministically.
+
+    Rule: order the articles by the sha256 of their title and hold out articles until they hold at
+    least ``held_out_fraction`` of all characters; the rest is calibration. Order the held-out
+    articles by the sha256 of ``"test:" + title`` and give them to test until it holds at least
+    ``test_fraction`` of the held-out characters; the rest is validation. Each part keeps the input
+    order. Whole articles never straddle a split, so no paragraph appears in two parts, and the rule
+    depends only on the articles (no seed, no RNG): every machine gets the same split. Titles must be
+    unique (they identify the articles).
+    """
+    if len({a.title for a in articles}) != len(articles):
+        raise ValueError("article titles must be unique to split by title")
+    held_out, calibration = _take_by_hash(articles, held_out_fraction)
+    test, validation = _take_by_hash(held_out, test_fraction, salt="test:")
+    return {"calibration": calibration, "validation": validation, "test": test}
 
 
 def _wikipedia(split: str) -> TextSource:
-    calibration, evaluation = split_wikipedia(wikipedia_articles())
-    chosen = calibration if split == "calibration" else evaluation
+    chosen = split_by_title(wikipedia_articles())[split]
     return TextSource(name=f"wikipedia:{split}({len(chosen)} articles)", documents=[a.text for a in chosen])
 
 

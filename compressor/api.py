@@ -9,32 +9,40 @@ import torch
 
 from compressor.calibration.sources import load_documents
 from compressor.calibration.windows import bos_token_id_for, evaluation_windows, tokenize_documents
-from compressor.evaluate import PerplexityResult, evaluate_perplexity
-from compressor.models import LoadedModel, load_model, resolve_model
+from compressor.errors import UserError
+from compressor.evaluate import Faithfulness, PerplexityResult, evaluate_against, evaluate_perplexity
+from compressor.intervals import paired_difference
+from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.recipes.schema import EvaluationSettings, Recipe
 
 
 @dataclass
 class EvalSettings:
     text: str | None = None
+    split: str | None = None  # validation | test (None: the recipe's, else test)
     seq_len: int | None = None
     max_tokens: int | None = None
     batch_size: int = 1
+    compare: bool = True  # score a compressed checkpoint against its source model
+    against: str | None = None  # the reference model (default: the checkpoint's recorded source)
 
 
 def resolve_eval_settings(settings: EvalSettings, recipe: Recipe | None) -> EvaluationSettings:
     """User options override the recipe; the recipe overrides the built-in defaults."""
     base = recipe.evaluation if recipe else EvaluationSettings()
-    return EvaluationSettings(
-        source=settings.text or base.source,
-        seq_len=settings.seq_len or base.seq_len,
-        max_tokens=settings.max_tokens if settings.max_tokens is not None else base.max_tokens,
+    return _override(
+        base,
+        source=settings.text,
+        split=settings.split,
+        seq_len=settings.seq_len,
+    ).model_copy(
+        update={"max_tokens": settings.max_tokens if settings.max_tokens is not None else base.max_tokens}
     )
 
 
 def evaluation_token_windows(tokenizer, evaluation: EvaluationSettings) -> tuple[torch.Tensor, str]:
     """Held-out text → non-overlapping windows of `seq_len` tokens (BOS only where the tokenizer adds one)."""
-    source = load_documents(evaluation.source, split="evaluation")
+    source = load_documents(evaluation.source, split=evaluation.split)
     ids = tokenize_documents(tokenizer, source.documents)
     windows = evaluation_windows(
         ids, evaluation.seq_len, max_tokens=evaluation.max_tokens, bos_id=bos_token_id_for(tokenizer)
@@ -42,13 +50,58 @@ def evaluation_token_windows(tokenizer, evaluation: EvaluationSettings) -> tuple
     return windows, source.name
 
 
-def evaluate_loaded(
-    loaded: LoadedModel, evaluation: EvaluationSettings, batch_size: int = 1, progress: bool = True
-) -> PerplexityResult:
-    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation)
-    result = evaluate_perplexity(loaded.model, windows, batch_size=batch_size, progress=progress)
-    result.text = text_name
-    return result
+@dataclass
+class Evaluation:
+    """What `evaluate` measured: the model's perplexity and, when compared, its faithfulness to a reference."""
+
+    result: PerplexityResult
+    loaded: LoadedModel
+    evaluation: EvaluationSettings
+    faithfulness: Faithfulness | None = None
+    reference: PerplexityResult | None = None
+    reference_name: str | None = None
+    compare_note: str = "not a compressed checkpoint: nothing to compare with"
+
+    def to_dict(self) -> dict:
+        payload = {
+            "model": self.loaded.source.describe(),
+            **self.result.to_dict(),
+            "split": self.evaluation.split,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "load_seconds": round(self.loaded.seconds, 3),
+            "compared_with": self.reference_name,
+            "compare_note": self.compare_note,
+        }
+        if self.faithfulness is not None:
+            payload.update(self.faithfulness.to_dict())
+            payload["ppl_original"] = self.reference.ppl
+            payload["ppl_original_ci95"] = self.reference.ppl_ci95
+        return payload
+
+
+def reference_source(loaded: LoadedModel, settings: EvalSettings) -> tuple[ModelSource | None, str]:
+    """The model to compare with (``--against``, else a checkpoint's recorded source), or why there is none."""
+    if settings.against:
+        return resolve_model(settings.against), f"--against {settings.against}"
+    if not settings.compare:
+        return None, "comparison off (--no-compare)"
+    if loaded.source.kind != "compressed":
+        return None, "not a compressed checkpoint: nothing to compare with (pass --against MODEL)"
+    from compressor.checkpoint import read_masa_config
+
+    recorded = read_masa_config(loaded.source.location).get("metadata", {}).get("source") or {}
+    for spec in (recorded.get("spec"), recorded.get("location")):
+        if not spec:
+            continue
+        try:
+            return resolve_model(spec), f"the checkpoint's source {spec}"
+        except UserError:
+            continue
+    return None, (
+        f"the checkpoint's source model ({recorded.get('spec') or 'unrecorded'}) is not available here: "
+        "pass --against MODEL to compare"
+    )
 
 
 def evaluate(
@@ -57,13 +110,35 @@ def evaluate(
     device: str = "auto",
     dtype: str = "auto",
     progress: bool = True,
-) -> tuple[PerplexityResult, LoadedModel]:
-    """Resolve, load and evaluate a model spec (alias, path, hub id or compressed checkpoint)."""
+) -> Evaluation:
+    """Resolve, load and evaluate a model spec (alias, path, hub id or compressed checkpoint).
+
+    A compressed checkpoint is scored in one pass together with its source model (or ``against``), which
+    adds the KL divergence from the original and the top-1 agreement to the perplexity.
+    """
     settings = settings or EvalSettings()
     source = resolve_model(model)
     evaluation = resolve_eval_settings(settings, source.recipe)
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)
-    return evaluate_loaded(loaded, evaluation, settings.batch_size, progress), loaded
+    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation)
+    reference, note = reference_source(loaded, settings)
+    if reference is None:
+        result = evaluate_perplexity(loaded.model, windows, batch_size=settings.batch_size, progress=progress)
+        result.text, result.split = text_name, evaluation.split
+        return Evaluation(result, loaded, evaluation, compare_note=note)
+    original = load_model(reference, device=device, dtype=dtype, progress=progress)
+    if original.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
+        raise UserError(
+            f"cannot compare with {reference.describe()}: its tokenizer differs from the model's "
+            "(pass --against the model it was compressed from, or --no-compare)"
+        )
+    ref, scored = evaluate_against(
+        original.model, {"model": loaded.model}, windows, settings.batch_size, progress
+    )
+    result, faith = scored["model"]
+    for r in (ref, result):
+        r.text, r.split = text_name, evaluation.split
+    return Evaluation(result, loaded, evaluation, faith, ref, reference.describe(), note)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -94,7 +169,9 @@ class CompressOptions:
     eval_text: str | None = None
     eval_seq_len: int | None = None
     eval_max_tokens: int | None = None
+    eval_split: str | None = None
     evaluate: bool = True
+    compare: bool = True  # score the compressed model against the original in one pass (KL, top-1)
     out: str | None = None
     overwrite: bool = False
     save: bool = True
@@ -142,7 +219,9 @@ def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
         seq_len=options.seq_len,
         seed=options.seed,
     )
-    evaluation = _override(base_eval, source=options.eval_text, seq_len=options.eval_seq_len)
+    evaluation = _override(
+        base_eval, source=options.eval_text, split=options.eval_split, seq_len=options.eval_seq_len
+    )
     if options.eval_max_tokens is not None:
         evaluation = evaluation.model_copy(update={"max_tokens": options.eval_max_tokens or None})
     compression = _override(
@@ -221,6 +300,42 @@ def peak_rss_gb() -> float:
     return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
 
 
+def _evaluate_after(loaded, source, before, windows, options, device, dtype, progress) -> dict:
+    """Perplexity of the compressed model and, with `options.compare`, its faithfulness to the original.
+
+    The original is loaded again (the compressed model was changed in place) and both models see every
+    window in one pass: the original's next-token distributions are far too large to keep for a later pass.
+    Without comparison, `before` is the perplexity measured before compression.
+    """
+    if options.compare:
+        reference = load_model(source, device=device, dtype=dtype, progress=progress)
+        before, scored = evaluate_against(
+            reference.model, {"compressed": loaded.model}, windows, options.batch_size, progress
+        )
+        after, faith = scored["compressed"]
+        del reference
+    else:
+        after = evaluate_perplexity(
+            loaded.model, windows, options.batch_size, progress, "Perplexity (compressed)"
+        )
+        faith = None
+    quality = {
+        "ppl_before": before.ppl,
+        "ppl_before_ci95": before.ppl_ci95,
+        "ppl_after": after.ppl,
+        "ppl_after_ci95": after.ppl_ci95,
+        "tokens": after.tokens,
+        "windows": after.windows,
+        "seq_len": after.seq_len,
+    }
+    if faith is not None:
+        quality.update(faith.to_dict())
+        quality["ppl_rise_ci95"] = list(
+            paired_difference(after.window_nll, before.window_nll, after.window_tokens).ci95
+        )
+    return quality
+
+
 def compress(
     model: str,
     options: CompressOptions,
@@ -296,13 +411,12 @@ def compress(
     if options.save:
         element = next(loaded.model.parameters()).element_size()
         check_free_disk(out, int((model_params_before - options.ratio * attention_before) * element))
-    ppl_before = None
-    if options.evaluate:
-        result = evaluate_perplexity(
+    before = None
+    if options.evaluate and not options.compare:
+        before = evaluate_perplexity(
             loaded.model, eval_windows, options.batch_size, progress, "Perplexity (original)"
         )
-        seconds["eval_before"] = result.seconds
-        ppl_before = result.ppl
+        seconds["eval_before"] = before.seconds
 
     stats, cache_note = None, "statistics cache off"
     if options.stats_cache:
@@ -327,14 +441,12 @@ def compress(
     del stats
     plan = outcome.plan
 
-    ppl_after = None
+    quality = {}
     if options.evaluate:
-        result = evaluate_perplexity(
-            loaded.model, eval_windows, options.batch_size, progress, "Perplexity (compressed)"
-        )
-        seconds["eval_after"] = result.seconds
-        ppl_after = result.ppl
-
+        t = time.perf_counter()
+        quality = _evaluate_after(loaded, source, before, eval_windows, options, device, dtype, progress)
+        seconds["eval"] = time.perf_counter() - t
+        quality["evaluation_text"] = eval_name
     summary = {
         "tool_version": __version__,
         "model": source.describe(),
@@ -347,8 +459,12 @@ def compress(
         "attention_params_after": plan.attention_params_after(),
         "model_params_before": model_params_before,
         "model_params_after": sum(p.numel() for p in loaded.model.parameters()),
-        "ppl_before": ppl_before,
-        "ppl_after": ppl_after,
+        "ppl_before": quality.get("ppl_before"),
+        "ppl_after": quality.get("ppl_after"),
+        "split": evaluation.split if options.evaluate else None,
+        "kl_to_original": quality.get("kl_to_original"),
+        "top1_agreement": quality.get("top1_agreement"),
+        "quality": quality or None,
         "settings": {
             "calibration": {
                 **calibration.model_dump(),

@@ -66,6 +66,16 @@ def _root(
     """Training-free compression of LLM attention by cross-layer weight sharing (MASA)."""
 
 
+SplitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--split",
+        help="Part of the held-out text: test (default; for numbers you report) or validation (for choices: "
+        "tune on it, never on test). A file or directory of your own is used whole.",
+    ),
+]
+
+
 @app.command("eval")
 def eval_command(
     model: ModelArg,
@@ -77,6 +87,7 @@ def eval_command(
             "hf:NAME[:CONFIG][:SPLIT][:FIELD]), or the default: the held-out part of the bundled Wikipedia text.",
         ),
     ] = None,
+    split: SplitOpt = None,
     seq_len: Annotated[
         int | None,
         typer.Option(
@@ -85,9 +96,39 @@ def eval_command(
     ] = None,
     max_tokens: Annotated[
         int | None,
+        typer.Option("--max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 means all)."),
+    ] = None,
+    against: Annotated[
+        str | None,
         typer.Option(
-            "--max-tokens", min=8, help="Cap on evaluated tokens (default: the recipe's; 0 means all)."
+            "--against",
+            help="Reference model for kl_to_original and top1_agreement (default for a checkpoint: the model "
+            "it was compressed from, when available here).",
         ),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            help="Score a compressed checkpoint against its source in the same pass (loads both models).",
+        ),
+    ] = True,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks",
+            help="Comma-separated lm-evaluation-harness tasks, run through lm-eval's `hf` model instead of the "
+            "perplexity (needs `pip install masa-compress[eval]` and the tasks' data).",
+        ),
+    ] = None,
+    tasks_path: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks-path", help="A folder of your own lm-eval task YAMLs (e.g. built on local files)."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="lm-eval: at most this many examples per task.")
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
     device: DeviceOpt = "auto",
@@ -95,30 +136,80 @@ def eval_command(
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Perplexity of MODEL on held-out text (non-overlapping windows, mean NLL over predicted tokens)."""
+    """Perplexity of MODEL on held-out text, with a 95% bootstrap interval; for a compressed checkpoint
+    also its KL divergence from the original and top-1 agreement, measured in the same pass."""
+    if tasks:
+        _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json)
+        return
     from compressor.api import EvalSettings, evaluate
 
-    settings = EvalSettings(text=text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
-    if max_tokens == 0:
-        settings.max_tokens = None
-    result, loaded = evaluate(model, settings, device=device, dtype=dtype, progress=not (quiet or as_json))
-    payload = {
-        "model": loaded.source.describe(),
-        **result.to_dict(),
-        "device": str(loaded.device),
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        "load_seconds": round(loaded.seconds, 3),
-    }
+    settings = EvalSettings(
+        text=text,
+        split=split,
+        seq_len=seq_len,
+        max_tokens=max_tokens or None,
+        batch_size=batch_size,
+        compare=compare,
+        against=against,
+    )
+    run = evaluate(model, settings, device=device, dtype=dtype, progress=not (quiet or as_json))
+    payload = run.to_dict()
     if as_json:
         print(json.dumps(payload))
         return
-    table = Table(title=f"Perplexity of {loaded.source.describe()}", show_header=False)
-    table.add_row("perplexity", f"{result.ppl:.4f}")
-    table.add_row("text", result.text)
+    result = run.result
+    table = Table(title=f"Perplexity of {payload['model']}", show_header=False)
+    lo, hi = result.ppl_ci95
+    table.add_row("perplexity", f"{result.ppl:.4f}  (95% interval {lo:.4f} – {hi:.4f})")
+    if run.faithfulness is not None:
+        ref = run.reference
+        table.add_row("original's perplexity", f"{ref.ppl:.4f}  ({run.reference_name})")
+        table.add_row("KL from the original", f"{run.faithfulness.kl_to_original:.5f} nats/token")
+        table.add_row("top-1 agreement", f"{run.faithfulness.top1_agreement:.2%}")
+    else:
+        table.add_row("compared with", run.compare_note)
+    table.add_row("text", f"{result.text} · split {payload['split']}")
     table.add_row("windows × seq_len", f"{result.windows} × {result.seq_len}")
     table.add_row("predicted tokens", f"{result.tokens:,}")
     table.add_row("device / dtype", f"{payload['device']} / {payload['dtype']}")
-    table.add_row("time", f"{result.seconds:.1f} s (+ {loaded.seconds:.1f} s load)")
+    table.add_row("time", f"{result.seconds:.1f} s (+ {run.loaded.seconds:.1f} s load)")
+    console.print(table)
+
+
+def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json) -> None:
+    """`eval MODEL --tasks ...`: lm-evaluation-harness on a checkpoint or model directory."""
+    from pathlib import Path
+
+    from compressor.device import resolve_device, resolve_dtype
+    from compressor.harness import run_tasks
+    from compressor.models import resolve_model
+
+    source = resolve_model(model)
+    if source.kind not in ("compressed", "hf_dir"):
+        raise UserError(
+            f"--tasks needs a model directory (a masa-compress checkpoint or a Hugging Face folder), got "
+            f"{source.describe()}: compress it first, or pass the directory"
+        )
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    target = resolve_device(device)
+    scores = run_tasks(
+        str(Path(source.location)),
+        names,
+        device=str(target),
+        dtype=str(resolve_dtype(dtype, target)).removeprefix("torch."),
+        batch_size=batch_size,
+        limit=limit,
+        include_path=tasks_path,
+    )
+    if as_json:
+        print(json.dumps({"model": source.describe(), "tasks": scores}))
+        return
+    table = Table(title=f"lm-eval tasks on {source.describe()}")
+    for column in ("task", "metric", "value"):
+        table.add_column(column)
+    for task, metrics in scores.items():
+        for metric, value in metrics.items():
+            table.add_row(task, metric, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)
 
 

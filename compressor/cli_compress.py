@@ -129,14 +129,30 @@ def compress_command(
     eval_text: Annotated[
         str | None, typer.Option("--eval-text", help="Evaluation text (default: held-out Wikipedia).")
     ] = None,
+    eval_split: Annotated[
+        str | None,
+        typer.Option(
+            "--eval-split",
+            help="Held-out part the perplexity is measured on: test (default, for reporting) or validation "
+            "(for choices).",
+        ),
+    ] = None,
     eval_seq_len: Annotated[
         int | None, typer.Option("--eval-seq-len", min=8, help="Evaluation window length (recipe: 512).")
     ] = None,
     eval_max_tokens: Annotated[
         int | None,
-        typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (recipe: 40960; 0 = all)."),
+        typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 = all)."),
     ] = None,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the perplexity before/after.")] = False,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            help="Score the compressed model against the original in one pass (KL from the original, top-1 "
+            "agreement; reloads the original, so both are in memory at the end). --no-compare: perplexity only.",
+        ),
+    ] = True,
     out: Annotated[
         str | None,
         typer.Option("--out", "-o", help="Checkpoint directory (default: out/<model>-<method>-r<ratio>)."),
@@ -210,7 +226,9 @@ def compress_command(
         eval_text=eval_text,
         eval_seq_len=eval_seq_len,
         eval_max_tokens=eval_max_tokens,
+        eval_split=eval_split,
         evaluate=not no_eval,
+        compare=compare,
         out=out,
         overwrite=overwrite,
         save=not no_save,
@@ -228,6 +246,10 @@ def compress_command(
 
 def _fmt_ppl(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
+
+
+def _fmt_interval(ci: list[float] | None) -> str:
+    return "" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
 def print_summary(summary: dict) -> None:
@@ -262,7 +284,17 @@ def print_summary(summary: dict) -> None:
         f"requested {summary['ratio_requested']:.3f}",
         f"achieved {summary['achieved_ratio']:.4f}",
     )
-    table.add_row("perplexity", _fmt_ppl(summary["ppl_before"]), _fmt_ppl(summary["ppl_after"]))
+    quality = summary.get("quality") or {}
+    table.add_row(
+        f"perplexity ({summary.get('split')}, {quality.get('tokens', 0):,} tokens)"
+        if quality
+        else "perplexity",
+        _fmt_ppl(summary["ppl_before"]) + _fmt_interval(quality.get("ppl_before_ci95")),
+        _fmt_ppl(summary["ppl_after"]) + _fmt_interval(quality.get("ppl_after_ci95")),
+    )
+    if summary.get("kl_to_original") is not None:
+        table.add_row("KL from the original (nats/token)", "", f"{summary['kl_to_original']:.4f}")
+        table.add_row("top-1 agreement with the original", "", f"{summary['top1_agreement']:.2%}")
     console.print(table)
     times = Table(title="time per stage (s)")
     for stage in summary["seconds"]:

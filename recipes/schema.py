@@ -25,8 +25,11 @@ class CalibrationSettings(_Strict):
 
 class EvaluationSettings(_Strict):
     source: str = Field("wikipedia", description="held-out text source (never overlaps calibration)")
+    split: Literal["validation", "test"] = Field(
+        "test", description="held-out part: validation (for choices) or test (for reported numbers)"
+    )
     seq_len: int = Field(512, ge=8, description="tokens per non-overlapping evaluation window")
-    max_tokens: int | None = Field(40960, ge=8, description="cap on evaluated tokens (None: all)")
+    max_tokens: int | None = Field(None, ge=8, description="cap on evaluated tokens (None: all)")
 
 
 class CompressionSettings(_Strict):

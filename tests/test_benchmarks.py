@@ -63,7 +63,9 @@ def test_report_renders_from_results_json(tmp_path):
     assert all(path.is_file() and path.stat().st_size > 0 for path in written)
     doc = written[0].read_text()
     assert "](../plots/quality.png)" in doc and "](../results.json)" in doc
-    assert "| `masa` | 25.000 (0.200) |" in doc
+    assert "| `masa` | 0.2 | 0.2000 | 25.000 [24.00, 26.00] |" in doc
+    assert "| `svd` | 0.2 | 0.2000 | 90.000 | — | — | -65.000 [-70.000, -60.000] |" in doc
+    assert "+0.100 [-0.100, +0.300] (tie)" in doc  # a difference whose interval holds 0 is called a tie
     assert "**missed**" in doc  # the fake prefill ratio 1.3 is over the 1.15 target
 
 
@@ -124,11 +126,25 @@ def _fake_results() -> dict:
             "device": "cpu",
         },
         "quality": [
-            {"method": m, "ratio": r, "ppl": p, "achieved_ratio": r}
-            for m, r, p in (("masa", 0.2, 25.0), ("svd", 0.2, 90.0), ("masa", 0.4, 40.0), ("svd", 0.4, 900.0))
+            {"method": "masa", "ratio": 0.2, "ppl": 25.0, "achieved_ratio": 0.2, "ppl_ci95": [24.0, 26.0]},
+            {
+                "method": "svd",
+                "ratio": 0.2,
+                "ppl": 90.0,
+                "achieved_ratio": 0.2,
+                "default_minus_this": {"value": -65.0, "ci95": [-70.0, -60.0], "tie": False},
+            },
+            {"method": "masa", "ratio": 0.4, "ppl": 40.0, "achieved_ratio": 0.4},
+            {
+                "method": "svd",
+                "ratio": 0.4,
+                "ppl": 40.1,
+                "achieved_ratio": 0.4,
+                "default_minus_this": {"value": 0.1, "ci95": [-0.1, 0.3], "tie": True},
+            },
         ],
         "original_ppl": 20.0,
-        "quality_details": {"model": "m", "calibration": {}, "evaluation": {"tokens": 100}},
+        "quality_details": {"model": "m", "calibration": {}, "evaluation": {"tokens": 100, "split": "test"}},
         "compression": {
             "command": "masa-compress m",
             "ratio": 0.2,

