@@ -172,6 +172,7 @@ class CompressOptions:
     eval_split: str | None = None
     evaluate: bool = True
     compare: bool = True  # score the compressed model against the original in one pass (KL, top-1)
+    allow_overlap: bool = False  # accept the same text for calibration and evaluation (a leak)
     out: str | None = None
     overwrite: bool = False
     save: bool = True
@@ -240,6 +241,15 @@ def resolve_run_settings(options: CompressOptions, recipe: Recipe | None):
         auto_groups=options.auto_groups,
     )
     return calibration, evaluation, compression
+
+
+def check_no_overlap(calibration, evaluation) -> None:
+    """Refuse to evaluate on the calibration text: the perplexity would be measured on what the model was fit to."""
+    if calibration.fingerprint == evaluation.fingerprint:
+        raise UserError(
+            f"the evaluation text ({evaluation.name}) is the calibration text ({calibration.name}): pass "
+            "different text to --calib and --eval-text, or --allow-overlap if you really mean it"
+        )
 
 
 def default_output_dir(source_name: str, method: str, ratio: float) -> str:
@@ -376,6 +386,8 @@ def compress(
         check_output_dir(out, options.overwrite)
     # Text sources are read (and validated) before the model is loaded.
     calib_text = load_documents(calibration.source, split="calibration")
+    if options.evaluate and not options.allow_overlap:
+        check_no_overlap(calib_text, load_documents(evaluation.source, split=evaluation.split))
 
     t = time.perf_counter()
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)

@@ -145,6 +145,13 @@ def compress_command(
         typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 = all)."),
     ] = None,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the perplexity before/after.")] = False,
+    allow_overlap: Annotated[
+        bool,
+        typer.Option(
+            "--allow-overlap",
+            help="Evaluate even when the evaluation text is the calibration text (refused by default: a leak).",
+        ),
+    ] = False,
     compare: Annotated[
         bool,
         typer.Option(
@@ -229,6 +236,7 @@ def compress_command(
         eval_split=eval_split,
         evaluate=not no_eval,
         compare=compare,
+        allow_overlap=allow_overlap,
         out=out,
         overwrite=overwrite,
         save=not no_save,

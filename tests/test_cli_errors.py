@@ -91,6 +91,23 @@ CASES = [
     ("unknown method", lambda t, mp: ["smollm2-135m", "--method", "magic"], "unknown --method 'magic'"),
     ("empty evaluation text", lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
     (
+        "unknown evaluation split",
+        lambda t, mp: ["eval", "smollm2-135m", "--split", "train"],
+        "invalid --split",
+    ),
+    (
+        "the same text for calibration and evaluation",
+        lambda t, mp: [
+            "smollm2-135m",
+            "--calib",
+            _text_file(t, "Some text. " * 2000),
+            "--eval-text",
+            _text_file(t, "Some text. " * 2000),
+            "--no-save",
+        ],
+        "is the calibration text",
+    ),
+    (
         "evaluation text shorter than one window",
         lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "Too short."), "--seq-len", "512"],
         "tokens",
