@@ -33,9 +33,14 @@ def test_bundled_model_completes_paris(bundled):
 def test_eval_cli_json_prints_a_finite_perplexity(capsys):
     main(["eval", "smollm2-135m", "--max-tokens", "1024", "--seq-len", "256", "--json"])
     payload = json.loads(capsys.readouterr().out)
-    assert {"ppl", "tokens", "seq_len", "seconds"} <= payload.keys()
+    assert {"ppl", "ppl_ci95", "tokens", "seq_len", "split", "seconds"} <= payload.keys()
     assert math.isfinite(payload["ppl"]) and 5 < payload["ppl"] < 100
-    assert payload["seq_len"] == 256 and payload["tokens"] == 4 * 255
+    assert payload["ppl_ci95"][0] < payload["ppl"] < payload["ppl_ci95"][1]
+    assert payload["seq_len"] == 256 and payload["tokens"] == 4 * 255 and payload["split"] == "test"
+    # The original itself: nothing to compare with, and the output says so.
+    assert "kl_to_original" not in payload and payload["compare_note"].startswith(
+        "not a compressed checkpoint"
+    )
 
 
 def test_compress_cli_end_to_end_on_the_bundled_model(capsys, tmp_path):
@@ -50,8 +55,11 @@ def test_compress_cli_end_to_end_on_the_bundled_model(capsys, tmp_path):
     required = {
         "method", "ratio_requested", "achieved_ratio", "attention_params_before", "attention_params_after",
         "model_params_before", "model_params_after", "ppl_before", "ppl_after", "seconds", "out",
+        "kl_to_original", "top1_agreement", "split",
     }  # fmt: skip
     assert required <= summary.keys()
+    assert summary["split"] == "test"
+    assert 0 < summary["kl_to_original"] < 1 and 0.5 < summary["top1_agreement"] < 1
     assert summary["achieved_ratio"] >= 0.2
     assert summary["attention_params_after"] <= 0.8 * summary["attention_params_before"]
     assert summary["model_params_before"] - summary["model_params_after"] == (
@@ -103,7 +111,16 @@ def test_eval_of_the_checkpoint_matches_the_run(compressed_run, capsys):
     out = compressed_run.summary["out"]
     main(["eval", out, "--max-tokens", "1024", "--seq-len", "256", "--json"])
     payload = json.loads(capsys.readouterr().out)
-    assert f"{payload['ppl']:.4g}" == f"{compressed_run.summary['ppl_after']:.4g}"
+    summary = compressed_run.summary
+    assert f"{payload['ppl']:.4g}" == f"{summary['ppl_after']:.4g}"
+    # Compared with the checkpoint's recorded source (the bundled model), on the same test windows as the run.
+    keys = {"ppl", "ppl_ci95", "tokens", "seq_len", "split", "seconds", "kl_to_original", "top1_agreement"}
+    assert keys <= payload.keys() and payload["split"] == "test"
+    assert payload["kl_to_original"] == pytest.approx(summary["kl_to_original"], rel=1e-6)
+    assert payload["top1_agreement"] == pytest.approx(summary["top1_agreement"], rel=1e-9)
+    assert payload["ppl_ci95"] == pytest.approx(summary["quality"]["ppl_after_ci95"], rel=1e-9)
+    main(["eval", out, "--max-tokens", "1024", "--seq-len", "256", "--json", "--no-compare"])
+    assert "kl_to_original" not in json.loads(capsys.readouterr().out)
 
 
 def test_checkpoint_attention_bytes_on_disk_shrink(compressed_run):
