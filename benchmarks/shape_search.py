@@ -19,9 +19,11 @@ from benchmarks.quality import measure_variant, prepare_quality, quality_header
 from compressor.api import peak_rss_gb
 
 
-def run(ratio: float, eval_max_tokens: int, calib_samples: int | None, seq_len: int | None) -> dict:
+def run(
+    ratio: float, eval_max_tokens: int | None, calib_samples: int | None, seq_len: int | None, split: str
+) -> dict:
     setup = prepare_quality(
-        "smollm2-135m", calib_samples, seq_len, eval_max_tokens=eval_max_tokens, progress=False
+        "smollm2-135m", calib_samples, seq_len, eval_max_tokens=eval_max_tokens, progress=False, split=split
     )
     auto = measure_variant(setup, "auto (proxy)", {"auto_groups": True}, ratio, progress=False)
     search = auto["report"]["shape_search"]
@@ -53,6 +55,7 @@ def render(result: dict) -> str:
     chosen_row = next(r for r in rows if (r["G"], r["B"]) == (chosen["groups"], chosen["bases"]))
     default = next((r for r in rows if (r["G"], r["B"]) == (3, 1)), None)
     lines = [
+        f"Evaluation split: **{result['evaluation'].get('split', 'the former held-out part (before the split)')}**. "
         f"Bundled SmolLM2-135M at ratio {result['ratio']}, calibration {result['calibration']['samples']}×"
         f"{result['calibration']['seq_len']} tokens, evaluation {result['evaluation']['tokens']:,} tokens; "
         f"original perplexity {result['original_ppl']:.3f}. Every feasible (G, B) with G ≤ 8 and B ≤ 2 "
@@ -88,7 +91,8 @@ def render(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ratio", type=float, default=0.2)
-    parser.add_argument("--eval-max-tokens", type=int, default=20480)
+    parser.add_argument("--split", default="validation", help="evaluation split (choices: validation)")
+    parser.add_argument("--eval-max-tokens", type=int, help="cap on evaluated tokens (default: all)")
     parser.add_argument("--calib-samples", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--out", default="benchmarks/shape-search.json")
@@ -97,7 +101,7 @@ def main() -> None:
     if args.render:
         print(render(json.loads(open(args.render).read())), end="")
         return
-    result = run(args.ratio, args.eval_max_tokens, args.calib_samples, args.seq_len)
+    result = run(args.ratio, args.eval_max_tokens, args.calib_samples, args.seq_len, args.split)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(render(result), end="")
