@@ -212,15 +212,19 @@ def lowrank_plan(
     biases: dict[tuple[int, str], int],
     projections_compressed: tuple[str, ...] = PROJECTIONS,
 ) -> CompressionPlan:
-    """SVD baselines: every projection low rank, the same kept fraction of each matrix."""
+    """SVD baselines: every projection low rank, the same kept fraction of each matrix.
+
+    The kept fraction applies to the matrix *with* its bias, which is stored whole: the bias is paid out of
+    its own projection's share, so the budget (which counts biases) holds for models with biases too.
+    """
     projections = []
     for layer in range(n_layers):
         for p in projections_compressed:
             out, inp = geometry.shape(p)
-            rank = min(min(out, inp), math.floor((1.0 - ratio) * out * inp / (out + inp)))
-            projections.append(
-                ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=biases.get((layer, p), 0))
-            )
+            bias = biases.get((layer, p), 0)
+            kept = (1.0 - ratio) * (out * inp + bias) - bias
+            rank = max(0, min(min(out, inp), math.floor(kept / (out + inp))))
+            projections.append(ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=bias))
     plan = CompressionPlan(
         method, ratio, attention_params_before, geometry, [], projections, projections_compressed
     )
