@@ -12,7 +12,7 @@ import transformers
 from compressor.errors import UserError
 from compressor.inspection import plan_from_config
 from compressor.pipeline import METHODS
-from compressor.recipes.schema import CompressionSettings, builtin_recipe, builtin_recipe_names
+from compressor.recipes.schema import builtin_recipe, builtin_recipe_names
 
 # recipe -> (config class, hidden, layers, heads, kv heads, head_dim, intermediate)
 SHAPES = {
