@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from compressor.calibration.sources import load_documents
+from compressor.calibration.sources import TextSource, load_documents
 from compressor.calibration.windows import bos_token_id_for, evaluation_windows, tokenize_documents
 from compressor.errors import UserError
 from compressor.evaluate import Faithfulness, PerplexityResult, evaluate_against, evaluate_perplexity
@@ -40,9 +40,13 @@ def resolve_eval_settings(settings: EvalSettings, recipe: Recipe | None) -> Eval
     )
 
 
-def evaluation_token_windows(tokenizer, evaluation: EvaluationSettings) -> tuple[torch.Tensor, str]:
-    """Held-out text → non-overlapping windows of `seq_len` tokens (BOS only where the tokenizer adds one)."""
-    source = load_documents(evaluation.source, split=evaluation.split)
+def evaluation_token_windows(
+    tokenizer, evaluation: EvaluationSettings, source: TextSource | None = None
+) -> tuple[torch.Tensor, str]:
+    """Held-out text → non-overlapping windows of `seq_len` tokens (BOS only where the tokenizer adds one).
+
+    `source`: the documents when the caller already read them (to check them before loading a model)."""
+    source = source or load_documents(evaluation.source, split=evaluation.split)
     ids = tokenize_documents(tokenizer, source.documents)
     windows = evaluation_windows(
         ids, evaluation.seq_len, max_tokens=evaluation.max_tokens, bos_id=bos_token_id_for(tokenizer)
@@ -80,17 +84,17 @@ class Evaluation:
         return payload
 
 
-def reference_source(loaded: LoadedModel, settings: EvalSettings) -> tuple[ModelSource | None, str]:
+def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[ModelSource | None, str]:
     """The model to compare with (``--against``, else a checkpoint's recorded source), or why there is none."""
     if settings.against:
         return resolve_model(settings.against), f"--against {settings.against}"
     if not settings.compare:
         return None, "comparison off (--no-compare)"
-    if loaded.source.kind != "compressed":
+    if source.kind != "compressed":
         return None, "not a compressed checkpoint: nothing to compare with (pass --against MODEL)"
     from compressor.checkpoint import read_masa_config
 
-    recorded = read_masa_config(loaded.source.location).get("metadata", {}).get("source") or {}
+    recorded = read_masa_config(source.location).get("metadata", {}).get("source") or {}
     for spec in (recorded.get("spec"), recorded.get("location")):
         if not spec:
             continue
@@ -119,9 +123,11 @@ def evaluate(
     settings = settings or EvalSettings()
     source = resolve_model(model)
     evaluation = resolve_eval_settings(settings, source.recipe)
+    # Everything the user named is checked before any weights are read.
+    documents = load_documents(evaluation.source, split=evaluation.split)
+    reference, note = reference_source(source, settings)
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)
-    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation)
-    reference, note = reference_source(loaded, settings)
+    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation, documents)
     if reference is None:
         result = evaluate_perplexity(loaded.model, windows, batch_size=settings.batch_size, progress=progress)
         result.text, result.split = text_name, evaluation.split

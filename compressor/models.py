@@ -9,7 +9,9 @@ A model spec is one of
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -199,10 +201,14 @@ def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
             f"[dim]Converting the bundled {BUNDLED_GGUF} to safetensors in {target} (once, ~20 s)...[/]"
         )
     gguf_dir = source.location
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=source.gguf_file, **_dtype_kwargs(torch.float32)
-    )
+    # transformers' GGUF reader draws its own tqdm bar on stderr, which no logging switch turns off: without
+    # progress, keep stderr for what the user must see (one-line errors, JSON consumers' logs).
+    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=source.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=source.gguf_file, **_dtype_kwargs(torch.float32)
+        )
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -301,3 +307,9 @@ def load_model(
     model.to(torch_device)
     model.eval()
     return LoadedModel(model, tokenizer, source, torch_device, torch_dtype, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    # `python -m compressor.models`: the set-up step that converts the bundled GGUF once (make install), so that
+    # no later command or test pays for it or prints its conversion bars.
+    bundled_model_dir(resolve_model("smollm2-135m"), progress=True)
