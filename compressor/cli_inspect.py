@@ -185,8 +185,8 @@ def plan_command(
         Opt[str],
         typer.Option(
             "--allocation",
-            help="paper (Algorithm 1 per (Q,K)/(V,O) pair, default), global or global-relative "
-            "(ranks decided after calibration).",
+            help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, or global-relative (the recipe's default); "
+            "ranks are decided after calibration.",
         ),
     ] = None,
     singletons: Annotated[
