@@ -289,7 +289,9 @@ def _allocate_global(ctx: MethodContext, plan: CompressionPlan, tails: dict) -> 
     scale = {k: 1.0 for k in keys}
     if ctx.settings.allocation == "global-relative":
         for layer, p in keys:
-            scale[(layer, p)] = ctx.output_energy(layer, p)
+            # An all-zero weight has no output energy and nothing to approximate (its tail is all zeros): it
+            # keeps scale 1 rather than 0/0, and the allocation gives it rank 0.
+            scale[(layer, p)] = ctx.output_energy(layer, p) or 1.0
     scaled = {n: tails[k] / scale[k] for n, k in names.items()}
     shapes = {n: plan.geometry.shape(k[1]) for n, k in names.items()}
     if not ctx.settings.dense_when_cheaper:

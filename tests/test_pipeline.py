@@ -186,3 +186,18 @@ def test_non_finite_weights_are_reported_with_the_module_name():
         model.model.layers[3].self_attn.k_proj.weight[1, 1] = float("nan")
     with pytest.raises(NumericalError, match=r"model\.layers\.3\.self_attn\.k_proj"):
         compress_model(model, adapter, stats, CompressionSettings(method="svd-llm"), 0.3, progress=False)
+
+
+@pytest.mark.parametrize("method", ["masa", "svd-llm"])
+def test_an_all_zero_projection_compresses_to_zero_within_the_budget(method):
+    """A projection whose weights are all zero has nothing to compress: no 0/0 in the relative allocation."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        adapter.projection(2, "k_proj").weight.zero_()
+    outcome = _compress(model, method, ratio=0.3)
+    assert adapter.attention_parameter_count() == outcome.plan.attention_params_after() <= outcome.plan.budget
+    from compressor.modules import dense_weight
+
+    assert torch.count_nonzero(dense_weight(adapter.projection(2, "k_proj"))) == 0
+    assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
