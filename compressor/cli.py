@@ -182,18 +182,22 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
 
     from compressor.device import resolve_device, resolve_dtype
     from compressor.harness import run_tasks
-    from compressor.models import resolve_model
+    from compressor.models import bundled_model_dir, resolve_model
 
     source = resolve_model(model)
-    if source.kind not in ("compressed", "hf_dir"):
+    if source.kind == "bundled":
+        location = str(bundled_model_dir(source, progress=not as_json))  # its plain safetensors copy
+    elif source.kind in ("compressed", "hf_dir"):
+        location = str(Path(source.location))
+    else:
         raise UserError(
             f"--tasks needs a model directory (a masa-compress checkpoint or a Hugging Face folder), got "
-            f"{source.describe()}: compress it first, or pass the directory"
+            f"{source.describe()}: download or convert it to a folder first"
         )
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     target = resolve_device(device)
     scores = run_tasks(
-        str(Path(source.location)),
+        location,
         names,
         device=str(target),
         dtype=str(resolve_dtype(dtype, target)).removeprefix("torch."),

@@ -51,6 +51,12 @@ def _plain_metrics(metrics: dict) -> dict:
 
 def load_tasks(task_manager, tasks: list[str]) -> None:
     """Load the tasks' data before any model is loaded; an unreachable data set is a one-line UserError."""
+    import logging
+
+    # `huggingface_hub` logs each failed request before `datasets` raises: the error below says it in one line.
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.CRITICAL)
     try:
         task_manager.load(tasks)
     except Exception as err:
@@ -60,6 +66,8 @@ def load_tasks(task_manager, tasks: list[str]) -> None:
             f"the data of lm-eval task(s) {', '.join(tasks)} cannot be fetched ({_one_line(err)}): no network? "
             f"Run where the data sets are reachable, or {_LOCAL_TASK_HINT}"
         ) from None
+    finally:
+        hub_logger.setLevel(level)
 
 
 def run_tasks(
