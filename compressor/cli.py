@@ -83,8 +83,9 @@ def eval_command(
         str | None,
         typer.Option(
             "--text",
-            help="Evaluation text: a file, a directory of .txt files, a datasets name (wikitext2, c4, "
-            "hf:NAME[:CONFIG][:SPLIT][:FIELD]), or the default: the held-out part of the bundled Wikipedia text.",
+            help="Evaluation text: wikipedia (default: the held-out part of the bundled Wikipedia text), "
+            "shakespeare (a second offline domain: the plays), a file, a directory of .txt files, or a datasets "
+            "name (wikitext2, c4, hf:NAME[:CONFIG][:SPLIT][:FIELD]).",
         ),
     ] = None,
     split: SplitOpt = None,

@@ -127,7 +127,11 @@ def compress_command(
         int | None, typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")
     ] = None,
     eval_text: Annotated[
-        str | None, typer.Option("--eval-text", help="Evaluation text (default: held-out Wikipedia).")
+        str | None,
+        typer.Option(
+            "--eval-text",
+            help="Evaluation text: wikipedia (default, held out), shakespeare, a file or folder, or a datasets name.",
+        ),
     ] = None,
     eval_split: Annotated[
         str | None,
