@@ -53,12 +53,22 @@ def load_tasks(task_manager, tasks: list[str]) -> None:
     """Load the tasks' data before any model is loaded; an unreachable data set is a one-line UserError."""
     import logging
 
+    # Looked up outside the `try` below, which reads any failure as unreachable data: an lm-eval API change
+    # must surface as itself. `TaskManager.load` is lm-eval >= 0.4.12, which deprecates `get_task_dict`;
+    # `get_task_dict` is what older releases (and their `simple_evaluate`) use.
+    load = getattr(task_manager, "load", None)
+    if load is None:
+        from lm_eval.tasks import get_task_dict
+
+        def load(names):
+            return get_task_dict(names, task_manager)
+
     # `huggingface_hub` logs each failed request before `datasets` raises: the error below says it in one line.
     hub_logger = logging.getLogger("huggingface_hub")
     level = hub_logger.level
     hub_logger.setLevel(logging.CRITICAL)
     try:
-        task_manager.load(tasks)
+        load(tasks)
     except Exception as err:
         # `datasets` raises many types when the hub cannot be reached (ConnectionError, OSError,
         # DatasetNotFoundError, ...); the fix is the same for all, and the cause's first line tells them apart.

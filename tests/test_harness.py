@@ -92,6 +92,9 @@ def offline(monkeypatch):
     import datasets
     import huggingface_hub.constants
 
+    # The libraries read these variables once, at import; the constants are what they consult afterwards.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
