@@ -55,7 +55,7 @@ def render(result: dict) -> str:
     chosen_row = next(r for r in rows if (r["G"], r["B"]) == (chosen["groups"], chosen["bases"]))
     default = next((r for r in rows if (r["G"], r["B"]) == (3, 1)), None)
     lines = [
-        f"Evaluation split: **{result['evaluation'].get('split', 'the former held-out part (before the split)')}**. "
+        f"Evaluation split: **{result['evaluation'].get('split', 'validation (its first 20,440 tokens, measured before the split existed)')}**. "
         f"Bundled SmolLM2-135M at ratio {result['ratio']}, calibration {result['calibration']['samples']}×"
         f"{result['calibration']['seq_len']} tokens, evaluation {result['evaluation']['tokens']:,} tokens; "
         f"original perplexity {result['original_ppl']:.3f}. Every feasible (G, B) with G ≤ 8 and B ≤ 2 "
