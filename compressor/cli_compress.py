@@ -298,16 +298,19 @@ def print_summary(summary: dict) -> None:
     )
     quality = summary.get("quality") or {}
     table.add_row(
-        f"perplexity ({summary.get('split')}, {quality.get('tokens', 0):,} tokens)"
-        if quality
-        else "perplexity",
+        f"perplexity ({summary.get('split')} split)" if quality else "perplexity",
         _fmt_ppl(summary["ppl_before"]) + _fmt_interval(quality.get("ppl_before_ci95")),
         _fmt_ppl(summary["ppl_after"]) + _fmt_interval(quality.get("ppl_after_ci95")),
     )
     if summary.get("kl_to_original") is not None:
-        table.add_row("KL from the original (nats/token)", "", f"{summary['kl_to_original']:.4f}")
-        table.add_row("top-1 agreement with the original", "", f"{summary['top1_agreement']:.2%}")
+        table.add_row("KL from the original", "", f"{summary['kl_to_original']:.4f}")
+        table.add_row("top-1 agreement", "", f"{summary['top1_agreement']:.2%}")
     console.print(table)
+    if quality:
+        console.print(
+            f"[dim]{quality['tokens']:,} predicted tokens of {quality['evaluation_text']}; brackets: 95% bootstrap "
+            "intervals over windows; KL: mean KL divergence from the original, nats/token[/]"
+        )
     times = Table(title="time per stage (s)")
     for stage in summary["seconds"]:
         times.add_column(stage, justify="right")
