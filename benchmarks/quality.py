@@ -255,7 +255,7 @@ def run_quality(
     models, rows = {}, []
     for name, ratio in plan:
         model_copy, row = build_variant(
-            setup, name, VARIANTS.get(name, variants.get(name, {})), ratio, progress
+            setup, name, variants[name] if name in variants else VARIANTS[name], ratio, progress
         )
         models[variant_key(name, ratio)] = model_copy
         rows.append(row)
@@ -265,7 +265,6 @@ def run_quality(
         row.update({k: v for k, v in scores["models"][variant_key(row["method"], row["ratio"])].items()
                     if k != "window_nll"})  # fmt: skip
         log(f"{row['method']:>18} ratio {row['ratio']:.2f} ppl {row['ppl']:.3f} {row['ppl_ci95']}")
-    setup.original = None
     header = quality_header(setup)
     header["evaluation"]["tokens"] = scores["evaluation"]["tokens"]
     header["original_ppl"] = scores["original"]["ppl"]

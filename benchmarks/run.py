@@ -134,11 +134,7 @@ def section_quality(s: dict) -> dict:
         first["attention_params_after"] / (1 - first["achieved_ratio"])
     )
     details["peak_rss_gib"] = result["peak_rss_gb"]
-    details["default"], details["baseline"], details["headline_ratio"] = (
-        default,
-        baseline,
-        s["headline_ratio"],
-    )
+    details["default"], details["baseline"] = default, baseline
     return {
         "quality": rows,
         "original_ppl": result["original_ppl"],

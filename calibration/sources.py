@@ -18,7 +18,7 @@ Every command (compress, evaluate, inspect) names its text the same way, with a 
   ``train`` for calibration and to the split's own name otherwise, ``FIELD`` to ``text``).
 * a path -- a UTF-8 text file, or a directory whose ``*.txt`` files (sorted by name) are read; the
   whole content is used for whatever split is asked, so pass different files for calibration and
-  evaluation (the commands warn when they are the same).
+  evaluation (`compress` refuses the same text for both unless told --allow-overlap).
 
 The three splits: ``calibration`` feeds the statistics; ``validation`` is where every choice
 (recipe defaults, ablations, ``--auto-groups`` checks) is made; ``test`` is only for reporting.
@@ -40,8 +40,6 @@ from compressor.errors import UserError
 
 #: The roles a text can play. They never share text (docs/method.md, evaluation protocol).
 SPLITS = ("calibration", "validation", "test")
-#: The splits a perplexity can be measured on.
-EVALUATION_SPLITS = ("validation", "test")
 
 #: Share of the Wikipedia characters held out from calibration. 20% of ~2.8M characters is ~560k
 #: characters, ~130k SmolLM2 tokens, while calibration keeps ~2.2M characters (~520k tokens, enough

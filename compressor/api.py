@@ -392,8 +392,9 @@ def compress(
         check_output_dir(out, options.overwrite)
     # Text sources are read (and validated) before the model is loaded.
     calib_text = load_documents(calibration.source, split="calibration")
+    eval_text = load_documents(evaluation.source, split=evaluation.split) if options.evaluate else None
     if options.evaluate and not options.allow_overlap:
-        check_no_overlap(calib_text, load_documents(evaluation.source, split=evaluation.split))
+        check_no_overlap(calib_text, eval_text)
 
     t = time.perf_counter()
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)
@@ -421,7 +422,7 @@ def compress(
         calib_ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos
     )
     eval_windows, eval_name = (
-        evaluation_token_windows(loaded.tokenizer, evaluation) if options.evaluate else (None, "")
+        evaluation_token_windows(loaded.tokenizer, evaluation, eval_text) if options.evaluate else (None, "")
     )
 
     model_params_before = sum(p.numel() for p in loaded.model.parameters())

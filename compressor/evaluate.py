@@ -58,7 +58,6 @@ class Faithfulness:
     kl_to_original: float  # mean KL(p_original ‖ p_compressed) per predicted token (nats)
     top1_agreement: float  # fraction of predicted positions where both argmaxes agree
     ppl_ratio: float  # ppl_compressed / ppl_original
-    window_kl: list[float] = field(default_factory=list, repr=False)  # summed KL per window
 
     def to_dict(self) -> dict:
         return {
@@ -164,7 +163,7 @@ def evaluate_against(
     n, seq_len = windows.shape
     ref_nll: list[float] = []
     cand_nll: dict[str, list[float]] = {name: [] for name in candidates}
-    cand_kl: dict[str, list[float]] = {name: [] for name in candidates}
+    cand_kl: dict[str, float] = dict.fromkeys(candidates, 0.0)  # summed KL over predicted tokens
     cand_agree: dict[str, int] = dict.fromkeys(candidates, 0)
     seconds: dict[str, float] = dict.fromkeys(["reference", *candidates], 0.0)
     with progress_bar(description, total=n, enabled=progress) as bar:
@@ -184,7 +183,7 @@ def evaluate_against(
                 _check_finite(nll, first, f"model {name}")
                 kl, agree = kl_and_agreement(ref_lp, lp.to(ref_lp.device))
                 cand_nll[name].extend(nll.tolist())
-                cand_kl[name].extend(kl.tolist())
+                cand_kl[name] += float(kl.sum())
                 cand_agree[name] += int(agree.sum())
                 seconds[name] += time.perf_counter() - t
             bar.advance(len(batch))
@@ -194,10 +193,9 @@ def evaluate_against(
     for name in candidates:
         result = _result(cand_nll[name], tokens, seq_len, seconds[name])
         faith = Faithfulness(
-            kl_to_original=sum(cand_kl[name]) / result.tokens,
+            kl_to_original=cand_kl[name] / result.tokens,
             top1_agreement=cand_agree[name] / result.tokens,
             ppl_ratio=result.ppl / ref.ppl,
-            window_kl=cand_kl[name],
         )
         scored[name] = (result, faith)
     return ref, scored
