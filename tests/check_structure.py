@@ -150,7 +150,9 @@ def problems() -> dict[str, list]:
         "import loops": [" -> ".join(loop) for loop in import_loops(files)],
         f"files over {MAX_FILE_LINES} lines": long_files(files),
         f"functions over {MAX_FUNCTION_LINES} lines": long_functions(files),
-        f"blocks of {SHARED_BLOCK}+ lines repeated between remote_code/ and the library": shared_blocks(files),
+        f"blocks of {SHARED_BLOCK}+ lines repeated between remote_code/ and the library": shared_blocks(
+            files
+        ),
     }
 
 
