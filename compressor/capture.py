@@ -64,8 +64,16 @@ class CalibrationStats:
 class _Accumulator:
     """Owns the hooks; always removes them (also on error)."""
 
-    def __init__(self, adapter: DecoderAdapter, n_windows: int, device: torch.device, mlp: bool = False):
+    def __init__(
+        self,
+        adapter: DecoderAdapter,
+        n_windows: int,
+        device: torch.device,
+        mlp: bool = False,
+        autocorrelations: bool = True,
+    ):
         self.adapter = adapter
+        self.autocorrelations = autocorrelations
         geometry = adapter.geometry
         f64 = {"dtype": torch.float64, "device": device}
 
@@ -73,7 +81,7 @@ class _Accumulator:
             size = geometry.input_size(kind)
             return [torch.zeros(size, size, **f64) for _ in adapter.layers]
 
-        self.attn, self.o = zeros("attn"), zeros("o")
+        self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
         self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
         self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
         self.window_offset = 0
@@ -90,7 +98,7 @@ class _Accumulator:
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
-        inputs = [("q_proj", self.attn), ("o_proj", self.o)]
+        inputs = [("q_proj", self.attn), ("o_proj", self.o)] if self.autocorrelations else []
         if self.mlp is not None:
             inputs += [("gate_proj", self.mlp), ("down_proj", self.down)]
         for i, layer in enumerate(self.adapter.layers):
@@ -151,3 +159,28 @@ def collect_statistics(
         mlp_autocorr=acc.mlp,
         down_autocorr=acc.down,
     )
+
+
+@torch.no_grad()
+def collect_block_means(
+    adapter: DecoderAdapter, windows: torch.Tensor, batch_size: int = 1, progress: bool = True
+) -> tuple[torch.Tensor, float]:
+    """The token-mean of every block's output per window, `(L, N, hidden)` fp32, and the seconds taken.
+
+    `collect_statistics(...).block_output_means` by the same hooks, without what grouping does not need: the
+    autocorrelations (fp64 Grams, ~40% of a CPU calibration) and the unembedding of every position (the decoder
+    runs without the LM head). `inspect` uses it.
+    """
+    device = adapter.projection(0, "q_proj").weight.device
+    start = time.perf_counter()
+    n = windows.shape[0]
+    with (
+        _Accumulator(adapter, n, device, autocorrelations=False) as acc,
+        progress_bar("Calibration (block outputs)", total=n, enabled=progress) as bar,
+    ):
+        for first in range(0, n, batch_size):
+            acc.window_offset = first
+            batch = windows[first : first + batch_size].to(device)
+            adapter.decoder(input_ids=batch, use_cache=False)
+            bar.advance(len(batch))
+    return acc.means, time.perf_counter() - start

@@ -41,15 +41,15 @@ from torch import nn
 from compressor import __version__
 from compressor.adapters import SUPPORTED_MODEL_TYPES, DecoderAdapter, get_adapter
 from compressor.errors import CheckpointError, UserError
-from compressor.modules import LowRankLinear, SharedBasisLinear
 from compressor.plan import CompressionPlan
+from compressor.remote_code.masa_modules import ATOMS_KEY, LowRankLinear, SharedBasisLinear, projection_module
 
 FORMAT_VERSION = 1
 MASA_CONFIG = "masa_config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-REMOTE_CODE = "modeling_masa.py"
-ATOMS_KEY = "masa.groups.{group}.{projection}.atoms"  # also in remote_code/modeling_masa.py
+#: Copied into every checkpoint: the remote-code model classes and the modules they (and this library) use.
+REMOTE_CODE = ("modeling_masa.py", "masa_modules.py")
 DEFAULT_MAX_SHARD_BYTES = 4 * 10**9
 _REQUIRED_FIELDS = ("format_version", "base_config", "layout", "tensors", "files")
 
@@ -92,9 +92,8 @@ def save_compressed(
         _write_json(
             tmp / "config.json", _transformers_config(base_config, type(model.config).__name__, layout)
         )
-        (tmp / REMOTE_CODE).write_text(
-            resources.files("compressor.remote_code").joinpath(REMOTE_CODE).read_text()
-        )
+        for name in REMOTE_CODE:
+            (tmp / name).write_text(resources.files("compressor.remote_code").joinpath(name).read_text())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
@@ -250,8 +249,8 @@ def _transformers_config(base_config: dict, config_class: str, layout: dict) -> 
         "model_type": f"masa_{base_config['model_type']}",
         "architectures": [model_class],
         "auto_map": {
-            "AutoConfig": f"{Path(REMOTE_CODE).stem}.{config_class}",
-            "AutoModelForCausalLM": f"{Path(REMOTE_CODE).stem}.{model_class}",
+            "AutoConfig": f"{Path(REMOTE_CODE[0]).stem}.{config_class}",
+            "AutoModelForCausalLM": f"{Path(REMOTE_CODE[0]).stem}.{model_class}",
         },
         "masa": layout,
     }
@@ -518,22 +517,18 @@ def _build_skeleton(base_config: dict, layout: dict, dtype: torch.dtype) -> tupl
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     adapter = DecoderAdapter(model)
     atoms: dict[str, nn.Parameter] = {}
-    meta = {"device": "meta", "dtype": dtype}
+
+    def group_atoms(spec: dict) -> nn.Parameter:
+        key = ATOMS_KEY.format(group=spec["group"], projection=spec["projection"])
+        if key not in atoms:
+            shape = (spec["n_atoms"], spec["out_features"], spec["in_features"])
+            atoms[key] = nn.Parameter(torch.empty(shape, device="meta", dtype=dtype), requires_grad=False)
+        return atoms[key]
+
     for spec in layout["projections"]:
-        layer, name, mode = spec["layer"], spec["projection"], spec["mode"]
-        shape = (spec["out_features"], spec["in_features"])
-        if mode == "dense":
-            continue  # the base architecture's own nn.Linear
-        if mode == "lowrank":
-            module = LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], **meta)
-        elif mode == "shared":
-            key = ATOMS_KEY.format(group=spec["group"], projection=name)
-            if key not in atoms:
-                atoms[key] = nn.Parameter(torch.empty(spec["n_atoms"], *shape, **meta), requires_grad=False)
-            module = SharedBasisLinear(atoms[key], spec["rank"], bias=spec["bias"], **meta)
-        else:
-            raise ValueError(f"unknown mode {mode!r} for layer {layer} {name}")
-        adapter.set_projection(layer, name, module)
+        module = projection_module(spec, group_atoms, dtype=dtype, device="meta")
+        if module is not None:  # `dense` keeps the base architecture's own nn.Linear
+            adapter.set_projection(spec["layer"], spec["projection"], module)
     return model, {id(p): key for key, p in atoms.items()}
 
 

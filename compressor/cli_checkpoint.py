@@ -1,4 +1,5 @@
-"""`masa-compress export-dense`: a standard dense checkpoint for runtimes that only take dense models."""
+"""`masa-compress show` (what a checkpoint holds) and `export-dense` (a standard dense checkpoint for runtimes
+that only take dense models)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from compressor.cli import JsonOpt
 
@@ -45,5 +47,92 @@ def export_dense_command(
     )
 
 
+def show_command(
+    path: Annotated[str, typer.Argument(help="A checkpoint directory written by masa-compress.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """What a compressed checkpoint holds: source model, when and how it was made, groups, ranks, ratio."""
+    from compressor.inspection import describe_checkpoint
+    from compressor.report import group_label
+
+    info = describe_checkpoint(path)
+    if as_json:
+        print(json.dumps(info))
+        return
+    table = Table(title=f"masa-compress checkpoint · {info['path']}", show_header=False)
+    source = info["source"]
+    if isinstance(source, dict):
+        source = f"{source.get('spec')} ({source.get('kind')}: {source.get('location')})"
+    made = [info["tool"], f"format {info['format_version']}"]
+    if info["device"]:
+        made.append(f"on {info['device']}")
+    if info["seconds"] is not None:
+        made.append(f"in {info['seconds']:.0f} s")
+    rows = [
+        ("source", str(source)),
+        ("recipe", info["recipe"] or "—"),
+        ("architecture", f"{info['base_architecture']} · stored as {info['dtype']}"),
+        ("created", f"{info['created']} · " + " · ".join(made)),
+        ("method", str(info["method"])),
+        (
+            "ratio",
+            f"requested {info['ratio_requested']}, achieved {info['achieved_ratio']:.4f}"
+            if info["achieved_ratio"] is not None
+            else str(info["ratio_requested"]),
+        ),
+    ]
+    if info["attention_params_before"] is not None:
+        rows.append(
+            (
+                "attention parameters"
+                if info["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+                else f"targeted parameters ({'/'.join(p.removesuffix('_proj') for p in info['targets'])})",
+                f"{info['attention_params_before']:,} → {info['attention_params_after']:,}",
+            )
+        )
+    if info["total_params"] is not None:
+        rows.append(("model parameters", f"{info['total_params']:,}"))
+    if info["ppl_before"] is not None or info["ppl_after"] is not None:
+        fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+        rows.append(("perplexity", f"{fmt(info['ppl_before'])} → {fmt(info['ppl_after'])}"))
+    cal = info["calibration"]
+    if cal:
+        rows.append(
+            (
+                "calibration",
+                f"{cal.get('samples')} × {cal.get('seq_len')} tokens of {cal.get('text', cal.get('source'))}, seed {cal.get('seed')}",
+            )
+        )
+    comp = info["compression"]
+    if comp:
+        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in comp.items())))
+    if info["groups"]:
+        groups = "  ".join(
+            f"{group_label(g['layers'])} " + (f"B={g['n_atoms']}" if len(g["layers"]) > 1 else "alone")
+            for g in info["groups"]
+        )
+        rows.append(("groups", groups + (f"  ({info['grouping_rule']})" if info["grouping_rule"] else "")))
+    rows.append(("weights", f"{info['weights_bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s)"))
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    ranks = Table(title="per layer: mode and residual rank (atoms)")
+    for col in ("layer", "mode", "group", "q_proj", "k_proj", "v_proj", "o_proj"):
+        ranks.add_column(col, justify="right" if col != "mode" else "left")
+    for row in info["ranks"]:
+        cells = []
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if row["mode"] == "dense":
+                cells.append("whole")
+            else:
+                atoms = row.get(f"{p}_atoms", 0)
+                cells.append(f"{row.get(p)}" + (f" ({atoms})" if atoms else ""))
+        ranks.add_row(
+            str(row["layer"]), row["mode"], "—" if row["group"] is None else str(row["group"]), *cells
+        )
+    console.print(ranks)
+
+
 def register(app: typer.Typer) -> None:
+    app.command("show")(show_command)
     app.command("export-dense")(export_dense_command)

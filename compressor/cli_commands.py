@@ -11,6 +11,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "compressor.cli_compress",
     "compressor.cli_checkpoint",
     "compressor.cli_inspect",
+    "compressor.cli_recipes",
 )
 
 

@@ -9,132 +9,50 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from compressor import cli_options as o
+from compressor.api import compress
 from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
-from compressor.errors import UserError
-from compressor.pipeline import METHODS
+from compressor.cli_inspect import show_plan
+from compressor.config import CompressOptions
 
 console = Console()
 
 
 def compress_command(
     model: ModelArg,
-    ratio: Annotated[
-        float,
-        typer.Option(
-            "--ratio",
-            "-r",
-            help="Fraction of the targeted parameters (attention by default) to remove, in (0, 1).",
-        ),
-    ] = 0.2,
-    method: Annotated[
-        str | None,
-        typer.Option("--method", "-m", help=f"One of: {', '.join(METHODS)} (default: the recipe's, masa)."),
-    ] = None,
-    groups: Annotated[
-        int | None, typer.Option("--groups", "-g", min=1, help="Groups of consecutive layers G (recipe: 3).")
-    ] = None,
-    bases: Annotated[
-        int | None,
-        typer.Option(
-            "--bases",
-            "-b",
-            min=0,
-            help="Shared atoms per group and projection B (recipe: 1; 0 = no sharing).",
-        ),
-    ] = None,
-    largest_group_bases: Annotated[
-        int | None,
-        typer.Option("--largest-group-bases", min=0, help="Atoms for the largest group (paper's best: 2)."),
-    ] = None,
-    end_boundaries: Annotated[
-        bool | None,
-        typer.Option(
-            "--end-boundaries/--no-end-boundaries",
-            help="May the first/last KL transitions be group boundaries (making the first/last layers "
-            "singletons kept whole)? Recipe default: yes (paper).",
-        ),
-    ] = None,
-    logit_lens: Annotated[
-        str | None,
-        typer.Option("--logit-lens", help="final_norm (standard logit lens, default) or raw (paper)."),
-    ] = None,
-    allocation: Annotated[
-        str | None,
-        typer.Option(
-            "--allocation",
-            help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, or global-relative (ranks across all "
-            "matrices by energy per parameter). Default: the recipe's.",
-        ),
-    ] = None,
-    atoms: Annotated[
-        str | None,
-        typer.Option(
-            "--atoms",
-            help="plain (Matrix PCA of the weights, paper) or whitened (atoms minimizing the group's output "
-            "error, coefficients refit per layer). Default: the recipe's.",
-        ),
-    ] = None,
-    singletons: Annotated[
-        str | None,
-        typer.Option(
-            "--singletons", help="keep (singleton groups kept whole, paper) or compress (whitened SVD)."
-        ),
-    ] = None,
-    statistics: Annotated[
-        str | None,
-        typer.Option(
-            "--statistics",
-            help="original (whitening statistics of the original model, paper) or sequential (layer l's "
-            "statistics on the model whose earlier layers are already compressed; ~1 extra forward pass).",
-        ),
-    ] = None,
-    targets: Annotated[
-        str | None,
-        typer.Option(
-            "--targets",
-            help="Projections compressed and counted by --ratio: attn (q/k/v/o, default), mlp (gate/up/down), "
-            "or attn,mlp (every linear projection of the layers, as Basis Sharing does).",
-        ),
-    ] = None,
-    auto_groups: Annotated[
-        bool | None,
-        typer.Option(
-            "--auto-groups/--fixed-groups",
-            help="Choose G (1-8) and B (0-2) by a proxy computed before building anything (the relative "
-            "whitened error left under the budget) instead of --groups/--bases; adds ~1-3 min. Default: the recipe's.",
-        ),
-    ] = None,
+    ratio: o.Ratio = 0.2,
+    method: o.Method = None,
+    groups: o.Groups = None,
+    bases: o.Bases = None,
+    largest_group_bases: o.LargestGroupBases = None,
+    end_boundaries: o.EndBoundaries = None,
+    logit_lens: o.LogitLens = None,
+    allocation: o.Allocation = None,
+    atoms: o.Atoms = None,
+    singletons: o.Singletons = None,
+    statistics: o.Statistics = None,
+    targets: o.Targets = None,
+    auto_groups: o.AutoGroups = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Only print the plan (same as `masa-compress plan`), no calibration."),
+        typer.Option(
+            "--dry-run",
+            help="Only print the plan (`masa-compress plan` with the same options), no weights, no calibration.",
+        ),
     ] = False,
-    calib: Annotated[
-        str | None,
-        typer.Option(
-            "--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name."
-        ),
-    ] = None,
-    calib_samples: Annotated[
-        int | None,
-        typer.Option(
-            "--calib-samples", "-n", min=1, help="Calibration windows N (recipe: 64 for smollm2-135m)."
-        ),
-    ] = None,
-    seq_len: Annotated[
-        int | None, typer.Option("--seq-len", min=8, help="Tokens per calibration window T (recipe: 512).")
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")
-    ] = None,
+    calib: o.Calib = None,
+    calib_samples: o.CalibSamples = None,
+    seq_len: o.SeqLen = None,
+    seed: o.Seed = None,
     eval_text: Annotated[
-        str | None,
+        o.Opt[str],
         typer.Option(
             "--eval-text",
             help="Evaluation text: wikipedia (default, held out), shakespeare, a file or folder, or a datasets name.",
         ),
     ] = None,
     eval_split: Annotated[
-        str | None,
+        o.Opt[str],
         typer.Option(
             "--eval-split",
             help="Held-out part the perplexity is measured on: test (default, for reporting) or validation "
@@ -142,10 +60,10 @@ def compress_command(
         ),
     ] = None,
     eval_seq_len: Annotated[
-        int | None, typer.Option("--eval-seq-len", min=8, help="Evaluation window length (recipe: 512).")
+        o.Opt[int], typer.Option("--eval-seq-len", min=8, help="Evaluation window length (recipe: 512).")
     ] = None,
     eval_max_tokens: Annotated[
-        int | None,
+        o.Opt[int],
         typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 = all)."),
     ] = None,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the perplexity before/after.")] = False,
@@ -165,7 +83,7 @@ def compress_command(
         ),
     ] = True,
     out: Annotated[
-        str | None,
+        o.Opt[str],
         typer.Option("--out", "-o", help="Checkpoint directory (default: out/<model>-<method>-r<ratio>)."),
     ] = None,
     overwrite: Annotated[
@@ -174,10 +92,8 @@ def compress_command(
     no_save: Annotated[
         bool, typer.Option("--no-save", help="Do not write a checkpoint (measure only).")
     ] = False,
-    recipe: Annotated[
-        str | None, typer.Option("--recipe", help="A recipe YAML file of your own (see recipes/).")
-    ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
+    recipe_file: o.RecipeFile = None,
+    batch_size: o.BatchSize = 1,
     stats_cache: Annotated[
         bool,
         typer.Option(
@@ -195,65 +111,15 @@ def compress_command(
 
     Example: `masa-compress smollm2-135m --ratio 0.2` (offline, ~5 min on 2 CPU cores).
     """
-    from compressor.api import CompressOptions, compress
-
+    options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
     if dry_run:
-        from compressor.cli_inspect import plan_command
-
-        if targets not in (None, "attn"):
-            raise UserError(
-                f"--dry-run plans attention only: drop --targets {targets} to see the plan, or run without --dry-run"
-            )
-        if auto_groups:
-            raise UserError(
-                "--dry-run cannot plan with --auto-groups: G and B are chosen from calibration statistics; "
-                "drop --auto-groups (or pass --groups/--bases) to see a plan"
-            )
-
-        plan_command(
-            model, ratio=ratio, method=method, groups=groups, bases=bases,
-            largest_group_bases=largest_group_bases, end_boundaries=end_boundaries, allocation=allocation,
-            singletons=singletons, layout=None, recipe=recipe, as_json=as_json,
-        )  # fmt: skip
+        show_plan(model, options, layout=None, as_json=as_json)
         return
-    options = CompressOptions(
-        ratio=ratio,
-        method=method,
-        groups=groups,
-        bases=bases,
-        largest_group_bases=largest_group_bases,
-        end_boundaries=end_boundaries,
-        logit_lens=logit_lens,
-        allocation=allocation,
-        atoms=atoms,
-        singletons=singletons,
-        statistics=statistics,
-        targets=targets,
-        auto_groups=auto_groups,
-        calib=calib,
-        calib_samples=calib_samples,
-        seq_len=seq_len,
-        seed=seed,
-        eval_text=eval_text,
-        eval_seq_len=eval_seq_len,
-        eval_max_tokens=eval_max_tokens,
-        eval_split=eval_split,
-        evaluate=not no_eval,
-        compare=compare,
-        allow_overlap=allow_overlap,
-        out=out,
-        overwrite=overwrite,
-        save=not no_save,
-        recipe_file=recipe,
-        batch_size=batch_size,
-        stats_cache=stats_cache,
-    )
     run = compress(model, options, device=device, dtype=dtype, progress=not (quiet or as_json))
-    summary = run.summary
     if as_json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "plan"}))
+        print(json.dumps({k: v for k, v in run.summary.items() if k != "plan"}))
         return
-    print_summary(summary)
+    print_summary(run.summary)
 
 
 def _fmt_ppl(value: float | None) -> str:

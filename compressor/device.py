@@ -53,7 +53,3 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}': use auto, float32, bfloat16 or float16")
     return DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

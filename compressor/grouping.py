@@ -110,3 +110,52 @@ def contiguous_groups(n_layers: int, n_groups: int) -> list[list[int]]:
     """Equal-size consecutive groups (used where no statistics exist, e.g. planning before calibration)."""
     bounds = torch.linspace(0, n_layers, n_groups + 1).round().long().tolist()
     return [list(range(bounds[g], bounds[g + 1])) for g in range(n_groups)]
+
+
+ASSUMED_RULE_ENDS = (
+    "assumed, not measured (the real groups need calibration: see `masa-compress inspect`): end boundaries "
+    "allowed, so the first two boundaries go to the first and last transitions, where the bundled model's KL "
+    "peaks (first and last layers kept whole), and the rest split the middle evenly"
+)
+ASSUMED_RULE_EVEN = (
+    "assumed, not measured (the real groups need calibration: see `masa-compress inspect`): end boundaries "
+    "excluded, so G nearly equal consecutive groups"
+)
+
+
+def assumed_groups(n_layers: int, n_groups: int, end_boundaries: bool) -> list[list[int]]:
+    """A grouping for planning without statistics (rules in `ASSUMED_RULE_ENDS` / `ASSUMED_RULE_EVEN`): what
+    `plan` and `--dry-run` count on, since the real groups need calibration statistics."""
+    if not 1 <= n_groups <= n_layers:
+        raise UserError(
+            f"--groups {n_groups} is impossible for a model with {n_layers} layers: use 1..{n_layers}"
+        )
+    if n_groups == 1:
+        return [list(range(n_layers))]
+    if end_boundaries:
+        if n_groups == 2:
+            return [[0], list(range(1, n_layers))]
+        middle = contiguous_groups(n_layers - 2, n_groups - 2)
+        return [[0], *([layer + 1 for layer in g] for g in middle), [n_layers - 1]]
+    if n_groups - 1 > n_layers - 3:
+        raise UserError(
+            f"--groups {n_groups} needs {n_groups - 1} boundaries but only {max(0, n_layers - 3)} transitions may "
+            "be boundaries (end boundaries excluded): use fewer groups"
+        )
+    groups = contiguous_groups(n_layers, n_groups)
+    if len(groups[0]) > 1 and len(groups[-1]) > 1:
+        return groups
+    middle = contiguous_groups(n_layers - 4, n_groups - 2)
+    return [[0, 1], *([layer + 2 for layer in g] for g in middle), [n_layers - 2, n_layers - 1]]
+
+
+def groups_from_layout(sizes: list[int], n_layers: int) -> list[list[int]]:
+    if any(s < 1 for s in sizes) or sum(sizes) != n_layers:
+        raise UserError(
+            f"--layout {','.join(map(str, sizes))} must be positive group sizes summing to the {n_layers} layers"
+        )
+    groups, start = [], 0
+    for s in sizes:
+        groups.append(list(range(start, start + s)))
+        start += s
+    return groups

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -74,7 +74,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     seconds: float
-    extra: dict = field(default_factory=dict)
 
 
 def resolve_model(spec: str, recipe: Recipe | None = None) -> ModelSource:

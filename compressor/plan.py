@@ -147,6 +147,18 @@ def layer_dense_params(geometry: AttentionGeometry, projections: tuple[str, ...]
     return sum(o * i for o, i in (geometry.shape(p) for p in projections))
 
 
+def atoms_per_group(groups: list[list[int]], bases: int, largest_group_bases: int | None) -> list[int]:
+    """The atoms each group gets: singletons none (kept whole or low rank), the largest group (earliest on
+    ties) `largest_group_bases` when set, the others `bases`."""
+    largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+    return [
+        0
+        if len(layers) == 1
+        else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
+        for g, layers in enumerate(groups)
+    ]
+
+
 def shared_plan(
     method: str,
     ratio: float,
@@ -158,18 +170,16 @@ def shared_plan(
     biases: dict[tuple[int, str], int],
     compress_singletons: bool = False,
     projections_compressed: tuple[str, ...] = PROJECTIONS,
+    check_feasible: bool = True,
 ) -> CompressionPlan:
     """MASA layout: singleton groups dense (or low rank); other groups share B atoms per projection type
-    plus per-layer residuals."""
-    largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+    plus per-layer residuals. Refuses a layout whose fixed part exceeds the budget unless `check_feasible` is
+    off (previews show such a layout with `infeasibility(plan, ...)` as the reason)."""
     group_plans = []
     projections = []
-    for g, layers in enumerate(groups):
-        n_atoms = (
-            0
-            if len(layers) == 1
-            else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
-        )
+    for g, (layers, n_atoms) in enumerate(
+        zip(groups, atoms_per_group(groups, bases, largest_group_bases), strict=True)
+    ):
         if len(layers) > 1 and n_atoms > len(layers):
             raise UserError(
                 f"group {g} has {len(layers)} layers but {n_atoms} atoms were requested: use --bases ≤ {len(layers)}"
@@ -199,7 +209,9 @@ def shared_plan(
     plan = CompressionPlan(
         method, ratio, attention_params_before, geometry, group_plans, projections, projections_compressed
     )
-    _check_feasible(plan, groups, bases)
+    reason = infeasibility(plan, bases)
+    if reason and check_feasible:
+        raise UserError(reason)
     return plan
 
 
@@ -266,15 +278,24 @@ def check_feasible_before_calibration(
         )
 
 
-def _check_feasible(plan: CompressionPlan, groups: list[list[int]], bases: int) -> None:
+def infeasibility(plan: CompressionPlan, bases: int) -> str | None:
+    """Why a layout cannot meet its budget (its fixed part alone is too large), or None when it can."""
     if plan.residual_budget() >= 0:
-        return
+        return None
     fixed = plan.fixed_params()
     max_ratio = 1.0 - fixed / plan.attention_params_before
     whole = sorted({pp.layer for pp in plan.projections if pp.mode == "dense"})
-    raise UserError(
-        f"--ratio {plan.ratio:g} is infeasible with {len(groups)} groups ({len(whole)} singleton layers kept whole) "
-        f"and {bases} atom(s): atoms, coefficients and whole layers alone need {fixed:,} of the "
+    return (
+        f"--ratio {plan.ratio:g} is infeasible with {len(plan.groups)} groups ({len(whole)} singleton layers kept "
+        f"whole) and {bases} atom(s): atoms, coefficients and whole layers alone need {fixed:,} of the "
         f"{plan.budget:,} numbers allowed; use --ratio ≤ {max_ratio:.3f}, fewer atoms (--bases 0/1), or "
         "groups without singletons (--no-end-boundaries)"
     )
+
+
+def check_ratio(ratio: float) -> None:
+    """The one check of `--ratio` (every entry point calls it before anything else)."""
+    if not 0.0 < ratio < 1.0:
+        raise UserError(
+            f"--ratio {ratio:g} is outside (0, 1): it is the fraction of attention parameters removed"
+        )

@@ -60,20 +60,6 @@ def format_groups(groups: Sequence[Sequence[int]]) -> str:
     return " ".join(group_label(g) for g in groups)
 
 
-def atoms_per_group(
-    groups: Sequence[Sequence[int]], bases: int, largest_group_bases: int | None
-) -> list[int]:
-    """The atoms each group gets, by the rule of `plan.shared_plan`: singletons none (kept whole), the
-    largest group (earliest on ties) `largest_group_bases` when set, the others `bases`."""
-    largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
-    return [
-        0
-        if len(layers) == 1
-        else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
-        for g, layers in enumerate(groups)
-    ]
-
-
 def energy_record(
     group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int
 ) -> dict:

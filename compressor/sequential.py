@@ -105,9 +105,11 @@ class LayerRunner:
         self.hidden = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
 
 
-def install_sequentially(ctx, plan, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
+def install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
     """Per layer: whiten q/k/v by the current layer input, install them, then whiten o by the attention output
     of the partly compressed layer, install it, and advance the hidden states through the compressed layer."""
+    if any(p not in PROJECTIONS for _, p in targets):
+        raise ValueError("sequential statistics cover the attention projections only")
     runner = LayerRunner(ctx.model, ctx.adapter, ctx.windows)
     wanted = set(targets)
     with progress_bar(
@@ -119,13 +121,9 @@ def install_sequentially(ctx, plan, targets, install: Callable[[int, str, Whiten
                 if not todo:
                     continue
                 factor = whitening_factor(runner.autocorr(layer, todo[0]).to(ctx.compute_device))
-                if factor.damping > 0:
-                    ctx.report.setdefault("damping", []).append(
-                        {"layer": layer, "input": "attn" if group != ("o_proj",) else "o", "damping": factor.damping,
-                         "attempts": factor.attempts, "statistics": "sequential"}
-                    )  # fmt: skip
+                kind = "attn" if group != ("o_proj",) else "o"
+                ctx.record_damping(factor, layer=layer, input=kind, statistics="sequential")
                 for p in todo:
                     install(layer, p, factor)
             runner.advance(layer)
             bar.advance()
-    assert all(p in PROJECTIONS for _, p in targets)

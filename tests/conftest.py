@@ -5,6 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+#: The rule the autouse fixture below enforces.
+FAST_TESTS_RULE = (
+    "fast tests must not load the bundled SmolLM2-135M's weights (on a fresh machine its one-time GGUF "
+    "conversion is slow and draws progress bars on stderr): use a tiny random model directory "
+    "(conftest.tiny_model_dir) or mark the test @pytest.mark.slow"
+)
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -39,6 +46,67 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def byte_tokenizer():
+    """A byte-level BPE without merges: any text, 256 ids, plus an end-of-text token (id 256; no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    return tokenizer
+
+
+def tiny_model_dir(path, family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random model saved as a local Hugging Face directory with a byte-level tokenizer: what a user's
+    own model folder looks like, for CLI and `load_model` tests that must not touch the bundled model."""
+    overrides.setdefault("vocab_size", 260)  # the byte tokenizer's 256 bytes and its end-of-text token
+    tiny_model(family, seed, **overrides).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+_running: dict = {"item": None}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Note the test about to run, before any of its fixtures (module- or session-scoped ones included)."""
+    _running["item"] = item
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_bundled_weights_in_fast_tests():
+    """Outside `@pytest.mark.slow`, loading (or converting) the bundled model's weights fails the test.
+
+    Every load of the bundled weights goes through `compressor.models.bundled_model_dir` (`load_model` calls it
+    for the bundled model, as do `eval --tasks` and the benchmarks; all look it up on the module at call time),
+    so it is replaced here for the whole session by a guard that lets slow tests through and fails any other.
+    Reading the bundled model's config only (`read_config`) stays allowed. The guard decides by the test that
+    is running (noted by `pytest_runtest_setup` above), so a module-scoped fixture that loads the model is
+    caught too. It raises pytest's `Failed`, a BaseException: the CLI's error handling (`except Exception`)
+    does not turn it into a one-line user error.
+    """
+    import compressor.models
+
+    original = compressor.models.bundled_model_dir
+
+    def guarded(*args, **kwargs):
+        item = _running["item"]
+        if item is not None and item.get_closest_marker("slow") is not None:
+            return original(*args, **kwargs)
+        where = item.nodeid if item is not None else "a test"
+        pytest.fail(f"{where} loads the bundled model's weights: {FAST_TESTS_RULE}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compressor.models, "bundled_model_dir", guarded)
+        yield
+
+
 @pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
@@ -63,7 +131,7 @@ def relative_whitened_error(original, compressed, stats, projections) -> float:
     """Σ over layers and `projections` of ‖(W − Ŵ) S‖² / ‖W S‖², computed independently of the pipeline as
     tr(E C Eᵀ) / tr(W C Wᵀ) with C = S Sᵀ the input autocorrelation (exact when no damping was needed)."""
     from compressor.adapters import INPUT_OF, get_adapter
-    from compressor.modules import dense_weight
+    from compressor.remote_code.masa_modules import dense_weight
 
     before, after = get_adapter(original), get_adapter(compressed)
     total = 0.0

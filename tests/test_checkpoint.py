@@ -26,10 +26,11 @@ from compressor.checkpoint import (
     save_compressed,
 )
 from compressor.errors import CheckpointError, UserError
-from compressor.modules import LowRankLinear, SharedBasisLinear
 from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
 
-REMOTE_CODE = Path(__file__).parents[1] / "compressor" / "remote_code" / "modeling_masa.py"
+REMOTE_CODE_DIR = Path(__file__).parents[1] / "compressor" / "remote_code"
+REMOTE_CODE_FILES = [REMOTE_CODE_DIR / "modeling_masa.py", REMOTE_CODE_DIR / "masa_modules.py"]
 VOCAB = 128
 # Residual / low-rank ranks per (layer, projection), rank 0 included; layer 0 stays dense, 1-2 share atoms.
 RANKS = {
@@ -440,20 +441,31 @@ def test_every_other_family_round_trips(model_type: str, tmp_path: Path) -> None
         assert param_count(reloaded) == param_count(model)
 
 
-def test_remote_code_is_self_contained_and_covers_every_family() -> None:
-    tree = ast.parse(REMOTE_CODE.read_text())
-    imported = {
-        (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in node.names
-    }
-    assert imported <= {"__future__", "torch", "transformers"}
-    import importlib.util
+def test_remote_code_is_self_contained_and_covers_every_family(tmp_path) -> None:
+    """The files copied into a checkpoint import torch, transformers and each other only, and load as the
+    package transformers' remote-code loader makes of them."""
+    copied = {path.stem for path in REMOTE_CODE_FILES}
+    for path in REMOTE_CODE_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: another copied file
+                assert node.level == 1 and node.module in copied, (path.name, node.module)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert {n.split(".")[0] for n in names} <= {"__future__", "torch", "transformers"}, path.name
+    import importlib
+    import shutil
+    import sys
 
-    spec = importlib.util.spec_from_file_location("modeling_masa_under_test", REMOTE_CODE)
-    remote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(remote)
+    package = tmp_path / "remote_under_test"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for path in REMOTE_CODE_FILES:
+        shutil.copy(path, package)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        remote = importlib.import_module("remote_under_test.modeling_masa")
+    finally:
+        sys.path.remove(str(tmp_path))
     assert remote.ATOMS_KEY == ATOMS_KEY
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

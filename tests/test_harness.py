@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_windows, tiny_model
+from conftest import byte_tokenizer, random_windows, tiny_model
 
 pytest.importorskip("lm_eval", reason="the [eval] extra (lm-eval) is part of `make install`")
 
@@ -40,21 +40,6 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
-
-
-def byte_tokenizer():
-    """A byte-level BPE without merges: any text, 256 ids, plus an end-of-text token (no downloads)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
-    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

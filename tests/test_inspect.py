@@ -11,19 +11,14 @@ from conftest import random_windows, tiny_config, tiny_model
 from PIL import Image
 
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, geometry_from_config, get_adapter
-from compressor.capture import collect_statistics
+from compressor.capture import collect_block_means, collect_statistics
 from compressor.errors import UserError
-from compressor.grouping import group_layers
-from compressor.inspection import (
-    assumed_groups,
-    biases_from_config,
-    collect_block_means,
-    inspect_statistics,
-    parse_group_counts,
-    plan_from_config,
-)
+from compressor.grouping import assumed_groups, group_layers
+from compressor.inspection import inspect_statistics, parse_group_counts
+from compressor.methods import ModelShape
 from compressor.pipeline import compress_model
 from compressor.plan import shared_plan
+from compressor.planning import plan_from_config
 from compressor.recipes.schema import CompressionSettings
 
 COUNT_KEYS = (
@@ -121,7 +116,7 @@ def test_geometry_and_biases_from_the_config_match_the_model(family, overrides):
         for p in PROJECTIONS
         if adapter.projection(layer, p).bias is not None
     }
-    assert biases_from_config(model.config, adapter.geometry) == real
+    assert ModelShape.from_config(model.config).biases == real
 
 
 def test_assumed_groups():

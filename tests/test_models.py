@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_model
+import torch
+from conftest import tiny_model, tiny_model_dir
 
 from compressor.calibration.cache import cache_dir
 from compressor.errors import UserError
@@ -35,15 +36,13 @@ def test_every_alias_resolves_to_its_recipe_target():
 
 
 def test_local_hf_directory_resolves_and_loads(tmp_path):
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "tiny")
-    # a tokenizer is part of a model directory; reuse the bundled one's files
-    bundled = load_model("smollm2-135m", progress=False)
-    bundled.tokenizer.save_pretrained(tmp_path / "tiny")
+    tiny_model_dir(tmp_path / "tiny")  # a tiny random model and a byte-level tokenizer, as a user's folder
     source = resolve_model(str(tmp_path / "tiny"))
     assert source.kind == "hf_dir"
     loaded = load_model(source, device="cpu", dtype="float32", progress=False)
     assert loaded.model.config.num_hidden_layers == 6
+    torch.testing.assert_close(loaded.model.state_dict(), tiny_model("llama", vocab_size=260).state_dict())
+    assert loaded.tokenizer.decode(loaded.tokenizer("Paris")["input_ids"]) == "Paris"
 
 
 def test_gguf_file_resolves():

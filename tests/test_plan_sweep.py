@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 from compressor.errors import UserError
-from compressor.inspection import plan_from_config
-from compressor.pipeline import METHODS
+from compressor.methods import REGISTRY
+from compressor.planning import plan_from_config
 from compressor.recipes.schema import builtin_recipe, builtin_recipe_names
 
 # recipe -> (config class, hidden, layers, heads, kv heads, head_dim, intermediate)
@@ -46,10 +46,16 @@ def _config(recipe: str):
 
 
 @pytest.mark.parametrize("recipe", sorted(SHAPES))
-@pytest.mark.parametrize("method", METHODS)
-def test_plan_holds_the_budget_or_says_why(recipe, method):
+@pytest.mark.parametrize("method", sorted(REGISTRY))
+@pytest.mark.parametrize("targets", ["attn", "attn,mlp"])
+def test_plan_holds_the_budget_or_says_why(recipe, method, targets):
     config = _config(recipe)
-    settings = builtin_recipe(recipe).compression.model_copy(update={"method": method})
+    settings = builtin_recipe(recipe).compression.model_copy(update={"method": method, "targets": targets})
+    try:
+        REGISTRY[method].effective_settings(settings)
+    except UserError as err:  # the method has no rule for these settings (masa-paper and MLPs): one line
+        assert "\n" not in str(err) and "--targets" in str(err)
+        return
     planned = 0
     for ratio in RATIOS:
         try:

@@ -22,7 +22,6 @@ from compressor.report import (
     MAP_EXTRA_INCHES,
     MAP_ROW_INCHES,
     RUN_FIGSIZE,
-    atoms_per_group,
     energy_record,
     plot_grouping,
     plot_inspect_energy,
@@ -123,12 +122,3 @@ def test_energy_record_and_pooling():
     assert pooled_energy([rec])["k_proj"] is None
 
 
-@pytest.mark.parametrize("largest", [None, 2])
-def test_atoms_per_group_follows_the_planner(largest):
-    groups = [[0], [1, 2, 3], [4, 5, 6], [7, 8], [9]]
-    model = tiny_model("llama", num_hidden_layers=10)
-    adapter = get_adapter(model)
-    plan = shared_plan(
-        "masa", 0.1, adapter.attention_parameter_count(), adapter.geometry, groups, 1, largest, {}
-    )
-    assert atoms_per_group(groups, 1, largest) == [g.n_atoms for g in plan.groups]

@@ -12,9 +12,9 @@ from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter, targe
 from compressor.capture import collect_statistics
 from compressor.checkpoint import load_compressed, save_compressed
 from compressor.errors import UserError
-from compressor.modules import LowRankLinear, SharedBasisLinear
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings
+from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
 
 
 def _compress(model, ratio=0.3, windows=None, **settings):

@@ -1,11 +1,12 @@
 """Loads a masa-compress checkpoint with plain transformers (`from_pretrained(path, trust_remote_code=True)`).
 
-masa-compress copies this file into every checkpoint it writes. It is self-contained on purpose (torch and
-transformers only): lm-eval-harness and other tools load checkpoints where masa-compress is not installed.
+masa-compress copies this file and `masa_modules.py` (the replacement modules, shared with the library) into
+every checkpoint it writes. They are self-contained on purpose (torch and transformers only): lm-eval-harness
+and other tools load checkpoints where masa-compress is not installed.
 
 `Masa<Family>ForCausalLM` is the stock Hugging Face class of the base family whose attention projections are
-replaced, at final shapes, by the two modules below; they mirror masa-compress's `compressor/modules.py` and keep
-its parameter names, so the same safetensors keys load in both. `config.masa` holds the layout: per layer and
+replaced, at final shapes, by the modules of `masa_modules.py` (the very file masa-compress itself uses), so the
+same safetensors keys load in both. `config.masa` holds the layout: per layer and
 projection its mode (dense / shared / lowrank), group, number of atoms, residual rank and bias.
 
 Shared atoms: the atoms of a group are ONE Parameter, stored once in the checkpoint under
@@ -44,61 +45,11 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-ATOMS_KEY = "masa.groups.{group}.{projection}.atoms"
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # in `layer.mlp`; the others in `layer.self_attn`
+from .masa_modules import ATOMS_KEY, MLP_PROJECTIONS, projection_module
 
 
 def _block(projection: str) -> str:
     return "mlp" if projection in MLP_PROJECTIONS else "self_attn"
-
-
-class LowRankLinear(nn.Module):
-    """y = (x Bᵀ) Aᵀ + bias, with A (out, r) and B (r, in)."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.lowrank_a = nn.Parameter(torch.zeros(out_features, rank), requires_grad=False)
-        self.lowrank_b = nn.Parameter(torch.zeros(rank, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(nn.functional.linear(x, self.lowrank_b), self.lowrank_a)
-        return y if self.bias is None else y + self.bias
-
-
-class SharedBasisLinear(nn.Module):
-    """y = x (Σ_s c_s D_s)ᵀ + (x Bᵀ) Aᵀ + bias, with the atoms D shared across a group's layers."""
-
-    def __init__(self, atoms: nn.Parameter, rank: int, bias: bool = False):
-        super().__init__()
-        n_atoms, out_features, in_features = atoms.shape
-        self.in_features, self.out_features, self.rank, self.n_atoms = (
-            in_features,
-            out_features,
-            rank,
-            n_atoms,
-        )
-        self.atoms = atoms  # the group's Parameter, registered in every layer of the group
-        self.coefficients = nn.Parameter(torch.zeros(n_atoms), requires_grad=False)
-        self.lowrank_a = nn.Parameter(torch.zeros(out_features, rank), requires_grad=False)
-        self.lowrank_b = nn.Parameter(torch.zeros(rank, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.einsum("s,soi->oi", self.coefficients, self.atoms)  # (out, in)
-        tokens = x.numel() // self.in_features
-        if (
-            self.rank > 0
-            and tokens * (self.out_features + self.in_features) > self.out_features * self.in_features
-        ):
-            # Long inputs (prefill): one transient dense weight costs less than the factors on every token.
-            # The same rule and arithmetic as masa-compress's own module, so both loaders give the same logits.
-            return nn.functional.linear(x, torch.addmm(weight, self.lowrank_a, self.lowrank_b), self.bias)
-        y = nn.functional.linear(x, weight, self.bias)
-        if self.rank > 0:
-            y = y + nn.functional.linear(nn.functional.linear(x, self.lowrank_b), self.lowrank_a)
-        return y
 
 
 class SharedAtoms(nn.Module):
@@ -140,24 +91,22 @@ class MasaMixin:
     def _install_masa_projections(self) -> None:
         self.masa = nn.Module()
         self.masa.groups = nn.ModuleDict()
+
+        def group_atoms(spec: dict) -> nn.Parameter:
+            if str(spec["group"]) not in self.masa.groups:
+                self.masa.groups[str(spec["group"])] = nn.ModuleDict()
+            group = self.masa.groups[str(spec["group"])]
+            if spec["projection"] not in group:
+                group[spec["projection"]] = SharedAtoms(
+                    spec["n_atoms"], spec["out_features"], spec["in_features"]
+                )
+            return group[spec["projection"]].atoms
+
         for spec in self.config.masa["projections"]:
-            mode, name = spec["mode"], spec["projection"]
-            shape = (spec["out_features"], spec["in_features"])
-            if mode == "dense":
-                continue  # the base family's own nn.Linear
-            if mode == "lowrank":
-                module = LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"])
-            elif mode == "shared":
-                key = str(spec["group"])
-                if key not in self.masa.groups:
-                    self.masa.groups[key] = nn.ModuleDict()
-                group = self.masa.groups[key]
-                if name not in group:
-                    group[name] = SharedAtoms(spec["n_atoms"], *shape)
-                module = SharedBasisLinear(group[name].atoms, spec["rank"], bias=spec["bias"])
-            else:
-                raise ValueError(f"config.masa: unknown mode {mode!r} for layer {spec['layer']} {name}")
-            setattr(getattr(self.model.layers[spec["layer"]], _block(name)), name, module)
+            module = projection_module(spec, group_atoms)
+            if module is not None:  # `dense` keeps the base family's own nn.Linear
+                layer = self.model.layers[spec["layer"]]
+                setattr(getattr(layer, _block(spec["projection"])), spec["projection"], module)
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
         tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)

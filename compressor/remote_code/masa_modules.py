@@ -1,11 +1,14 @@
-"""Replacement modules for attention projections, built at final shapes.
+"""Replacement modules for compressed projections, built at final shapes: ONE file for the library and for
+every checkpoint (masa-compress copies it next to `modeling_masa.py`, which imports it relatively; transformers'
+remote-code loader copies relative imports along). Pure torch on purpose: it must load where masa-compress is
+not installed.
 
 - `SharedBasisLinear`: W_l = Σ_s c_ls D_s + A_l B_l. The atoms D (B, out, in) are ONE `nn.Parameter`
   referenced by every layer of a group, so `model.parameters()` (which deduplicates) counts them once.
 - `LowRankLinear`: W ≈ A B (SVD-LLM and plain-SVD baselines, and compressed singleton layers).
 
-Both compute y = x Wᵀ + bias without materializing a dense per-layer weight for the residual:
-the low-rank part is applied as (x Bᵀ) Aᵀ.
+Both compute y = x Wᵀ + bias without storing a dense per-layer weight for the residual.
+`projection_module` builds either from one entry of a checkpoint layout (`config.masa["projections"]`).
 """
 
 from __future__ import annotations
@@ -114,13 +117,25 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return module.dense_weight()
 
 
-def stored_parameter_count(modules: list[nn.Module]) -> int:
-    """Numbers stored by a set of modules, counting shared tensors once."""
-    seen: set[int] = set()
-    total = 0
-    for module in modules:
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-    return total
+#: Checkpoint key of a group's atoms (one tensor per group and projection type).
+ATOMS_KEY = "masa.groups.{group}.{projection}.atoms"
+#: In `layer.mlp`; the other projections live in `layer.self_attn`.
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def projection_module(spec: dict, group_atoms, dtype=None, device=None) -> nn.Module | None:
+    """The module one layout entry describes (None for `dense`: the base model's own nn.Linear stays).
+
+    `group_atoms(spec)` returns the atoms Parameter (n_atoms, out, in) of the entry's group and projection,
+    created on first request, so that every layer of a group gets the same object.
+    """
+    mode, shape = spec["mode"], (spec["out_features"], spec["in_features"])
+    if mode == "dense":
+        return None
+    if mode == "lowrank":
+        return LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)
+    if mode == "shared":
+        return SharedBasisLinear(
+            group_atoms(spec), spec["rank"], bias=spec["bias"], dtype=dtype, device=device
+        )
+    raise ValueError(f"unknown mode {mode!r} for layer {spec['layer']} {spec['projection']}")

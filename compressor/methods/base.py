@@ -1,0 +1,266 @@
+"""What every compression method shares: the model's shape (all planning needs), the run context (weights,
+statistics, whitening), and the `Method` interface with its registry.
+
+A method is one class: `plan()` gives the exact parameter accounting (`plan.CompressionPlan`) from the shape,
+the settings and a way to get groups — the run passes the calibrated KL grouping, `plan` / `--dry-run` /
+`inspect` pass assumed groups — and `apply()` builds and installs the replacement modules. Adding a method is
+one file with such a class plus one `register(...)` line in `compressor/methods/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from compressor.adapters import INPUT_OF, PROJECTIONS, AttentionGeometry, DecoderAdapter, geometry_from_config
+from compressor.capture import CalibrationStats
+from compressor.errors import NumericalError, UserError
+from compressor.grouping import Grouping, consecutive_kl, group_layers, logit_lens_distributions
+from compressor.plan import CompressionPlan, layer_dense_params
+from compressor.recipes.schema import CompressionSettings
+from compressor.whitening import WhiteningFactor, whitening_factor
+
+#: Groups for a group count: the calibrated KL grouping in a run, assumed groups in a preview.
+GroupsOf = Callable[[int], list[list[int]]]
+
+#: Settings every method reads.
+COMMON_SETTINGS = frozenset({"method", "targets"})
+
+
+@contextmanager
+def numerical_context(where: str):
+    """Prefix numerical failures with the layer/projection they happened in (never hide them)."""
+    try:
+        yield
+    except NumericalError as err:
+        raise NumericalError(f"{where}: {err}") from err
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What planning needs of a model, from its modules or from its config alone (no weights)."""
+
+    geometry: AttentionGeometry
+    num_layers: int
+    biases: dict[tuple[int, str], int]  # (layer, projection) -> numel of its bias, targeted projections only
+    targets: tuple[str, ...]
+    params_before: int  # numbers stored by the targeted projections: the ratio's denominator
+
+    @classmethod
+    def from_adapter(cls, adapter: DecoderAdapter, targets: tuple[str, ...]) -> ModelShape:
+        biases = {
+            (layer, p): adapter.projection(layer, p).bias.numel()
+            for layer in range(adapter.num_layers)
+            for p in targets
+            if adapter.projection(layer, p).bias is not None
+        }
+        return cls(
+            adapter.geometry, adapter.num_layers, biases, targets, adapter.attention_parameter_count(targets)
+        )
+
+    @classmethod
+    def from_config(cls, config, targets: tuple[str, ...] = PROJECTIONS) -> ModelShape:
+        geometry = geometry_from_config(config)
+        with_bias = set(bias_projections(config))
+        biases = {
+            (layer, p): geometry.shape(p)[0]
+            for layer in range(config.num_hidden_layers)
+            for p in targets
+            if p in with_bias
+        }
+        before = config.num_hidden_layers * layer_dense_params(geometry, targets) + sum(biases.values())
+        return cls(geometry, config.num_hidden_layers, biases, targets, before)
+
+
+def bias_projections(config) -> tuple[str, ...]:
+    """Projections with a bias: Qwen2 has q/k/v biases by construction; the other supported families have them
+    on all four attention projections exactly when `attention_bias` is set, and on the MLP's with `mlp_bias`."""
+    mlp = ("gate_proj", "up_proj", "down_proj") if getattr(config, "mlp_bias", False) else ()
+    if getattr(config, "model_type", None) == "qwen2":
+        return ("q_proj", "k_proj", "v_proj", *mlp)
+    return (PROJECTIONS if getattr(config, "attention_bias", False) else ()) + mlp
+
+
+@dataclass
+class MethodContext:
+    """What `Method.apply` gets: the model, its statistics, the effective settings, and where to record."""
+
+    model: nn.Module
+    adapter: DecoderAdapter
+    stats: CalibrationStats
+    settings: CompressionSettings
+    ratio: float
+    compute_device: torch.device
+    progress: bool
+    shape: ModelShape
+    windows: torch.Tensor | None = None  # calibration token windows (sequential statistics only)
+    seconds: dict[str, float] = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+    # Whitening factors of the current layer only (the stages go layer by layer, so memory stays flat with
+    # depth; a later pass recomputes them: one Cholesky per input, cheap next to the SVDs).
+    _whitening: dict[tuple[int, str], WhiteningFactor] = field(default_factory=dict)
+    _output_energy: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projection types compressed (`targets`): q/k/v/o by default."""
+        return self.shape.targets
+
+    def weight(self, layer: int, projection: str) -> torch.Tensor:
+        """The original (out, in) weight in fp64 on the compute device; non-finite weights are an error."""
+        w = self.adapter.projection(layer, projection).weight.detach().to(self.compute_device, torch.float64)
+        if not torch.isfinite(w).all():
+            raise NumericalError(
+                f"non-finite weights in {self.adapter.projection_path(layer, projection)}: the model file is damaged"
+            )
+        return w
+
+    def bias(self, layer: int, projection: str) -> torch.Tensor | None:
+        b = self.adapter.projection(layer, projection).bias
+        return None if b is None else b.detach().clone()
+
+    def autocorr(self, layer: int, projection: str) -> torch.Tensor:
+        """Input autocorrelation of a projection: the layer input for q/k/v, the attention output for o, the
+        post-attention-norm hidden state for gate/up, the gated activation for down."""
+        return self.stats.autocorr(INPUT_OF[projection], layer)
+
+    def whitening(self, layer: int, projection: str) -> WhiteningFactor:
+        """Cholesky factor of the projection's input autocorrelation (q/k/v share one per layer, gate/up too)."""
+        key = (layer, INPUT_OF[projection])
+        if any(cached[0] != layer for cached in self._whitening):
+            self._whitening.clear()
+        if key not in self._whitening:
+            with numerical_context(f"the {key[1]} input autocorrelation of layer {layer}"):
+                factor = whitening_factor(self.stats.autocorr(key[1], layer).to(self.compute_device))
+            self._whitening[key] = factor
+            self.record_damping(factor, layer=layer, input=key[1])
+        return self._whitening[key]
+
+    def record_damping(self, factor: WhiteningFactor, **where) -> None:
+        """Report a Cholesky that needed damping (once per place): the whitening is then approximate."""
+        entry = {**where, "damping": factor.damping, "attempts": factor.attempts}
+        if factor.damping > 0 and entry not in self.report.setdefault("damping", []):
+            self.report["damping"].append(entry)
+
+    def output_energy(self, layer: int, projection: str) -> float:
+        """‖W S‖²: the whitened output energy of the original weight, the scale of `global-relative` errors.
+        Memoized: the G/B search allocates once per candidate, over the same matrices."""
+        key = (layer, projection)
+        if key not in self._output_energy:
+            w = self.weight(layer, projection)
+            self._output_energy[key] = float(((w @ self.whitening(layer, projection).S) ** 2).sum())
+        return self._output_energy[key]
+
+    def grouping(self, n_groups: int) -> Grouping:
+        """Consecutive layers grouped by the KL of their logit-lens distributions (recorded in the report)."""
+        start = time.perf_counter()
+        p = logit_lens_distributions(
+            self.stats.block_output_means,
+            self.adapter.final_norm,
+            self.adapter.unembedding,
+            apply_final_norm=self.settings.logit_lens == "final_norm",
+        )
+        grouping = group_layers(consecutive_kl(p), n_groups, end_boundaries=self.settings.end_boundaries)
+        self.seconds["grouping"] = self.seconds.get("grouping", 0.0) + time.perf_counter() - start
+        self.report["grouping"] = {
+            "kl": grouping.kl,
+            "boundaries": grouping.boundaries,
+            "groups": grouping.groups,
+            "rule": grouping.rule,
+            "logit_lens": self.settings.logit_lens,
+            "end_boundaries": self.settings.end_boundaries,
+        }
+        return grouping
+
+    def groups_of(self, n_groups: int) -> list[list[int]]:
+        return self.grouping(n_groups).groups
+
+    def install(self, layer: int, projection: str, module: nn.Module) -> None:
+        self.adapter.set_projection(layer, projection, module)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.adapter.unembedding.weight.dtype
+
+    @property
+    def model_device(self) -> torch.device:
+        return self.adapter.unembedding.weight.device
+
+
+class Method:
+    """A compression method. Subclasses set the class attributes and implement `plan` and `apply`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line for `--help` and the docs
+    #: The settings it reads besides `method` and `targets`; an option it does not read is refused when given.
+    settings_read: ClassVar[frozenset[str]] = frozenset()
+    #: Settings it pins whatever the recipe says (a preset such as `masa-paper`).
+    preset: ClassVar[dict] = {}
+    #: Whether its plan depends on the calibrated grouping (then `plan` shows assumed groups).
+    uses_groups: ClassVar[bool] = False
+
+    def effective_settings(self, settings: CompressionSettings) -> CompressionSettings:
+        """The settings the method runs with: its preset applied, then checked (`check_settings`)."""
+        settings = settings.model_copy(update=self.preset) if self.preset else settings
+        self.check_settings(settings)
+        return settings
+
+    def refuse_unread(self, given: dict[str, object]) -> None:
+        """A one-line error for an option the user gave that this method does not read, or pins otherwise."""
+        for key in sorted(given):
+            flag = "--" + key.replace("_", "-")
+            if key in self.preset and given[key] != self.preset[key]:
+                raise UserError(
+                    f"{flag}: --method {self.name} pins {key} = {self.preset[key]!r}: drop {flag} or use --method masa"
+                )
+            if key not in self.settings_read | COMMON_SETTINGS | set(self.preset):
+                raise UserError(
+                    f"{flag} has no effect with --method {self.name}: drop it or use --method masa"
+                )
+
+    def check_settings(self, settings: CompressionSettings) -> None:
+        """Refuse, before any heavy work, settings the method has no rule for (default: none)."""
+
+    def check_before_calibration(
+        self, shape: ModelShape, settings: CompressionSettings, ratio: float
+    ) -> None:
+        """Fail before calibration when the ratio cannot be met (default: plan without groups)."""
+        self.plan(shape, settings, ratio, groups_of=None)
+
+    def plan(
+        self,
+        shape: ModelShape,
+        settings: CompressionSettings,
+        ratio: float,
+        groups_of: GroupsOf | None,
+        check_feasible: bool = True,
+    ) -> CompressionPlan:
+        """The exact accounting: what every targeted projection will store (ranks where they do not depend on
+        calibration statistics). `check_feasible=False` returns an over-budget layout instead of refusing it."""
+        raise NotImplementedError
+
+    def apply(self, ctx: MethodContext) -> CompressionPlan:
+        """Build and install the replacement modules; return the plan with every rank allocated."""
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in REGISTRY:
+        raise ValueError(f"method '{method.name}' is registered twice")
+    REGISTRY[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    if name not in REGISTRY:
+        raise UserError(f"unknown --method '{name}': use one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]

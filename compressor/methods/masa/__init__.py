@@ -1,0 +1,1 @@
+"""MASA: the method, its stages and its G/B search."""

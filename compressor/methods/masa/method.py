@@ -1,0 +1,130 @@
+"""MASA ("Share Your Attention"), training-free: grouping of consecutive layers by logit-lens KL, Matrix PCA
+atoms shared within each group, Cholesky-whitened low-rank residuals, ranks by an allocator under one budget.
+`masa-paper` is the same method with the paper's choices pinned (a preset)."""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from compressor.adapters import MLP_PROJECTIONS, target_projections
+from compressor.errors import UserError
+from compressor.methods.allocators import allocator_for
+from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape
+from compressor.methods.masa.shapes import choose_groups_and_bases
+from compressor.methods.masa.stages import (
+    all_group_atoms,
+    install_projection,
+    masa_layout,
+    residual,
+    residual_tail,
+)
+from compressor.plan import CompressionPlan, check_feasible_before_calibration
+from compressor.progress import progress_bar
+from compressor.recipes.schema import CompressionSettings
+from compressor.sequential import install_sequentially
+
+
+class Masa(Method):
+    name = "masa"
+    summary = "shared atoms per group of layers + whitened residuals, ranks by the allocator (default)"
+    settings_read = frozenset(CompressionSettings.model_fields) - {"method", "targets"}
+    uses_groups = True
+
+    def check_settings(self, settings: CompressionSettings) -> None:
+        if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
+            return
+        if settings.allocation == "paper":
+            raise UserError(
+                "--targets mlp: Algorithm 1 (--allocation paper, --method masa-paper) balances (Q,K) and (V,O) "
+                "pairs and has no rule for MLP projections: use --method masa with --allocation global-relative"
+            )
+        if settings.statistics == "sequential":
+            raise UserError(
+                "--targets mlp: --statistics sequential collects attention inputs only: use --statistics original"
+            )
+
+    def check_before_calibration(
+        self, shape: ModelShape, settings: CompressionSettings, ratio: float
+    ) -> None:
+        if settings.auto_groups:  # the search skips what does not fit, and says so when nothing does
+            return
+        check_feasible_before_calibration(
+            ratio, shape.params_before, shape.geometry, shape.num_layers, settings.groups, settings.bases,
+            settings.largest_group_bases, settings.singletons == "compress", shape.targets,
+        )  # fmt: skip
+
+    def plan(self, shape, settings, ratio, groups_of: GroupsOf | None, check_feasible: bool = True):
+        if groups_of is None:
+            raise ValueError("MASA plans on groups: pass the calibrated grouping or assumed groups")
+        groups = groups_of(settings.groups)
+        return masa_layout(
+            shape, settings, ratio, groups, settings.bases, settings.largest_group_bases, check_feasible
+        )
+
+    def apply(self, ctx: MethodContext) -> CompressionPlan:
+        settings = ctx.settings
+        if settings.auto_groups:
+            # Only G and B change: every stage reads the rest of the settings from the context.
+            choice, record = choose_groups_and_bases(ctx)
+            settings = settings.model_copy(
+                update={"groups": choice.groups, "bases": choice.bases, "largest_group_bases": None}
+            )
+            ctx.report["shape_search"] = record
+            ctx.report["effective_settings"] = settings.model_dump()
+        plan = self.plan(ctx.shape, settings, ctx.ratio, ctx.groups_of)
+        atoms = all_group_atoms(ctx, plan)
+        targets = self._allocate(ctx, plan, atoms)
+        start = time.perf_counter()
+        dtype, device = ctx.model_dtype, ctx.model_device
+        shared_atoms = {
+            key: nn.Parameter(d.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+            for key, (d, _) in atoms.items()
+        }
+
+        def install(layer: int, p: str, factor) -> None:
+            install_projection(ctx, plan, atoms, shared_atoms, layer, p, factor)
+
+        if ctx.settings.statistics == "sequential":
+            install_sequentially(ctx, targets, install)
+        else:
+            with progress_bar("Residual factors", total=len(targets), enabled=ctx.progress) as bar:
+                for layer, p in targets:
+                    install(layer, p, ctx.whitening(layer, p))
+                    bar.advance()
+        ctx.seconds["residual_svd"] += time.perf_counter() - start
+        return plan
+
+    @staticmethod
+    def _allocate(ctx: MethodContext, plan: CompressionPlan, atoms) -> list[tuple[int, str]]:
+        """Pass 1: the discarded-energy tail of every whitened residual (only the spectra are kept, so memory
+        does not grow with depth), then the ranks; returns the projections left to factor (pass 2)."""
+        start = time.perf_counter()
+        targets = [(pp.layer, pp.projection) for pp in plan.projections if pp.mode != "dense"]
+        tails = {}
+        with progress_bar("Residual spectra", total=len(targets), enabled=ctx.progress) as bar:
+            for layer, p in targets:
+                tails[(layer, p)] = residual_tail(ctx, layer, p, residual(ctx, plan, atoms, layer, p))
+                bar.advance()
+        allocator = allocator_for(ctx.settings.allocation, ctx.settings.dense_when_cheaper)
+        ctx.report.update(allocator.allocate(plan, tails, ctx.output_energy))
+        plan.check_budget()
+        targets = [k for k in targets if plan.get(*k).mode != "dense"]  # the allocation may keep some whole
+        # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.
+        ctx.report["residual_error"] = float(sum(tails[k][plan.get(*k).rank] for k in targets))
+        ctx.seconds["residual_svd"] = time.perf_counter() - start
+        return targets
+
+
+class MasaPaper(Masa):
+    name = "masa-paper"
+    summary = "the paper's choices: plain Matrix PCA, Algorithm 1, singletons kept whole, original statistics"
+    # Groups, atoms and the logit lens still come from the recipe/options.
+    preset = {
+        "atoms": "plain",
+        "allocation": "paper",
+        "singletons": "keep",
+        "statistics": "original",
+        "end_boundaries": True,
+    }

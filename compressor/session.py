@@ -1,0 +1,155 @@
+"""Setting up a run, written once for `compress`, `plan`/`--dry-run`, `inspect` and the benchmarks: the model spec
+and recipe resolved, the options merged and checked by the method, the texts read, the token windows cut, and
+the output directory checked — everything a user can get wrong is refused here, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compressor.calibration.sources import TextSource, load_documents
+from compressor.calibration.windows import (
+    bos_token_id_for,
+    calibration_windows,
+    evaluation_windows,
+    tokenize_documents,
+)
+from compressor.config import CompressOptions, resolve_run_settings
+from compressor.errors import UserError
+from compressor.methods import Method, get_method
+from compressor.models import ModelSource, resolve_model
+from compressor.plan import check_ratio
+from compressor.recipes.schema import (
+    CalibrationSettings,
+    CompressionSettings,
+    EvaluationSettings,
+    Recipe,
+    load_recipe_file,
+)
+
+
+@dataclass
+class RunSpec:
+    """A run resolved and checked, before any weights are read."""
+
+    source: ModelSource
+    recipe: Recipe | None
+    calibration: CalibrationSettings
+    evaluation: EvaluationSettings
+    compression: CompressionSettings  # the method's effective settings (its preset applied)
+    method: Method
+
+    @property
+    def recipe_name(self) -> str | None:
+        return self.recipe.name if self.recipe else None
+
+
+def resolve_run(model: str, options: CompressOptions) -> RunSpec:
+    """Resolve MODEL and the recipe, merge the options, and let the method refuse what it cannot honour
+    (an unknown method, an option it does not read, settings it has no rule for)."""
+    check_ratio(options.ratio)
+    recipe = load_recipe_file(options.recipe_file) if options.recipe_file else None
+    source = resolve_model(model, recipe)
+    recipe = recipe or source.recipe
+    calibration, evaluation, compression = resolve_run_settings(options, recipe)
+    method = get_method(compression.method)
+    method.refuse_unread(options.given_compression_settings())
+    compression = method.effective_settings(compression)
+    return RunSpec(source, recipe, calibration, evaluation, compression, method)
+
+
+def read_texts(run: RunSpec, evaluate: bool, allow_overlap: bool) -> tuple[TextSource, TextSource | None]:
+    """The calibration text and (when evaluating) the evaluation text, read and validated before any model is
+    loaded; the same text for both is refused unless `allow_overlap`."""
+    calibration = load_documents(run.calibration.source, split="calibration")
+    evaluation = load_documents(run.evaluation.source, split=run.evaluation.split) if evaluate else None
+    if evaluation is not None and not allow_overlap:
+        check_no_overlap(calibration, evaluation)
+    return calibration, evaluation
+
+
+def check_no_overlap(calibration: TextSource, evaluation: TextSource) -> None:
+    """Refuse to evaluate on the calibration text: the perplexity would be measured on what the model was fit to."""
+    if calibration.fingerprint == evaluation.fingerprint:
+        raise UserError(
+            f"the evaluation text ({evaluation.name}) is the calibration text ({calibration.name}): pass "
+            "different text to --calib and --eval-text, or --allow-overlap if you really mean it"
+        )
+
+
+def calibration_token_windows(tokenizer, calibration: CalibrationSettings, text: TextSource) -> torch.Tensor:
+    """`samples` windows of `seq_len` tokens drawn from the calibration text with the run's seed."""
+    ids = tokenize_documents(tokenizer, text.documents)
+    return calibration_windows(
+        ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos_token_id_for(tokenizer)
+    )
+
+
+def evaluation_token_windows(
+    tokenizer, evaluation: EvaluationSettings, source: TextSource | None = None
+) -> tuple[torch.Tensor, str]:
+    """Held-out text → non-overlapping windows of `seq_len` tokens (BOS only where the tokenizer adds one).
+
+    `source`: the documents when the caller already read them (to check them before loading a model)."""
+    source = source or load_documents(evaluation.source, split=evaluation.split)
+    ids = tokenize_documents(tokenizer, source.documents)
+    windows = evaluation_windows(
+        ids, evaluation.seq_len, max_tokens=evaluation.max_tokens, bos_id=bos_token_id_for(tokenizer)
+    )
+    return windows, source.name
+
+
+# ------------------------------------------------------------------------------------------------------
+# the output directory
+
+
+def default_output_dir(source_name: str, method: str, ratio: float) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name.rstrip("/").split("/")[-1]).strip("-") or "model"
+    return f"out/{stem}-{method}-r{ratio:g}"
+
+
+def _existing_parent(out: str) -> Path:
+    """The nearest existing folder above `out` (where it will be created): its permissions and disk count."""
+    parent = Path(out).resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
+def check_output_dir(out: str, overwrite: bool) -> None:
+    """Fail before any heavy work if the output directory cannot be written."""
+    path = Path(out)
+    if path.exists() and not overwrite:
+        raise UserError(f"output directory '{out}' already exists: pass --overwrite or choose another --out")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output path '{out}' exists and is not a directory: choose another --out")
+    parent = _existing_parent(out)
+    if not os.access(parent, os.W_OK):
+        raise UserError(
+            f"output directory '{out}' cannot be written ({parent} is not writable): choose another --out"
+        )
+
+
+def check_free_disk(out: str, checkpoint_bytes: int) -> None:
+    """Refuse to start when the checkpoint cannot fit on the output disk (estimated before any heavy work)."""
+    parent = _existing_parent(out)
+    needed = int(checkpoint_bytes * 1.05) + 64 * 2**20  # tensors + headers, tokenizer, report
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise UserError(
+            f"not enough free disk for the checkpoint in '{out}': about {needed / 2**30:.2f} GiB needed, "
+            f"{free / 2**30:.2f} GiB free on {parent}: free space or choose another --out"
+        )
+
+
+def peak_rss_gb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
