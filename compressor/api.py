@@ -14,6 +14,7 @@ from compressor import __version__
 from compressor.adapters import MLP_PROJECTIONS, get_adapter, target_projections
 from compressor.calibration.sources import TextSource, load_documents
 from compressor.capture import CalibrationStats, collect_statistics
+from compressor.checkpoint import read_masa_config, save_compressed
 from compressor.config import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.errors import UserError
 from compressor.evaluate import Faithfulness, PerplexityResult, evaluate_against, evaluate_perplexity
@@ -23,6 +24,7 @@ from compressor.models import LoadedModel, ModelSource, load_model, resolve_mode
 from compressor.pipeline import CompressionOutcome, compress_model
 from compressor.progress import note
 from compressor.recipes.schema import EvaluationSettings
+from compressor.report import write_run_report
 from compressor.session import (
     RunSpec,
     calibration_token_windows,
@@ -34,6 +36,7 @@ from compressor.session import (
     read_texts,
     resolve_run,
 )
+from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key
 
 __all__ = ["CompressOptions", "EvalSettings", "compress", "evaluate"]
 
@@ -76,8 +79,6 @@ def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[Model
         return None, "comparison off (--no-compare)"
     if source.kind != "compressed":
         return None, "not a compressed checkpoint: nothing to compare with (pass --against MODEL)"
-    from compressor.checkpoint import read_masa_config
-
     recorded = read_masa_config(source.location).get("metadata", {}).get("source") or {}
     for spec in (recorded.get("spec"), recorded.get("location")):
         if not spec:
@@ -213,8 +214,6 @@ def compress(
     summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     summary["peak_rss_gb"] = round(peak_rss_gb(), 3)
     if summary["out"]:
-        from compressor.report import write_run_report
-
         # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
         summary["report_files"] = [str(p) for p in write_run_report(Path(summary["out"]), summary)]
     return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)
@@ -270,8 +269,6 @@ def _calibration_statistics(
     if not options.stats_cache:
         stats = collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
         return stats, "statistics cache off"
-    from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key
-
     key = stats_key(model_fingerprint(loaded.model), text.fingerprint, windows, loaded.dtype, with_mlp)
     stats, cache_note = load_stats(key, adapter)
     note(f"[dim]calibration: {cache_note}[/]", progress)
@@ -330,8 +327,6 @@ def _summary(
 
 def _save(run: RunSpec, loaded: LoadedModel, outcome, summary: dict, out: str, overwrite: bool) -> str:
     """Write the checkpoint (atomically) with the summary as its metadata; returns its path."""
-    from compressor.checkpoint import save_compressed
-
     metadata = {k: v for k, v in summary.items() if k != "plan"}
     source = run.source
     metadata["source"] = {

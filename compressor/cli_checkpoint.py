@@ -10,7 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from compressor.checkpoint import export_dense
 from compressor.cli import JsonOpt
+from compressor.inspection import describe_checkpoint
+from compressor.report import group_label
 
 console = Console()
 
@@ -26,8 +29,6 @@ def export_dense_command(
     """Write each projection's effective dense weight as a plain Hugging Face checkpoint (vLLM, llama.cpp
     converters, any tool that takes a model directory). It loads without trust_remote_code and gives the same
     logits, but it is NOT smaller: the savings exist only in the compressed format."""
-    from compressor.checkpoint import export_dense
-
     result = export_dense(path, out, overwrite=overwrite)
     payload = {
         "out": str(result.path),
@@ -52,14 +53,19 @@ def show_command(
     as_json: JsonOpt = False,
 ) -> None:
     """What a compressed checkpoint holds: source model, when and how it was made, groups, ranks, ratio."""
-    from compressor.inspection import describe_checkpoint
-    from compressor.report import group_label
-
     info = describe_checkpoint(path)
     if as_json:
         print(json.dumps(info))
         return
     table = Table(title=f"masa-compress checkpoint · {info['path']}", show_header=False)
+    for key, value in _checkpoint_rows(info):
+        table.add_row(key, value)
+    console.print(table)
+    console.print(_ranks_table(info))
+
+
+def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
+    """(what, value) rows describing a checkpoint, from `describe_checkpoint`."""
     source = info["source"]
     if isinstance(source, dict):
         source = f"{source.get('spec')} ({source.get('kind')}: {source.get('location')})"
@@ -113,9 +119,10 @@ def show_command(
         )
         rows.append(("groups", groups + (f"  ({info['grouping_rule']})" if info["grouping_rule"] else "")))
     rows.append(("weights", f"{info['weights_bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s)"))
-    for key, value in rows:
-        table.add_row(key, value)
-    console.print(table)
+    return rows
+
+
+def _ranks_table(info: dict) -> Table:
     ranks = Table(title="per layer: mode and residual rank (atoms)")
     for col in ("layer", "mode", "group", "q_proj", "k_proj", "v_proj", "o_proj"):
         ranks.add_column(col, justify="right" if col != "mode" else "left")
@@ -130,7 +137,7 @@ def show_command(
         ranks.add_row(
             str(row["layer"]), row["mode"], "—" if row["group"] is None else str(row["group"]), *cells
         )
-    console.print(ranks)
+    return ranks
 
 
 def register(app: typer.Typer) -> None:

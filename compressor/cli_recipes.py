@@ -6,10 +6,21 @@ import json
 from typing import Annotated, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from compressor.cli import JsonOpt
+from compressor.errors import UserError
+from compressor.recipes.schema import (
+    CalibrationSettings,
+    CompressionSettings,
+    EvaluationSettings,
+    Recipe,
+    builtin_recipe,
+    builtin_recipe_names,
+    load_recipe_file,
+)
 
 console = Console()
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
@@ -17,8 +28,6 @@ Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
 
 def _schema_help() -> str:
     """Every recipe key with its default and meaning, from the pydantic schema itself."""
-    from compressor.recipes.schema import CalibrationSettings, CompressionSettings, EvaluationSettings, Recipe
-
     lines = ["Recipe keys (YAML; unknown keys are rejected) and their defaults:", ""]
     for name, info in Recipe.model_fields.items():
         if name in ("calibration", "evaluation", "compression"):
@@ -43,11 +52,6 @@ def recipes_command(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    import yaml
-
-    from compressor.errors import UserError
-    from compressor.recipes.schema import builtin_recipe, builtin_recipe_names, load_recipe_file
-
     if check or name:
         recipe = load_recipe_file(check) if check else builtin_recipe(name)
         if recipe is None:

@@ -16,6 +16,7 @@ import torch
 
 from compressor.adapters import PROJECTIONS, DecoderAdapter, get_adapter
 from compressor.capture import collect_block_means
+from compressor.checkpoint import read_masa_config
 from compressor.config import CompressOptions
 from compressor.errors import UserError
 from compressor.grouping import consecutive_kl, group_layers, logit_lens_distributions
@@ -24,7 +25,7 @@ from compressor.pca import matrix_pca
 from compressor.plan import atoms_per_group
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
-from compressor.report import energy_record
+from compressor.report import energy_record, format_groups, plot_grouping, plot_inspect_energy, write_json
 from compressor.session import calibration_token_windows, read_texts, resolve_run
 
 #: `inspect` calibrates on fewer windows than a compression run (the recipe's 64 for smollm2-135m): the
@@ -211,8 +212,6 @@ def inspect_model(
 def write_inspect_outputs(out_dir, inspection: dict) -> list:
     """`inspect.json`, `grouping.png` (KL with the highlighted G's boundaries, and the groups of every G)
     and `energy.png` (energy per group for the highlighted G; pooled energy vs G)."""
-    from compressor.report import format_groups, plot_grouping, plot_inspect_energy, write_json
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     chosen = next(g for g in inspection["groupings"] if g["n_groups"] == inspection["highlight"])
@@ -240,8 +239,6 @@ def write_inspect_outputs(out_dir, inspection: dict) -> list:
 
 def describe_checkpoint(path: str) -> dict:
     """What a compressed checkpoint holds, from its `masa_config.json` (no weights are read)."""
-    from compressor.checkpoint import read_masa_config
-
     config = read_masa_config(path)
     meta = config.get("metadata") or {}
     counts = config.get("counts") or {}
