@@ -69,6 +69,7 @@ def plan_from_config(
         "method": method.name,
         "allocation": allocation,
         "ratio_requested": ratio,
+        "targets": list(shape.targets),
         "num_layers": shape.num_layers,
         "geometry": asdict(shape.geometry),
         "bias_projections": [p for p in bias_projections(config) if p in shape.targets],

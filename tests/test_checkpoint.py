@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from compressor import checkpoint
+from compressor.checkpoint import files as checkpoint_files
 from compressor.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, get_adapter
 from compressor.checkpoint import (
     ATOMS_KEY,
@@ -317,7 +317,7 @@ def test_failure_mid_write_leaves_nothing_behind(
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_save_aligned", fail)
+    monkeypatch.setattr(checkpoint_files, "_save_aligned", fail)
     with pytest.raises(OSError, match="disk full"):
         save(saved.model, saved.plan, out, overwrite=overwrite)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if overwrite else [])

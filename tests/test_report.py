@@ -13,7 +13,6 @@ from PIL import Image
 from compressor.adapters import get_adapter
 from compressor.capture import collect_statistics
 from compressor.pipeline import compress_model
-from compressor.plan import shared_plan
 from compressor.recipes.schema import CompressionSettings
 from compressor.report import (
     DPI,
@@ -120,5 +119,3 @@ def test_energy_record_and_pooling():
     # Pooled over groups: (6 + 30) / (10 + 30).
     assert pooled_energy([rec, other])["q_proj"] == pytest.approx(36 / 40)
     assert pooled_energy([rec])["k_proj"] is None
-
-

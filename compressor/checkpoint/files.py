@@ -1,0 +1,171 @@
+"""Writing the files of a checkpoint: every tensor stored once and 64-byte aligned, in shards with a manifest
+(dtype, shape, sha256), into a temporary sibling directory renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAME, _storage_names
+from compressor.errors import UserError
+
+
+def _stored_tensors(model: nn.Module, atoms: dict[int, str]) -> dict[str, torch.Tensor]:
+    """{stored key: tensor}, each tensor once, still where the model keeps it (moved to the CPU shard by shard)."""
+    state = model.state_dict(keep_vars=True)
+    return {name: state[key].detach() for key, name in _storage_names(model, atoms).items()}
+
+
+def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """On the CPU, contiguous, each owning its storage: safetensors refuses tensors that share memory (such as
+    views of one fused buffer), so those are copied."""
+    ready: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.to("cpu").contiguous()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != tensor.nbytes:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        ready[name] = tensor
+    return ready
+
+
+def _write_weights(
+    tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int
+) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Write safetensors shards (Hugging Face naming and index); returns the file and tensor manifests.
+
+    No timestamp goes into the safetensors metadata, so the same model always gives the same bytes.
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensors[name].nbytes
+    n = len(shards)
+    file_names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    files: dict[str, dict] = {}
+    manifest: dict[str, dict] = {}
+    for file_name, names in zip(file_names, shards, strict=True):
+        path = directory / file_name
+        shard = _for_safetensors({k: tensors[k] for k in names})
+        _save_aligned(shard, path, metadata={"format": "pt"})
+        del shard
+        files[file_name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        with safe_open(path, framework="pt") as f:  # the header's own dtype names, which loading compares
+            for k in names:
+                manifest[k] = {
+                    "file": file_name,
+                    "dtype": f.get_slice(k).get_dtype(),
+                    "shape": list(tensors[k].shape),
+                }
+    if n > 1:
+        total = sum(t.nbytes for t in tensors.values())
+        weight_map = {k: v["file"] for k, v in manifest.items()}
+        _write_json(directory / WEIGHTS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files, manifest
+
+
+ALIGNMENT = 64  # bytes: a cache line, and what MKL's GEMM kernels take as aligned
+
+# torch dtypes -> safetensors dtype names (those a checkpoint can hold)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def _save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A standard safetensors file in which every tensor whose byte size is a multiple of 64 starts 64-byte
+    aligned (header padded with spaces, as the format allows; those tensors first, the rest after, by name),
+    so that memory-mapped loading hands out aligned views. Same tensors, same bytes."""
+    order = sorted(tensors, key=lambda k: (tensors[k].nbytes % ALIGNMENT != 0, k))
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}  # fmt: skip
+        offset += t.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % ALIGNMENT)  # the data then starts on a 64-byte boundary
+    with open(path, "wb") as fh:
+        fh.write(len(encoded).to_bytes(8, "little"))
+        fh.write(encoded)
+        for name in order:
+            if tensors[name].numel():
+                fh.write(tensors[name].reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+@contextmanager
+def _atomic_directory(out_dir: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of `out_dir`, renamed into place only once the body completes.
+
+    On any exception (KeyboardInterrupt included) the temporary directory is removed and `out_dir`, if it
+    existed, is left untouched. With `overwrite`, the old directory is moved aside, the new one renamed into
+    place, then the old one deleted: `out_dir` holds one complete checkpoint or the other at every moment but
+    the instant between the two renames.
+    """
+    _check_target(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out_dir, old)
+            try:
+                os.replace(tmp, out_dir)
+            except BaseException:
+                os.replace(old, out_dir)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_target(out_dir: Path, overwrite: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not overwrite:
+        raise UserError(
+            f"{out_dir}: already exists: pass overwrite=True (--overwrite) or choose another directory"
+        )
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory: remove it or choose another directory")
+    is_model = (out_dir / MASA_CONFIG).is_file() or (out_dir / "config.json").is_file()
+    if not is_model and any(out_dir.iterdir()):
+        raise UserError(
+            f"{out_dir}: not a model checkpoint, refusing to replace it even with overwrite: choose another directory"
+        )

@@ -1,0 +1,140 @@
+"""What a checkpoint says about itself: the file names and format version, the layout of the compressed
+projections (mode, group, atoms, rank, bias, shape per layer and projection), the storage name of every
+tensor, the parameter counts, and the configs for both loaders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from compressor.adapters import DecoderAdapter
+from compressor.plan import CompressionPlan
+from compressor.remote_code.masa_modules import ATOMS_KEY, LowRankLinear, SharedBasisLinear
+
+FORMAT_VERSION = 1
+MASA_CONFIG = "masa_config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+#: Copied into every checkpoint: the remote-code model classes and the modules they (and this library) use.
+REMOTE_CODE = ("modeling_masa.py", "masa_modules.py")
+DEFAULT_MAX_SHARD_BYTES = 4 * 10**9
+REQUIRED_FIELDS = ("format_version", "base_config", "layout", "tensors", "files")
+
+
+def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[int, str]]:
+    """The layout of the installed projections, and {id(atoms Parameter): its checkpoint key}."""
+    projections = []
+    atoms: dict[int, str] = {}
+    owners: dict[str, int] = {}
+    for layer in range(adapter.num_layers):
+        for name in plan.targets:
+            module = adapter.projection(layer, name)
+            spec = _projection_spec(layer, name, module, plan)
+            if spec["mode"] == "shared":
+                key, ident = ATOMS_KEY.format(group=spec["group"], projection=name), id(module.atoms)
+                if atoms.setdefault(ident, key) != key or owners.setdefault(key, ident) != ident:
+                    raise ValueError(
+                        f"layer {layer} {name}: its atoms are not the one Parameter of group {spec['group']} "
+                        "(every layer of a group must reference the same atoms, and groups different ones)"
+                    )
+            projections.append(spec)
+    model = adapter.model
+    layout = {
+        "base_model_type": adapter.model_type,
+        "base_architecture": type(model).__name__,
+        "atoms_key": ATOMS_KEY,
+        "groups": [{"index": g.index, "layers": g.layers, "n_atoms": g.n_atoms} for g in plan.groups],
+        "projections": projections,
+    }
+    return layout, atoms
+
+
+def _projection_spec(layer: int, name: str, module: nn.Module, plan: CompressionPlan) -> dict:
+    if isinstance(module, SharedBasisLinear):
+        mode, n_atoms, rank = "shared", module.n_atoms, module.rank
+    elif isinstance(module, LowRankLinear):
+        mode, n_atoms, rank = "lowrank", 0, module.rank
+    elif isinstance(module, nn.Linear):
+        mode, n_atoms, rank = "dense", 0, None
+    else:
+        raise ValueError(f"layer {layer} {name}: cannot save a {type(module).__name__} projection")
+    try:
+        planned = plan.get(layer, name)
+    except KeyError:
+        raise ValueError(f"layer {layer} {name}: missing from the compression plan") from None
+    if planned.mode != mode or (mode == "shared" and planned.group is None):
+        raise ValueError(
+            f"layer {layer} {name}: the plan says {planned.mode} but the model holds a {mode} projection"
+        )
+    return {
+        "layer": layer,
+        "projection": name,
+        "mode": mode,
+        "group": planned.group,
+        "n_atoms": n_atoms,
+        "rank": rank,
+        "bias": module.bias is not None,
+        "out_features": module.out_features,
+        "in_features": module.in_features,
+    }
+
+
+def _storage_names(model: nn.Module, atoms: dict[int, str]) -> dict[str, str]:
+    """{state-dict key: key it is stored under}: a tensor reachable under several names is stored once.
+
+    Shared atoms are stored under their group's key, any other alias (tied embeddings) under its first name.
+    Saving and loading both use this, so the two always agree on which keys the files hold.
+    """
+    first: dict[int, str] = {}
+    return {
+        key: atoms.get(id(tensor)) or first.setdefault(id(tensor), key)
+        for key, tensor in model.state_dict(keep_vars=True).items()
+    }
+
+
+def _counts(model: nn.Module, adapter: DecoderAdapter, plan: CompressionPlan) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    attention = adapter.attention_parameter_count(plan.targets)
+    if plan.ranks_allocated() and plan.attention_params_after() != attention:
+        raise ValueError(
+            f"the plan counts {plan.attention_params_after():,} parameters in {', '.join(plan.targets)} but the "
+            f"model stores {attention:,}: the installed modules do not match the plan"
+        )
+    # "attention" counts the targeted projections (q/k/v/o unless the run also compressed the MLP).
+    return {
+        "targets": list(plan.targets),
+        "attention_params_before": plan.attention_params_before,
+        "attention_params_after": attention,
+        "achieved_ratio": 1.0 - attention / plan.attention_params_before,
+        "ratio_requested": plan.ratio,
+        "non_attention_params": total - attention,
+        "total_params": total,
+    }
+
+
+def _base_config(model: nn.Module) -> dict:
+    """The dense model's config, recording the dtype the weights are stored in."""
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    return config
+
+
+def _transformers_config(base_config: dict, config_class: str, layout: dict) -> dict:
+    """config.json for plain transformers: the base config under model_type `masa_<family>` (so that loading
+    without trust_remote_code fails instead of building dense attention at random), the remote classes and the
+    layout they read."""
+    config_class = f"Masa{config_class}"
+    model_class = f"Masa{layout['base_architecture']}"
+    return {
+        **base_config,
+        "model_type": f"masa_{base_config['model_type']}",
+        "architectures": [model_class],
+        "auto_map": {
+            "AutoConfig": f"{Path(REMOTE_CODE[0]).stem}.{config_class}",
+            "AutoModelForCausalLM": f"{Path(REMOTE_CODE[0]).stem}.{model_class}",
+        },
+        "masa": layout,
+    }

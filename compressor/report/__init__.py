@@ -1,0 +1,55 @@
+"""Reports: grouping and atom-energy records, rich tables, `report.json` and PNG plots.
+
+Everything here is a pure function of plain dicts (the report of `pipeline.compress_model`, the summary of
+`api.compress`, the results of `inspection.inspect_statistics` / `planning.plan_from_config`), so the same
+numbers go to the terminal, to JSON and to the pictures.
+"""
+
+from compressor.report.plots import (
+    DPI,
+    INSPECT_ENERGY_FIGSIZE,
+    KL_PANEL_INCHES,
+    MAP_EXTRA_INCHES,
+    MAP_ROW_INCHES,
+    RUN_FIGSIZE,
+    plot_energy,
+    plot_grouping,
+    plot_inspect_energy,
+    plot_ranks,
+)
+from compressor.report.records import (
+    ENERGY_CURVE_MAX_ATOMS,
+    energy_record,
+    format_groups,
+    group_label,
+    pooled_energy,
+    present_projections,
+    write_json,
+)
+from compressor.report.run_report import write_run_report
+from compressor.report.tables import energy_table, groupings_table, kl_table, plan_tables
+
+__all__ = [
+    "DPI",
+    "ENERGY_CURVE_MAX_ATOMS",
+    "INSPECT_ENERGY_FIGSIZE",
+    "KL_PANEL_INCHES",
+    "MAP_EXTRA_INCHES",
+    "MAP_ROW_INCHES",
+    "RUN_FIGSIZE",
+    "energy_record",
+    "energy_table",
+    "format_groups",
+    "group_label",
+    "groupings_table",
+    "kl_table",
+    "plan_tables",
+    "plot_energy",
+    "plot_grouping",
+    "plot_inspect_energy",
+    "plot_ranks",
+    "pooled_energy",
+    "present_projections",
+    "write_json",
+    "write_run_report",
+]

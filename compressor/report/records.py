@@ -1,0 +1,65 @@
+"""Records shared by the terminal, JSON and pictures: group labels, Matrix PCA energy per group, JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
+from compressor.pca import captured_energy_fraction
+
+ENERGY_CURVE_MAX_ATOMS = 8
+
+
+def present_projections(rows: Sequence[dict]) -> list[str]:
+    """The projection types named in `rows` (attention first, then MLP): what a run compressed."""
+    named = {row["projection"] for row in rows}
+    return [p for p in (*PROJECTIONS, *MLP_PROJECTIONS) if p in named]
+
+
+def group_label(layers: Sequence[int]) -> str:
+    """`[3]` for a singleton, `[1–28]` for a range of consecutive layers."""
+    return f"[{layers[0]}]" if len(layers) == 1 else f"[{layers[0]}–{layers[-1]}]"
+
+
+def format_groups(groups: Sequence[Sequence[int]]) -> str:
+    return " ".join(group_label(g) for g in groups)
+
+
+def energy_record(
+    group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int
+) -> dict:
+    """One group's Matrix PCA energy for one projection type (the keys of the pipeline's `atom_energy`,
+    plus the layer range, the cumulative curve for 1..8 atoms and the total energy `Σ_l ‖W_l‖_F²`)."""
+    n_curve = min(len(layers), ENERGY_CURVE_MAX_ATOMS)
+    return {
+        "group": group,
+        "projection": projection,
+        "layers": len(layers),
+        "first_layer": layers[0],
+        "last_layer": layers[-1],
+        "atoms": n_atoms,
+        "energy_captured": captured_energy_fraction(eigenvalues, n_atoms),
+        "energy_curve": [captured_energy_fraction(eigenvalues, b) for b in range(1, n_curve + 1)],
+        "energy_total": float(eigenvalues.sum()),
+    }
+
+
+def pooled_energy(energy: Sequence[dict]) -> dict[str, float | None]:
+    """Per projection type, the energy captured over all shared groups together (Σ captured / Σ total)."""
+    out: dict[str, float | None] = {}
+    for p in dict.fromkeys((*PROJECTIONS, *present_projections(energy))):
+        rows = [e for e in energy if e["projection"] == p and e["atoms"] > 0]
+        total = sum(e["energy_total"] for e in rows)
+        out[p] = sum(e["energy_captured"] * e["energy_total"] for e in rows) / total if total > 0 else None
+    return out
+
+
+def write_json(path: Path, obj: object) -> Path:
+    """Indented JSON; values JSON cannot hold (paths, dtypes) are written as strings."""
+    path = Path(path)
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,206 @@
+"""Rich tables for the terminal: `inspect`'s KL, groupings and energies, and `plan`'s accounting."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from compressor.adapters import PROJECTIONS
+from compressor.report.records import format_groups, group_label
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
+def kl_table(inspection: dict) -> Table:
+    """One row per transition: its KL and the group counts G for which it is a boundary."""
+    table = Table(title=f"Logit-lens KL between consecutive layers (lens: {inspection['logit_lens']})")
+    table.add_column("transition", justify="right")
+    table.add_column("KL", justify="right")
+    table.add_column("boundary for G =")
+    for t, value in enumerate(inspection["kl"]):
+        used = [str(g["n_groups"]) for g in inspection["groupings"] if t in g["boundaries"]]
+        table.add_row(f"{t}→{t + 1}", f"{value:.4g}", ", ".join(used))
+    return table
+
+
+def groupings_table(inspection: dict) -> Table:
+    table = Table(
+        title="Groups for each G (" + inspection["groupings"][0]["rule"].split(";")[0] + ")"
+        if inspection["groupings"]
+        else "Groups"
+    )
+    table.add_column("G", justify="right")
+    table.add_column("boundaries (transitions)")
+    table.add_column("groups")
+    table.add_column("sizes")
+    for g in inspection["groupings"]:
+        mark = "*" if g["n_groups"] == inspection["highlight"] else ""
+        table.add_row(
+            f"{g['n_groups']}{mark}",
+            ", ".join(f"{t}→{t + 1}" for t in g["boundaries"]) or "—",
+            format_groups(g["groups"]),
+            ", ".join(map(str, g["sizes"])),
+        )
+    return table
+
+
+def energy_table(inspection: dict) -> Table:
+    table = Table(
+        title="Weight energy captured by the atoms (plain Matrix PCA), per group and projection type"
+    )
+    singleton = "kept whole" if inspection.get("singletons", "keep") == "keep" else "low rank"
+    table.add_column("G", justify="right")
+    table.add_column("group")
+    table.add_column("layers", justify="right")
+    table.add_column("atoms", justify="right")
+    for p in PROJECTIONS:
+        table.add_column(p, justify="right")
+    for g in inspection["groupings"]:
+        for index, layers in enumerate(g["groups"]):
+            rows = {e["projection"]: e for e in g["energy"] if e["group"] == index}
+            if not rows:
+                table.add_row(
+                    str(g["n_groups"]), group_label(layers), "1", "—", *(singleton,) * len(PROJECTIONS)
+                )
+                continue
+            atoms = next(iter(rows.values()))["atoms"]
+            table.add_row(
+                str(g["n_groups"]),
+                group_label(layers),
+                str(len(layers)),
+                str(atoms),
+                *(_pct(rows[p]["energy_captured"]) for p in PROJECTIONS),
+            )
+        table.add_section()
+    return table
+
+
+PLAN_ROWS = (
+    ("attention_params_before", "attention parameters before (P_attn)"),
+    ("budget", "budget ⌊(1-ρ)·P_attn⌋"),
+    ("atoms", "shared atoms"),
+    ("coefficients", "coefficients"),
+    ("dense_kept", "singleton weights kept whole"),
+    ("biases", "biases of compressed projections"),
+    ("residual_budget", "residual budget"),
+    ("residual_params", "residual factors"),
+    ("attention_params_after", "attention parameters after"),
+    ("attention_params_after_max", "attention parameters after, bound"),
+)
+
+
+def plan_tables(plan: dict) -> list:
+    """The plan as rich renderables: counts with their status, ranks, and the notes."""
+    out = _plan_header(plan)
+    out.append(_budget_table(plan))
+    if plan["ranks"]["rows"]:
+        out.append(_plan_ranks_table(plan))
+    return out + _plan_footer(plan)
+
+
+def _targets(plan: dict) -> list[str]:
+    return plan.get("targets") or list(PROJECTIONS)
+
+
+def _targets_name(plan: dict) -> str:
+    targets = _targets(plan)
+    return "attention" if targets == list(PROJECTIONS) else "/".join(p.removesuffix("_proj") for p in targets)
+
+
+def _plan_header(plan: dict) -> list:
+    geo = plan["geometry"]
+    out: list = [
+        Text.assemble(
+            ("Plan ", "bold"),
+            f"{plan['model']} · method {plan['method']}"
+            + (f" (allocation {plan['allocation']})" if plan.get("allocation") else "")
+            + f" · remove {plan['ratio_requested']:g} of the {_targets_name(plan)} parameters",
+        ),
+        Text(
+            f"config: {plan['config_source']} · {plan['num_layers']} layers · hidden {geo['hidden_size']} · "
+            f"{geo['num_heads']} heads / {geo['num_kv_heads']} kv heads × {geo['head_dim']} · "
+            f"biases: {', '.join(plan['bias_projections']) or 'none'}"
+        ),
+    ]
+    groups = plan["groups"]
+    if groups["layers"]:
+        out.append(
+            Text.assemble(
+                ("Groups ", "bold"),
+                (f"({groups['source']}) ", "yellow" if groups["source"] == "assumed" else "green"),
+                f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))} · "
+                f"atoms per group {', '.join(map(str, groups['atoms']))}",
+            )
+        )
+        out.append(Text(f"  {groups['rule']}", style="dim"))
+    return out
+
+
+def _budget_table(plan: dict) -> Table:
+    table = Table(title="Parameter budget (exact counts)")
+    table.add_column("quantity")
+    table.add_column("numbers", justify="right")
+    table.add_column("status")
+    for key, label in PLAN_ROWS:
+        if key in plan and plan[key] is not None:
+            table.add_row(label, f"{plan[key]:,}", plan["status"].get(key, ""))
+    if plan.get("achieved_ratio") is not None:
+        table.add_row(
+            f"{_targets_name(plan)} ratio removed",
+            f"{plan['achieved_ratio']:.4f}",
+            plan["status"].get("achieved_ratio", ""),
+        )
+    table.add_row(
+        "largest feasible ratio with these groups/atoms",
+        f"{plan['max_ratio']:.4f}",
+        plan["status"].get("max_ratio", ""),
+    )
+    return table
+
+
+def _plan_ranks_table(plan: dict) -> Table:
+    ranks, targets = plan["ranks"], _targets(plan)
+    table = Table(title=f"Ranks per layer: {ranks['kind']}")
+    table.add_column("layers")
+    table.add_column("mode")
+    table.add_column("B", justify="right")
+    for p in targets:
+        table.add_column(p.removesuffix("_proj"), justify="right")
+    table.add_column("pair budgets qk / ov", justify="right", no_wrap=True)
+    for row in ranks["rows"]:
+        dense = row["mode"] == "dense"
+        budgets = row.get("pair_budgets")
+        table.add_row(
+            group_label(row["layers"]),
+            "kept whole" if dense else row["mode"],
+            str(row["atoms"]) if row["mode"] == "shared" else "",
+            *("" if dense else "—" if row[p] is None else str(row[p]) for p in targets),
+            f"{budgets[0]:,} / {budgets[1]:,}" if budgets else "",
+        )
+    return table
+
+
+def _plan_footer(plan: dict) -> list:
+    out: list = [
+        Text.assemble(("  " + tag, "bold"), f": {meaning}")
+        for tag, meaning in (plan.get("status_legend") or {}).items()
+    ]
+    out.append(
+        Text.assemble(
+            ("feasible: ", "bold"),
+            ("yes", "bold green") if plan["feasible"] else ("no", "bold red"),
+            "" if plan["feasible"] else f" · {plan['reason']}",
+        )
+    )
+    for alt in plan.get("alternatives") or []:
+        out.append(
+            Text(
+                f"  fits: --groups {alt['groups']} --bases {alt['bases']} "
+                f"{'--end-boundaries' if alt['end_boundaries'] else '--no-end-boundaries'} "
+                f"(removes up to {alt['max_ratio']:.3f}; assumed groups {format_groups(alt['layers'])})"
+            )
+        )
+    out += [Text(f"• {note}", style="dim") for note in plan.get("notes") or []]
+    return out
