@@ -14,7 +14,6 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from compressor.checkpoint import files as checkpoint_files
 from compressor.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, get_adapter
 from compressor.checkpoint import (
     ATOMS_KEY,
@@ -25,6 +24,7 @@ from compressor.checkpoint import (
     load_compressed,
     save_compressed,
 )
+from compressor.checkpoint import files as checkpoint_files
 from compressor.errors import CheckpointError, UserError
 from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
 from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
