@@ -15,15 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from compressor.adapters import get_adapter
-from compressor.api import evaluation_token_windows, peak_rss_gb
-from compressor.calibration.sources import load_documents
-from compressor.calibration.windows import bos_token_id_for, calibration_windows, tokenize_documents
 from compressor.capture import collect_statistics
+from compressor.config import CompressOptions
 from compressor.evaluate import evaluate_against, evaluate_perplexity
 from compressor.intervals import paired_difference
-from compressor.models import load_model, resolve_model
+from compressor.models import load_model
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
+from compressor.session import (
+    calibration_token_windows,
+    evaluation_token_windows,
+    peak_rss_gb,
+    read_texts,
+    resolve_run,
+)
 
 # name -> overrides of the recipe's compression settings
 VARIANTS: dict[str, dict] = {
@@ -79,19 +84,14 @@ def prepare_quality(
     split: str = "test",
     evaluate_original: bool = True,
 ) -> QualitySetup:
-    source = resolve_model(model)
-    recipe = source.recipe
-    calibration = recipe.calibration.model_copy(
-        update={k: v for k, v in {"samples": calib_samples, "seq_len": seq_len}.items() if v is not None}
-    )
+    # The same resolution, text and windows as a `compress` run with these options (`compressor.session`).
+    run = resolve_run(model, CompressOptions(calib_samples=calib_samples, seq_len=seq_len))
+    source, recipe, calibration = run.source, run.recipe, run.calibration
     evaluation = evaluation_settings(recipe, split, eval_seq_len, eval_max_tokens)
     loaded = load_model(source, progress=progress)
     tokenizer = loaded.tokenizer
-    calib_text = load_documents(calibration.source, "calibration")
-    ids = tokenize_documents(tokenizer, calib_text.documents)
-    windows = calibration_windows(
-        ids, calibration.samples, calibration.seq_len, calibration.seed, bos_id=bos_token_id_for(tokenizer)
-    )
+    calib_text, _ = read_texts(run, evaluate=False, allow_overlap=True)
+    windows = calibration_token_windows(tokenizer, calibration, calib_text)
     eval_windows, eval_name = evaluation_token_windows(tokenizer, evaluation)
     original = None
     if evaluate_original:

@@ -16,7 +16,7 @@ import json
 from scipy.stats import spearmanr
 
 from benchmarks.quality import measure_variant, prepare_quality, quality_header
-from compressor.api import peak_rss_gb
+from compressor.session import peak_rss_gb
 
 
 def run(

@@ -80,8 +80,8 @@ def calibration_token_windows(spec: str, tokenizer, samples: int | None, seq_len
 
 def prompt_tokens(tokenizer, n_tokens: int) -> torch.Tensor:
     """The first `n_tokens`-token window of the held-out evaluation text, shape (1, n_tokens)."""
-    from compressor.api import evaluation_token_windows
     from compressor.recipes.schema import EvaluationSettings
+    from compressor.session import evaluation_token_windows
 
     windows, _ = evaluation_token_windows(
         tokenizer, EvaluationSettings(seq_len=n_tokens, max_tokens=2 * n_tokens)

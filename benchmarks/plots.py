@@ -1,0 +1,166 @@
+"""The figures of BENCHMARKS.md (quality vs size, time per stage, latency, memory scaling), from results.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Acceptance targets (issues 4 and 7): key in results.json -> (bound, what it bounds).
+TARGETS = {
+    "compress_over_forward": (5.0, "compression time / one plain forward pass over the calibration tokens"),
+    "depth_memory_ratio": (1.2, "peak RSS of the compression run at 2x depth / at 1x depth"),
+    "prefill_latency_ratio": (1.15, "prefill latency, reloaded compressed checkpoint / original"),
+}
+PLOTS = {
+    "quality": "quality.png",
+    "stages": "compression_stages.png",
+    "latency": "latency.png",
+    "scaling": "scaling.png",
+}
+STAGE_LABELS = {
+    "calibration": "calibration capture",
+    "grouping": "grouping (logit-lens KL)",
+    "pca": "Matrix PCA",
+    "residual_svd": "residual SVDs + allocation",
+    "save": "writing the checkpoint",
+}
+METHOD_STYLE = {
+    "masa": ("tab:blue", "o"),
+    "svd-llm": ("tab:orange", "s"),
+    "svd": ("tab:green", "^"),
+    "shared-mean": ("tab:red", "D"),
+}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_quality(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(row["method"] for row in results["quality"]))
+    for i, method in enumerate(methods):
+        rows = sorted((r for r in results["quality"] if r["method"] == method), key=lambda r: r["ratio"])
+        color, marker = METHOD_STYLE.get(method, (f"C{i + 4}", "o"))
+        ax.plot(
+            [100 * (1 - r["achieved_ratio"]) for r in rows],
+            [r["ppl"] for r in rows],
+            marker=marker,
+            color=color,
+            label=method,
+        )
+    ax.axhline(results["original_ppl"], color="black", linestyle="--", linewidth=1, label="original")
+    ax.set_yscale("log")
+    ax.set_xlabel("attention parameters kept (%)")
+    ax.set_ylabel("perplexity (log scale)")
+    evaluation = results.get("quality_details", {}).get("evaluation", {})
+    ax.set_title(
+        f"Perplexity vs size ({evaluation.get('tokens', '?')} tokens of the {evaluation.get('split', '?')} split)"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_stages(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    compression = results["compression"]
+    stages = [(STAGE_LABELS[k], v) for k, v in compression["stage_seconds"].items()]
+    labels = [s for s, _ in stages] + ["one plain forward pass\n(same calibration tokens)"]
+    values = [v for _, v in stages] + [compression["forward_seconds"]]
+    colors = ["tab:blue"] * len(stages) + ["tab:gray"]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bars = ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    for bar, value in zip(bars, values[::-1], strict=True):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.1f} s", va="center")
+    ax.set_xlabel("seconds")
+    ax.set_xlim(0, max(values) * 1.25)
+    ax.set_title(
+        f"Compression run (masa, ratio {compression['ratio']:g}): "
+        f"{compression['compress_seconds']:.0f} s = {results['compress_over_forward']:.2f}x one forward pass"
+    )
+    ax.title.set_fontsize(10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    latency = results["latency"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    panels = [
+        (
+            "prefill_ms",
+            f"prefill of {latency['prefill_tokens']} tokens (ms)",
+            results["prefill_latency_ratio"],
+        ),
+        ("decode_ms_per_token", f"decode, per token ({latency['decode_tokens']} tokens, ms)", None),
+    ]
+    for ax, (key, title, _) in zip(axes, panels, strict=True):
+        values = [latency["original"][key], latency["compressed"][key]]
+        bars = ax.bar(["original", "compressed"], values, color=["tab:gray", "tab:blue"])
+        for bar, value in zip(bars, values, strict=True):
+            ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
+        ratio = values[1] / values[0]
+        ax.set_title(f"{title}\nratio {ratio:.2f}x", fontsize=10)
+        ax.set_ylim(0, max(values) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scaling(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    runs = results["scaling"]["runs"]
+    labels = [f"{r['layers']} layers" for r in runs]
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(8, 3.8))
+    loaded = [r["rss_after_model_gib"] for r in runs]
+    overhead = [r["overhead_gib"] for r in runs]
+    mem.bar(labels, loaded, color="tab:gray", label="RSS with the model loaded")
+    mem.bar(labels, overhead, bottom=loaded, color="tab:blue", label="added by the compression run")
+    for i, r in enumerate(runs):
+        mem.text(i, r["peak_rss_gib"], f"{r['peak_rss_gib']:.2f}", ha="center", va="bottom")
+    mem.set_ylabel("peak RSS (GiB)")
+    mem.set_ylim(0, max(r["peak_rss_gib"] for r in runs) * 1.5)
+    mem.set_title(f"peak memory: x{results['scaling']['peak_ratio']:.2f}", fontsize=10)
+    mem.legend(fontsize=8, loc="upper left")
+    bottom = [0.0] * len(runs)
+    for stage, color in (("calibration", "tab:blue"), ("compress", "tab:orange"), ("save", "tab:green")):
+        values = [r["seconds"][stage] for r in runs]
+        tim.bar(labels, values, bottom=bottom, color=color, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    tim.set_ylabel("seconds")
+    tim.set_ylim(0, max(bottom) * 1.35)
+    tim.set_title(f"compression time: x{results['scaling']['time_ratio']:.2f}", fontsize=10)
+    tim.legend(fontsize=8)
+    depths = " and ".join(str(r["layers"]) for r in runs)
+    fig.suptitle(f"Random models of {_width_name(runs[0]['width'])}, {depths} layers", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _width_name(width: dict) -> str:
+    from benchmarks.scaling import BUNDLED_WIDTH
+
+    return "the bundled model's width" if width == BUNDLED_WIDTH else "a narrow width for the quick mode"
+
+
+def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: plot_dir / file for name, file in PLOTS.items()}
+    plot_quality(results, paths["quality"])
+    plot_stages(results, paths["stages"])
+    plot_latency(results, paths["latency"])
+    plot_scaling(results, paths["scaling"])
+    return paths

@@ -1,0 +1,194 @@
+"""The sections of `make bench` (see `benchmarks/run.py`): each takes the run's settings and returns its keys of
+results.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import log, run_json_child, run_module_measured
+from benchmarks.scaling import run_scaling
+
+MODEL = "smollm2-135m"
+
+
+def section_quality(s: dict) -> dict:
+    from benchmarks.quality import VARIANTS, compare, run_quality
+    from benchmarks.quality import variant_key as key
+
+    result = run_quality(
+        MODEL,
+        {name: VARIANTS[name] for name in s["methods"]},
+        s["ratios"],
+        calib_samples=s["calib_samples"],
+        seq_len=s["seq_len"],
+        eval_seq_len=s["eval_seq_len"],
+        eval_max_tokens=s["eval_max_tokens"],
+        progress=False,
+        log=log,
+        split=s["eval_split"],
+        extra_variants=s["extra_variants"],
+    )
+    scores = result["_scores"]
+    default, baseline = s["methods"][0], s["methods"][1]
+    rows = []
+    for r in result["quality"]:
+        row = {k: r[k] for k in ("method", "ratio", "ppl", "ppl_ci95", "kl_to_original", "top1_agreement",
+                                 "achieved_ratio", "attention_params_after", "compress_seconds", "groups")}  # fmt: skip
+        row["rise_ci95"] = compare(scores, key(r["method"], r["ratio"]), "original")["ci95"]
+        if r["method"] != default:
+            # Paired: the default minus this row's method at the same ratio, on the same windows.
+            row["default_minus_this"] = compare(
+                scores, key(default, r["ratio"]), key(r["method"], r["ratio"])
+            )
+        rows.append(row)
+    first = rows[0]
+    details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
+    details["attention_params_before"] = round(
+        first["attention_params_after"] / (1 - first["achieved_ratio"])
+    )
+    details["peak_rss_gib"] = result["peak_rss_gb"]
+    details["default"], details["baseline"] = default, baseline
+    return {
+        "quality": rows,
+        "original_ppl": result["original_ppl"],
+        "original_ppl_ci95": result["original_ppl_ci95"],
+        "quality_details": details,
+    }
+
+
+def section_headline(s: dict) -> dict:
+    """The headline pair (default and baseline at the headline ratio) on other windows and text.
+
+    Its own section, with its own calibration and compression (the same settings, so the same models), so
+    that a new text or window length does not re-measure the whole quality table.
+    """
+    from benchmarks.quality import (
+        VARIANTS,
+        build_variant,
+        compare,
+        evaluation_settings,
+        prepare_quality,
+        score,
+        strip_windows,
+    )
+
+    setup = prepare_quality(
+        MODEL, s["calib_samples"], s["seq_len"], progress=False, log=log, evaluate_original=False
+    )
+    default, baseline = s["methods"][0], s["methods"][1]
+    pair = {
+        name: build_variant(setup, name, VARIANTS[name], s["headline_ratio"], progress=False)[0]
+        for name in (default, baseline)
+    }
+    headline = {}
+    for spec in s["extra_evaluations"]:
+        evaluation = evaluation_settings(
+            setup.recipe, s["eval_split"], spec.get("seq_len", s["eval_seq_len"]),
+            spec.get("max_tokens", s["eval_max_tokens"]), spec.get("text"),
+        )  # fmt: skip
+        log(f"headline pair on {evaluation.source} {evaluation.split}, {evaluation.seq_len}-token windows")
+        extra = score(setup, pair, evaluation, progress=False)
+        extra["default_minus_baseline"] = compare(extra, default, baseline)
+        headline[f"{evaluation.source}@{evaluation.seq_len}"] = strip_windows(extra)
+        log(
+            f"  original {extra['original']['ppl']:.3f}, {default} {extra['models'][default]['ppl']:.3f}, "
+            f"{baseline} {extra['models'][baseline]['ppl']:.3f} ({extra['evaluation']['tokens']} tokens)"
+        )
+    return {
+        "headline_evaluations": headline,
+        "headline_details": {"default": default, "baseline": baseline, "ratio": s["headline_ratio"]},
+    }
+
+
+def section_compression(s: dict, checkpoint: Path) -> dict:
+    """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
+    one plain forward pass over the same calibration windows in another fresh process."""
+    # --no-stats-cache: the calibration capture is part of what is timed, never read from a cache.
+    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", "--no-stats-cache"]
+    args += ["--out", str(checkpoint), "--overwrite"]
+    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            args += [flag, str(s[key])]
+            forward_args += [flag, str(s[key])]
+    command = "masa-compress " + " ".join(args).replace(str(checkpoint), "<tmp>")
+    log(f"compression run: {command}")
+    summary = run_module_measured("compressor", args, "the compression run")
+    peak = summary["process"]["peak_rss_gib"]
+    seconds = summary["seconds"]
+    stages = {
+        k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds
+    }
+    compress_seconds = sum(stages.values())
+    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {peak:.2f} GiB")
+    log("plain forward pass over the same calibration windows (fresh process)")
+    forward = run_json_child(forward_args, "the plain forward pass")
+    calibration = summary["settings"]["calibration"]
+    if (forward["windows"], forward["seq_len"]) != (calibration["samples"], calibration["seq_len"]):
+        raise RuntimeError(f"the forward pass ran other windows than the compression run: {forward}")
+    from benchmarks.speed import checkpoint_bytes
+
+    return {
+        "compression": {
+            "command": command,
+            "ratio": s["stage_ratio"],
+            "achieved_ratio": summary["achieved_ratio"],
+            "calibration": {k: calibration[k] for k in ("samples", "seq_len", "seed", "text")},
+            "stage_seconds": stages,
+            "compress_seconds": compress_seconds,
+            "load_seconds": seconds.get("load", 0.0),
+            "other_seconds": seconds["total"] - seconds.get("load", 0.0) - compress_seconds,
+            "total_seconds": seconds["total"],
+            "peak_rss_gib": peak,
+            "cli_reported_peak_rss_gb": summary["peak_rss_gb"],
+            "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
+            "forward": forward,
+            "forward_seconds": forward["seconds"],
+            "compress_over_forward_wall": (seconds["total"] - seconds.get("load", 0.0)) / forward["seconds"],
+            "dominant_stage": max(stages, key=stages.get),
+            "summary_seconds": seconds,
+        },
+        "compress_over_forward": compress_seconds / forward["seconds"],
+    }
+
+
+def section_latency(s: dict, checkpoint: Path) -> dict:
+    from benchmarks.speed import checkpoint_bytes
+    from compressor.models import bundled_model_dir, resolve_model
+
+    log(f"latency: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens (fresh process)")
+    latency = run_json_child(
+        ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
+        + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
+        + ["--repeats", str(s["latency_repeats"])],
+        "the latency measurement",
+    )
+    log(f"  prefill ratio {latency['prefill_ratio']:.3f}, decode ratio {latency['decode_ratio']:.3f}")
+    memory = {}
+    for name, spec in (("original", MODEL), ("compressed", str(checkpoint))):
+        log(f"inference memory of the {name} model (fresh process)")
+        memory[name] = run_json_child(
+            ["-m", "benchmarks.speed", "memory", "--model", spec]
+            + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])],
+            f"the memory measurement ({name})",
+        )
+    memory["original_file_mib"] = checkpoint_bytes(bundled_model_dir(resolve_model(MODEL), False)) / 1024**2
+    memory["compressed_file_mib"] = checkpoint_bytes(checkpoint) / 1024**2
+    return {
+        "latency": latency,
+        "inference_memory": memory,
+        "prefill_latency_ratio": latency["prefill_ratio"],
+        "decode_latency_ratio": latency["decode_ratio"],
+    }
+
+
+def section_scaling(s: dict) -> dict:
+    scaling = run_scaling(
+        s["scaling_width"], s["scaling_layers"], s["scaling_samples"], s["scaling_seq_len"], s["stage_ratio"]
+    )
+    return {
+        "scaling": scaling,
+        "depth_memory_ratio": scaling["peak_ratio"],
+        "depth_memory_overhead_ratio": scaling["overhead_ratio"],
+        "depth_time_ratio": scaling["time_ratio"],
+    }
