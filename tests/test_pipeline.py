@@ -167,6 +167,14 @@ def test_rank_deficient_statistics_are_damped_and_reported():
     assert {entry["layer"] for entry in damping} == set(range(6))
 
 
+def test_whitened_atoms_report_the_damping_of_the_group_cholesky():
+    """--atoms whitened factors the group's summed autocorrelation: its damping is reported like any other."""
+    model = tiny_model("llama")
+    outcome = _compress(model, ratio=0.3, windows=random_windows(1, 8), atoms="whitened", groups=2)
+    grouped = [e for e in outcome.report["damping"] if e.get("input") == "group sum (whitened atoms)"]
+    assert grouped and all(e["damping"] > 0 and len(e["layers"]) > 1 for e in grouped)
+
+
 def test_non_finite_activations_are_reported_with_the_layer():
     from compressor.errors import NumericalError
 
