@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict] = {
     "svd-llm": {"method": "svd-llm"},
     "svd": {"method": "svd"},
     "shared-mean": {"method": "shared-mean"},
+    "basis-sharing": {"method": "basis-sharing"},
 }
 
 

@@ -1,7 +1,8 @@
 """Exact parameter accounting of a compression: what each projection will store.
 
 Counts are exact (no approximation like the paper's eq. 13): atoms (once per group and projection
-type), per-layer coefficients, residual factors, untouched dense weights and biases.
+type), per-layer coefficients, residual factors, shared input bases (once per group and basis), untouched
+dense weights and biases.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Literal
 from compressor.adapters import PROJECTIONS, AttentionGeometry
 from compressor.errors import UserError
 
-Mode = Literal["dense", "shared", "lowrank"]
+Mode = Literal["dense", "shared", "lowrank", "basis"]
 
 
 @dataclass
@@ -27,16 +28,19 @@ class ProjectionPlan:
     n_atoms: int = 0
     rank: int | None = None  # residual / low-rank rank; None until allocated
     bias: int = 0  # numel of the bias, kept as is
+    basis: str | None = None  # `basis` mode: the name of the group's input basis it reads (stored once)
 
     @property
     def dense_params(self) -> int:
         return self.out_features * self.in_features
 
     def params(self) -> int:
-        """Numbers stored for this projection, excluding shared atoms (counted once per group)."""
+        """Numbers stored for this projection, excluding shared atoms and input bases (counted once per group)."""
         if self.mode == "dense":
             return self.dense_params + self.bias
         rank = self.rank or 0
+        if self.mode == "basis":
+            return rank * self.out_features + self.bias
         return self.n_atoms + rank * (self.out_features + self.in_features) + self.bias
 
 
@@ -78,6 +82,15 @@ class CompressionPlan:
         per_group = {(pp.group, pp.projection): pp.n_atoms for pp in self.projections if pp.mode == "shared"}
         return sum(n * math.prod(self.geometry.shape(p)) for (_, p), n in per_group.items())
 
+    def basis_params(self) -> int:
+        """Shared input bases (rank × in), stored once per group and basis name."""
+        bases = {
+            (pp.group, pp.basis): (pp.rank or 0) * pp.in_features
+            for pp in self.projections
+            if pp.mode == "basis"
+        }
+        return sum(bases.values())
+
     def coefficient_params(self) -> int:
         return sum(pp.n_atoms for pp in self.projections if pp.mode == "shared")
 
@@ -95,11 +108,13 @@ class CompressionPlan:
         return self.budget - self.fixed_params()
 
     def factor_params(self) -> int:
-        return sum(
-            (pp.rank or 0) * (pp.out_features + pp.in_features)
+        """Low-rank factors: per-projection A and B, and the shared input bases with their per-layer A."""
+        per_projection = sum(
+            (pp.rank or 0) * (pp.out_features + (0 if pp.mode == "basis" else pp.in_features))
             for pp in self.projections
             if pp.mode != "dense"
         )
+        return per_projection + self.basis_params()
 
     def attention_params_after(self) -> int:
         return self.fixed_params() + self.factor_params()
@@ -132,6 +147,7 @@ class CompressionPlan:
             "budget": self.budget,
             "atoms": self.atom_params(),
             "coefficients": self.coefficient_params(),
+            "shared_bases": self.basis_params(),
             "dense_kept": self.dense_params(),
             "biases": self.bias_params(),
             "residual_budget": self.residual_budget(),

@@ -185,7 +185,8 @@ def _rank_rows(plan: CompressionPlan, pair_budgets: list[int] | None) -> list[di
     first = plan.targets[0]
     for layer in sorted({pp.layer for pp in plan.projections}):
         pps = {p: plan.get(layer, p) for p in plan.targets}
-        mode = pps[first].mode
+        # one mode, or each mode the layer's projections use in target order (e.g. basis+lowrank)
+        mode = "+".join(dict.fromkeys(pp.mode for pp in pps.values()))
         row = {"layers": [layer], "mode": mode, "group": pps[first].group, "atoms": pps[first].n_atoms,
                **{p: pps[p].rank for p in plan.targets},
                "pair_budgets": pair_budgets if mode != "dense" else None}  # fmt: skip

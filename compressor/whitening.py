@@ -159,6 +159,17 @@ def low_rank_factors(
     return a, b
 
 
+def shared_basis_factors(
+    weights: list[torch.Tensor], S: torch.Tensor, rank: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One input basis `B (r, in)` for several matrices that read inputs whitened by `S`, and each one's
+    coefficients `A_l (out_l, r)`: the whitened rank-r factors of the stacked `[W_1; …; W_n]`, which minimise
+    `Σ_l ‖(W_l − A_l B) S‖²` over all such pairs (Eckart–Young on the stacked matrix; Basis Sharing)."""
+    u, sigma, vh = whitened_svd(torch.cat(weights), S)
+    a, b = low_rank_factors(u, sigma, vh, S, rank)
+    return list(torch.split(a, [w.shape[0] for w in weights])), b
+
+
 def plain_svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unwhitened rank-`rank` factors of `W`: `A = U_r Σ_r` `(out, r)`, `B = Vh_r` `(r, in)`, float64."""
     u, sigma, vh = plain_svd(W)

@@ -17,6 +17,7 @@ from torch import nn
 from compressor.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, get_adapter
 from compressor.checkpoint import (
     ATOMS_KEY,
+    BASIS_KEY,
     MASA_CONFIG,
     WEIGHTS_INDEX,
     WEIGHTS_NAME,
@@ -466,7 +467,14 @@ def test_remote_code_is_self_contained_and_covers_every_family(tmp_path) -> None
         remote = importlib.import_module("remote_under_test.modeling_masa")
     finally:
         sys.path.remove(str(tmp_path))
-    assert remote.ATOMS_KEY == ATOMS_KEY
+    # the remote code names a group's shared tensors exactly as the library stores them
+    spec = {"group": 3, "projection": "v_proj", "n_atoms": 1, "rank": 2, "out_features": 4, "in_features": 8}
+    assert remote.group_tensor({**spec, "mode": "shared"})[0] == ATOMS_KEY.format(
+        group=3, projection="v_proj"
+    )
+    assert remote.group_tensor({**spec, "mode": "basis", "basis": "qkv"})[0] == BASIS_KEY.format(
+        group=3, basis="qkv"
+    )
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

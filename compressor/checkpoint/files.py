@@ -21,10 +21,10 @@ from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAM
 from compressor.errors import UserError
 
 
-def _stored_tensors(model: nn.Module, atoms: dict[int, str]) -> dict[str, torch.Tensor]:
+def _stored_tensors(model: nn.Module, shared: dict[int, str]) -> dict[str, torch.Tensor]:
     """{stored key: tensor}, each tensor once, still where the model keeps it (moved to the CPU shard by shard)."""
     state = model.state_dict(keep_vars=True)
-    return {name: state[key].detach() for key, name in _storage_names(model, atoms).items()}
+    return {name: state[key].detach() for key, name in _storage_names(model, shared).items()}
 
 
 def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

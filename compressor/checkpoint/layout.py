@@ -11,7 +11,14 @@ from torch import nn
 
 from compressor.adapters import DecoderAdapter
 from compressor.plan import CompressionPlan
-from compressor.remote_code.masa_modules import ATOMS_KEY, LowRankLinear, SharedBasisLinear
+from compressor.remote_code.masa_modules import (
+    ATOMS_KEY,
+    BASIS_KEY,
+    LowRankLinear,
+    SharedBasisLinear,
+    SharedInputLinear,
+    group_tensor,
+)
 
 FORMAT_VERSION = 1
 MASA_CONFIG = "masa_config.json"
@@ -24,20 +31,22 @@ REQUIRED_FIELDS = ("format_version", "base_config", "layout", "tensors", "files"
 
 
 def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[int, str]]:
-    """The layout of the installed projections, and {id(atoms Parameter): its checkpoint key}."""
+    """The layout of the installed projections, and {id(shared Parameter): its checkpoint key} for the
+    groups' atoms and input bases."""
     projections = []
-    atoms: dict[int, str] = {}
+    shared: dict[int, str] = {}
     owners: dict[str, int] = {}
     for layer in range(adapter.num_layers):
         for name in plan.targets:
             module = adapter.projection(layer, name)
             spec = _projection_spec(layer, name, module, plan)
-            if spec["mode"] == "shared":
-                key, ident = ATOMS_KEY.format(group=spec["group"], projection=name), id(module.atoms)
-                if atoms.setdefault(ident, key) != key or owners.setdefault(key, ident) != ident:
+            if spec["mode"] in ("shared", "basis"):
+                key, attribute, _ = group_tensor(spec)
+                ident = id(getattr(module, attribute))
+                if shared.setdefault(ident, key) != key or owners.setdefault(key, ident) != ident:
                     raise ValueError(
-                        f"layer {layer} {name}: its atoms are not the one Parameter of group {spec['group']} "
-                        "(every layer of a group must reference the same atoms, and groups different ones)"
+                        f"layer {layer} {name}: its {attribute} is not the one Parameter of group {spec['group']} "
+                        f"(every module sharing it must reference the same {attribute}, and groups different ones)"
                     )
             projections.append(spec)
     model = adapter.model
@@ -45,15 +54,18 @@ def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[
         "base_model_type": adapter.model_type,
         "base_architecture": type(model).__name__,
         "atoms_key": ATOMS_KEY,
+        **({"basis_key": BASIS_KEY} if any(p["mode"] == "basis" for p in projections) else {}),
         "groups": [{"index": g.index, "layers": g.layers, "n_atoms": g.n_atoms} for g in plan.groups],
         "projections": projections,
     }
-    return layout, atoms
+    return layout, shared
 
 
 def _projection_spec(layer: int, name: str, module: nn.Module, plan: CompressionPlan) -> dict:
     if isinstance(module, SharedBasisLinear):
         mode, n_atoms, rank = "shared", module.n_atoms, module.rank
+    elif isinstance(module, SharedInputLinear):
+        mode, n_atoms, rank = "basis", 0, module.rank
     elif isinstance(module, LowRankLinear):
         mode, n_atoms, rank = "lowrank", 0, module.rank
     elif isinstance(module, nn.Linear):
@@ -64,11 +76,11 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
         planned = plan.get(layer, name)
     except KeyError:
         raise ValueError(f"layer {layer} {name}: missing from the compression plan") from None
-    if planned.mode != mode or (mode == "shared" and planned.group is None):
+    if planned.mode != mode or (mode in ("shared", "basis") and planned.group is None):
         raise ValueError(
             f"layer {layer} {name}: the plan says {planned.mode} but the model holds a {mode} projection"
         )
-    return {
+    spec = {
         "layer": layer,
         "projection": name,
         "mode": mode,
@@ -79,17 +91,21 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
         "out_features": module.out_features,
         "in_features": module.in_features,
     }
+    if mode == "basis":  # the projection type(s) reading this basis: its checkpoint key's name
+        spec["basis"] = planned.basis
+    return spec
 
 
-def _storage_names(model: nn.Module, atoms: dict[int, str]) -> dict[str, str]:
+def _storage_names(model: nn.Module, shared: dict[int, str]) -> dict[str, str]:
     """{state-dict key: key it is stored under}: a tensor reachable under several names is stored once.
 
-    Shared atoms are stored under their group's key, any other alias (tied embeddings) under its first name.
+    A group's shared atoms or input basis are stored under the group's key, any other alias (tied embeddings)
+    under its first name.
     Saving and loading both use this, so the two always agree on which keys the files hold.
     """
     first: dict[int, str] = {}
     return {
-        key: atoms.get(id(tensor)) or first.setdefault(id(tensor), key)
+        key: shared.get(id(tensor)) or first.setdefault(id(tensor), key)
         for key, tensor in model.state_dict(keep_vars=True).items()
     }
 

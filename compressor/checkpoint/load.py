@@ -25,7 +25,7 @@ from compressor.checkpoint.layout import (
     _storage_names,
 )
 from compressor.errors import CheckpointError
-from compressor.remote_code.masa_modules import ATOMS_KEY, projection_module
+from compressor.remote_code.masa_modules import group_tensor, projection_module
 
 
 def load_compressed(
@@ -48,7 +48,7 @@ def load_compressed(
     config_file = path / MASA_CONFIG
     device = torch.device(device) if device is not None else torch.device("cpu")
     try:
-        model, atoms = _build_skeleton(
+        model, shared = _build_skeleton(
             config["base_config"], config["layout"], dtype or _stored_dtype(config)
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
@@ -56,7 +56,7 @@ def load_compressed(
             f"{config_file}: invalid base config or layout ({type(err).__name__}: {err})"
         ) from err
 
-    names = _storage_names(model, atoms)
+    names = _storage_names(model, shared)
     state = model.state_dict(keep_vars=True)
     expected = {stored: tuple(state[key].shape) for key, stored in names.items()}
     if set(config["tensors"]) != set(expected):
@@ -148,27 +148,26 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def _build_skeleton(base_config: dict, layout: dict, dtype: torch.dtype) -> tuple[nn.Module, dict[int, str]]:
     """The base architecture with compressed projections at final shapes, parameters on the meta device;
-    returns it with {id(atoms Parameter): checkpoint key}."""
+    returns it with {id(shared Parameter): checkpoint key} (atoms and input bases)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     config = CONFIG_MAPPING[base_config["model_type"]].from_dict(base_config)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     adapter = DecoderAdapter(model)
-    atoms: dict[str, nn.Parameter] = {}
+    shared: dict[str, nn.Parameter] = {}
 
-    def group_atoms(spec: dict) -> nn.Parameter:
-        key = ATOMS_KEY.format(group=spec["group"], projection=spec["projection"])
-        if key not in atoms:
-            shape = (spec["n_atoms"], spec["out_features"], spec["in_features"])
-            atoms[key] = nn.Parameter(torch.empty(shape, device="meta", dtype=dtype), requires_grad=False)
-        return atoms[key]
+    def group_shared(spec: dict) -> nn.Parameter:
+        key, _, shape = group_tensor(spec)
+        if key not in shared:
+            shared[key] = nn.Parameter(torch.empty(shape, device="meta", dtype=dtype), requires_grad=False)
+        return shared[key]
 
     for spec in layout["projections"]:
-        module = projection_module(spec, group_atoms, dtype=dtype, device="meta")
+        module = projection_module(spec, group_shared, dtype=dtype, device="meta")
         if module is not None:  # `dense` keeps the base architecture's own nn.Linear
             adapter.set_projection(spec["layer"], spec["projection"], module)
-    return model, {id(p): key for key, p in atoms.items()}
+    return model, {id(p): key for key, p in shared.items()}
 
 
 def _read_tensors(

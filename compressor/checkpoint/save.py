@@ -50,8 +50,8 @@ def save_compressed(
             f"cannot save model_type '{adapter.model_type}' as a masa-compress checkpoint: "
             f"supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    layout, atoms = _layout(adapter, plan)
-    tensors = _stored_tensors(model, atoms)
+    layout, shared = _layout(adapter, plan)
+    tensors = _stored_tensors(model, shared)
     counts = _counts(model, adapter, plan)
     base_config = _base_config(model)
     metadata_json = json.loads(json.dumps(metadata or {}, default=str))

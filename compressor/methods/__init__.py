@@ -5,6 +5,7 @@ example) and add one `register(...)` line below.
 """
 
 from compressor.methods.base import REGISTRY, Method, MethodContext, ModelShape, get_method, register
+from compressor.methods.basis_sharing import BasisSharing
 from compressor.methods.lowrank import PlainSvd, SvdLlm
 from compressor.methods.masa.method import Masa, MasaPaper
 from compressor.methods.shared_mean import SharedMean
@@ -14,5 +15,6 @@ register(MasaPaper())
 register(SvdLlm())
 register(PlainSvd())
 register(SharedMean())
+register(BasisSharing())
 
 __all__ = ["REGISTRY", "Method", "MethodContext", "ModelShape", "get_method", "register"]

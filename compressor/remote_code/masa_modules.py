@@ -6,6 +6,8 @@ not installed.
 - `SharedBasisLinear`: W_l = Σ_s c_ls D_s + A_l B_l. The atoms D (B, out, in) are ONE `nn.Parameter`
   referenced by every layer of a group, so `model.parameters()` (which deduplicates) counts them once.
 - `LowRankLinear`: W ≈ A B (SVD-LLM and plain-SVD baselines, and compressed singleton layers).
+- `SharedInputLinear`: W_l ≈ A_l B, the input basis B (r, in) ONE `nn.Parameter` shared by a group's layers
+  (and by several projection types when they read the same input), A_l per layer (Basis Sharing).
 
 Both compute y = x Wᵀ + bias without storing a dense per-layer weight for the residual.
 `projection_module` builds either from one entry of a checkpoint layout (`config.masa["projections"]`).
@@ -110,6 +112,47 @@ class SharedBasisLinear(nn.Module):
         )
 
 
+class SharedInputLinear(nn.Module):
+    """y = (x Bᵀ) Aᵀ + bias, with the input basis B (r, in) shared across a group's layers, A (out, r) own."""
+
+    def __init__(self, basis: nn.Parameter, out_features: int, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.rank, self.in_features = basis.shape
+        self.out_features = out_features
+        kw = {"dtype": dtype, "device": device}
+        self.basis = basis  # shared Parameter: registered here and in every other module that reads it
+        self.lowrank_a = nn.Parameter(torch.zeros(out_features, self.rank, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw), requires_grad=False) if bias else None
+
+    @staticmethod
+    def shared_basis(basis: torch.Tensor, dtype, device) -> nn.Parameter:
+        """The Parameter every module of a group receives (so that it is stored and counted once)."""
+        return nn.Parameter(basis.to(device=device, dtype=dtype), requires_grad=False)
+
+    @classmethod
+    def from_factors(
+        cls, basis: nn.Parameter, a: torch.Tensor, bias: torch.Tensor | None, dtype, device
+    ) -> SharedInputLinear:
+        module = cls(basis, a.shape[0], bias=bias is not None, dtype=dtype, device=device)
+        module.lowrank_a.data.copy_(a)
+        if bias is not None:
+            module.bias.data.copy_(bias)
+        return module
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.lowrank_a @ self.basis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(nn.functional.linear(x, self.basis), self.lowrank_a)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, rank={self.rank} (shared basis), "
+            f"bias={self.bias is not None}"
+        )
+
+
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """The effective (out, in) weight of any projection module."""
     if isinstance(module, nn.Linear):
@@ -119,15 +162,26 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
 
 #: Checkpoint key of a group's atoms (one tensor per group and projection type).
 ATOMS_KEY = "masa.groups.{group}.{projection}.atoms"
+#: Checkpoint key of a group's shared input basis; `basis` names the projection type(s) sharing it.
+BASIS_KEY = "masa.groups.{group}.{basis}.basis"
 #: In `layer.mlp`; the other projections live in `layer.self_attn`.
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def projection_module(spec: dict, group_atoms, dtype=None, device=None) -> nn.Module | None:
+def group_tensor(spec: dict) -> tuple[str, str, tuple[int, ...]]:
+    """(checkpoint key, attribute name, shape) of the tensor a `shared` or `basis` layout entry shares."""
+    if spec["mode"] == "shared":
+        key = ATOMS_KEY.format(group=spec["group"], projection=spec["projection"])
+        return key, "atoms", (spec["n_atoms"], spec["out_features"], spec["in_features"])
+    key = BASIS_KEY.format(group=spec["group"], basis=spec["basis"])
+    return key, "basis", (spec["rank"], spec["in_features"])
+
+
+def projection_module(spec: dict, group_shared, dtype=None, device=None) -> nn.Module | None:
     """The module one layout entry describes (None for `dense`: the base model's own nn.Linear stays).
 
-    `group_atoms(spec)` returns the atoms Parameter (n_atoms, out, in) of the entry's group and projection,
-    created on first request, so that every layer of a group gets the same object.
+    `group_shared(spec)` returns the Parameter the entry shares (`group_tensor` says which: a group's atoms
+    or input basis), created on first request, so that every module sharing it gets the same object.
     """
     mode, shape = spec["mode"], (spec["out_features"], spec["in_features"])
     if mode == "dense":
@@ -136,6 +190,10 @@ def projection_module(spec: dict, group_atoms, dtype=None, device=None) -> nn.Mo
         return LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "shared":
         return SharedBasisLinear(
-            group_atoms(spec), spec["rank"], bias=spec["bias"], dtype=dtype, device=device
+            group_shared(spec), spec["rank"], bias=spec["bias"], dtype=dtype, device=device
+        )
+    if mode == "basis":
+        return SharedInputLinear(
+            group_shared(spec), spec["out_features"], bias=spec["bias"], dtype=dtype, device=device
         )
     raise ValueError(f"unknown mode {mode!r} for layer {spec['layer']} {spec['projection']}")

@@ -7,14 +7,15 @@ and other tools load checkpoints where masa-compress is not installed.
 `Masa<Family>ForCausalLM` is the stock Hugging Face class of the base family whose attention projections are
 replaced, at final shapes, by the modules of `masa_modules.py` (the very file masa-compress itself uses), so the
 same safetensors keys load in both. `config.masa` holds the layout: per layer and
-projection its mode (dense / shared / lowrank), group, number of atoms, residual rank and bias.
+projection its mode (dense / shared / lowrank / basis), group, number of atoms, residual rank and bias.
 
 Shared atoms: the atoms of a group are ONE Parameter, stored once in the checkpoint under
 `masa.groups.{group}.{projection}.atoms`, which is a real parameter path here (the `masa` submodule). Every layer
 of the group registers that same Parameter under its own name, and `get_expanded_tied_weights_keys` declares
 those names tied to the group's key. transformers then neither reports them missing nor initializes them, and
 re-ties them after loading: loading replaces Parameters rather than copying into them, which alone would leave
-each layer holding its own empty placeholder.
+each layer holding its own empty placeholder. A shared input basis (`basis` mode) is handled the same way, under
+`masa.groups.{group}.{basis}.basis`.
 
 Each family also gets its own config class with model_type `masa_<family>`: without `trust_remote_code` loading
 then fails loudly, instead of building the dense base model with randomly initialized attention.
@@ -45,19 +46,15 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from .masa_modules import ATOMS_KEY, MLP_PROJECTIONS, projection_module
+from .masa_modules import MLP_PROJECTIONS, group_tensor, projection_module
 
 
 def _block(projection: str) -> str:
     return "mlp" if projection in MLP_PROJECTIONS else "self_attn"
 
 
-class SharedAtoms(nn.Module):
-    """Owner of one group's atoms (n_atoms, out, in), so that they have one checkpoint key."""
-
-    def __init__(self, n_atoms: int, out_features: int, in_features: int):
-        super().__init__()
-        self.atoms = nn.Parameter(torch.zeros(n_atoms, out_features, in_features), requires_grad=False)
+class GroupTensors(nn.Module):
+    """Owner of a group's shared tensors (atoms, input bases), so that each has one checkpoint key."""
 
 
 def _own_aligned_memory(model: nn.Module) -> None:
@@ -92,18 +89,20 @@ class MasaMixin:
         self.masa = nn.Module()
         self.masa.groups = nn.ModuleDict()
 
-        def group_atoms(spec: dict) -> nn.Parameter:
-            if str(spec["group"]) not in self.masa.groups:
-                self.masa.groups[str(spec["group"])] = nn.ModuleDict()
-            group = self.masa.groups[str(spec["group"])]
-            if spec["projection"] not in group:
-                group[spec["projection"]] = SharedAtoms(
-                    spec["n_atoms"], spec["out_features"], spec["in_features"]
-                )
-            return group[spec["projection"]].atoms
+        def group_shared(spec: dict) -> nn.Parameter:
+            key, attribute, shape = group_tensor(spec)
+            _, _, group, owner = key.split(".")[:4]
+            if group not in self.masa.groups:
+                self.masa.groups[group] = nn.ModuleDict()
+            if owner not in self.masa.groups[group]:
+                self.masa.groups[group][owner] = GroupTensors()
+            owner = self.masa.groups[group][owner]
+            if not hasattr(owner, attribute):
+                owner.register_parameter(attribute, nn.Parameter(torch.zeros(shape), requires_grad=False))
+            return getattr(owner, attribute)
 
         for spec in self.config.masa["projections"]:
-            module = projection_module(spec, group_atoms)
+            module = projection_module(spec, group_shared)
             if module is not None:  # `dense` keeps the base family's own nn.Linear
                 layer = self.model.layers[spec["layer"]]
                 setattr(getattr(layer, _block(spec["projection"])), spec["projection"], module)
@@ -111,11 +110,10 @@ class MasaMixin:
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
         tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
         for spec in self.config.masa["projections"]:
-            if spec["mode"] == "shared":
-                layer_key = (
-                    f"model.layers.{spec['layer']}.{_block(spec['projection'])}.{spec['projection']}.atoms"
-                )
-                tied[layer_key] = ATOMS_KEY.format(group=spec["group"], projection=spec["projection"])
+            if spec["mode"] in ("shared", "basis"):
+                key, attribute, _ = group_tensor(spec)
+                block = _block(spec["projection"])
+                tied[f"model.layers.{spec['layer']}.{block}.{spec['projection']}.{attribute}"] = key
         return tied
 
 
