@@ -288,9 +288,13 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--eval-max-tokens", type=int)
+    parser.add_argument(
+        "--split", default="test", help="evaluation split (choose on validation, report test)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    first = next(iter(variants))
     result = run_quality(
         args.model,
         variants,
@@ -299,7 +303,14 @@ def main() -> None:
         seq_len=args.seq_len,
         eval_max_tokens=args.eval_max_tokens,
         progress=False,
+        split=args.split,
     )
+    for row in result["quality"]:
+        # Paired, on the same windows: the first variant minus this row's, and this row's rise.
+        this = variant_key(row["method"], row["ratio"])
+        row["rise"] = compare(result["_scores"], this, "original")
+        if row["method"] != first:
+            row[f"{first}_minus_this"] = compare(result["_scores"], variant_key(first, row["ratio"]), this)
     text = json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2)
     if args.out:
         with open(args.out, "w") as f:

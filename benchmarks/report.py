@@ -15,9 +15,11 @@ from benchmarks.markdown import _ci, _difference, _f, _mib
 from benchmarks.plots import REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
 from benchmarks.report_committed import (
     _ablation_section,
+    _basis_sharing_section,
     _calibration_size_section,
     _mlp_section,
     _shape_search_section,
+    _sharing_forms_section,
 )
 
 __all__ = ["REPO", "TARGETS", "render"]
@@ -372,6 +374,8 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
     lines += _calibration_size_section(doc)
     lines += _mlp_section(doc)
     lines += _shape_search_section(doc)
+    lines += _sharing_forms_section(doc)
+    lines += _basis_sharing_section(doc, results)
     notes = results.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]

@@ -1,12 +1,12 @@
 """The sections of BENCHMARKS.md rendered from committed result files rather than results.json: the
-ablation on validation, the calibration-size check, the MLP targets and the shape search."""
+ablation on validation, the calibration-size check, the MLP targets, the shape search and the sharing forms."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.markdown import _link, _sources
+from benchmarks.markdown import _ci, _difference, _link, _sources
 from benchmarks.plots import REPO
 
 VALIDATION_ABLATION_FILE = "ablation-validation.json"
@@ -23,6 +23,11 @@ CALIBRATION_FILES = (
 )
 MLP_FILE = "ablation-mlp.json"
 SHAPE_SEARCH_FILE = "shape-search.json"
+SHARING_FORMS_FILES = (
+    "sharing-forms.json",
+    "sharing-forms-test.json",
+)  # chosen on validation, reported on test
+BASIS_SHARING_FILE = "basis-sharing.json"
 
 
 def _ablation_section(doc: Path) -> list[str]:
@@ -174,3 +179,74 @@ def _shape_search_section(doc: Path) -> list[str]:
         *render_search(json.loads(path.read_text())).splitlines(),
         "",
     ]
+
+
+def _sharing_forms_section(doc: Path) -> list[str]:
+    """Issue 13: which form of sharing pays, at equal budget and allocation (chosen on validation, then test)."""
+    found = [p for name in SHARING_FORMS_FILES if (p := _committed(name))]
+    if not found:
+        return []
+    lines = [
+        "### Which form of sharing pays?",
+        "",
+        f"From `python -m benchmarks.sharing_forms` ({_sources(found, doc)}); the script's docstring says how each "
+        "form is built. Every row spends the same budget with the same greedy allocation over relative whitened "
+        "error (the default's `global-relative`, matrices kept whole where factors cost more) on the same "
+        "calibration; `none` is per-matrix factors (the default with `--bases 0`). `basis-kv/4`: k and v of each "
+        "group of 4 consecutive layers share one input basis (per type), each layer's coefficients refit on its own "
+        "statistics; `basis-qkv`: q, k and v each; `qkv-joint`: one basis for q, k and v of all the group's "
+        "layers. Proxy: Σ‖(W−Ŵ)X‖² / Σ‖WX‖² on the calibration statistics. Difference: this row minus `none`, "
+        "paired over the same windows (negative: sharing helps). Forms were chosen on the validation split; the "
+        "test rows are the choice, measured once. The proxy does not rank the forms as perplexity does (every "
+        "`basis` form has a higher proxy error than `none` at 0.2 yet a lower perplexity): it sums relative errors "
+        "with equal weight per matrix, while the loss weighs k/v errors differently — one more reason for the "
+        "loss-aware allocation of issue 14.",
+        "",
+        "| split | ratio | form | matrices kept whole | proxy error | perplexity | minus `none` | share of `none`'s rise |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in found:
+        result = json.loads(path.read_text())
+        split = result.get("split", "validation")
+        for ratio, entry in result["ratios"].items():
+            rise = entry["rows"]["none"]["ppl"] - entry["original_ppl"]
+            for name, row in entry["rows"].items():
+                diff = row.get("vs_none")
+                share = "—" if diff is None else f"{diff['value'] / rise:+.1%}"
+                lines.append(
+                    f"| {split} | {ratio} | `{name}` | {row['kept_whole']} | {row['relative_whitened_error']:.5f} | "
+                    f"{row['ppl']:.3f}{_ci(row['ppl_ci95'])} | {_difference(diff)} | {share} |"
+                )
+    return [*lines, ""]
+
+
+def _basis_sharing_section(doc: Path, results: dict) -> list[str]:
+    """Issue 13: the Basis Sharing baseline against the default (test split, same calibration)."""
+    path = _committed(BASIS_SHARING_FILE)
+    if path is None:
+        return []
+    result = json.loads(path.read_text())
+    svd_llm = {r["ratio"]: r for r in results.get("quality", []) if r["method"] == "svd-llm"}
+    rows = {(r["method"], r["ratio"]): r for r in result["quality"]}
+    default = result["quality"][0]["method"]
+    lines = [
+        "### Basis Sharing (`--method basis-sharing`) against the default (test split)",
+        "",
+        f"From `python -m benchmarks.quality --variants {default},basis-sharing --ratios ...` ({_link(path, doc)}): "
+        f"one calibration, scored over the same {result['evaluation']['tokens']:,} test tokens as the quality "
+        "section above, whose SVD-LLM column is repeated here (same calibration and windows). Difference: the "
+        "default minus Basis Sharing, paired (negative: the default is better).",
+        "",
+        "| ratio | masa (default) | basis-sharing | svd-llm | default − basis-sharing |",
+        "|---|---|---|---|---|",
+    ]
+    for ratio in sorted({r for _, r in rows}):
+        ours, theirs = rows.get((default, ratio)), rows.get(("basis-sharing", ratio))
+        if not ours or not theirs:
+            continue
+        svd = "—" if ratio not in svd_llm else f"{svd_llm[ratio]['ppl']:.3f}"
+        lines.append(
+            f"| {ratio:g} | {ours['ppl']:.3f}{_ci(ours['ppl_ci95'])} | {theirs['ppl']:.3f}{_ci(theirs['ppl_ci95'])} | "
+            f"{svd} | {_difference(theirs.get(f'{default}_minus_this'))} |"
+        )
+    return [*lines, ""]
