@@ -198,9 +198,9 @@ def _sharing_forms_section(doc: Path) -> list[str]:
         "layers. Proxy: Σ‖(W−Ŵ)X‖² / Σ‖WX‖² on the calibration statistics. Difference: this row minus `none`, "
         "paired over the same windows (negative: sharing helps). Forms were chosen on the validation split; the "
         "test rows are the choice, measured once. The proxy does not rank the forms as perplexity does (every "
-        "`basis` form has a higher proxy error than `none` at 0.2 yet a lower perplexity): it sums relative errors "
-        "with equal weight per matrix, while the loss weighs k/v errors differently — one more reason for the "
-        "loss-aware allocation of issue 14.",
+        "`basis` form has a higher proxy error than `none` at 0.2 yet a lower perplexity): it weighs every "
+        "matrix's relative error alike, which the loss need not do — one more reason for the loss-aware "
+        "allocation of issue 14.",
         "",
         "| split | ratio | form | matrices kept whole | proxy error | perplexity | minus `none` | share of `none`'s rise |",
         "|---|---|---|---|---|---|---|---|",
@@ -221,32 +221,31 @@ def _sharing_forms_section(doc: Path) -> list[str]:
 
 
 def _basis_sharing_section(doc: Path, results: dict) -> list[str]:
-    """Issue 13: the Basis Sharing baseline against the default (test split, same calibration)."""
+    """Issue 13: the Basis Sharing baseline beside the quality section's rows (test split, same calibration)."""
     path = _committed(BASIS_SHARING_FILE)
     if path is None:
         return []
     result = json.loads(path.read_text())
-    svd_llm = {r["ratio"]: r for r in results.get("quality", []) if r["method"] == "svd-llm"}
-    rows = {(r["method"], r["ratio"]): r for r in result["quality"]}
-    default = result["quality"][0]["method"]
-    lines = [
-        "### Basis Sharing (`--method basis-sharing`) against the default (test split)",
+    rows = {(r["method"], r["ratio"]): r for r in [*results.get("quality", []), *result["quality"]]}
+    ratios = sorted({r["ratio"] for r in result["quality"] if r["method"] == "basis-sharing"})
+
+    def cell(method: str, ratio: float) -> str:
+        row = rows.get((method, ratio))
+        return "—" if row is None else f"{row['ppl']:.3f}{_ci(row['ppl_ci95'])}"
+
+    return [
+        "### Basis Sharing (`--method basis-sharing`) beside the default and SVD-LLM (test split)",
         "",
-        f"From `python -m benchmarks.quality --variants {default},basis-sharing --ratios ...` ({_link(path, doc)}): "
-        f"one calibration, scored over the same {result['evaluation']['tokens']:,} test tokens as the quality "
-        "section above, whose SVD-LLM column is repeated here (same calibration and windows). Difference: the "
-        "default minus Basis Sharing, paired (negative: the default is better).",
+        f"From `python -m benchmarks.quality --variants basis-sharing --ratios ...` ({_link(path, doc)}): the same "
+        f"calibration and the same {result['evaluation']['tokens']:,} test tokens as the quality section above, "
+        "whose default and SVD-LLM rows are repeated here (— : not measured at that ratio). Same windows, so the "
+        "intervals are comparable; they are not paired differences.",
         "",
-        "| ratio | masa (default) | basis-sharing | svd-llm | default − basis-sharing |",
-        "|---|---|---|---|---|",
+        "| ratio | masa (default) | basis-sharing | svd-llm |",
+        "|---|---|---|---|",
+        *[
+            f"| {r:g} | {cell('masa', r)} | {cell('basis-sharing', r)} | {cell('svd-llm', r)} |"
+            for r in ratios
+        ],
+        "",
     ]
-    for ratio in sorted({r for _, r in rows}):
-        ours, theirs = rows.get((default, ratio)), rows.get(("basis-sharing", ratio))
-        if not ours or not theirs:
-            continue
-        svd = "—" if ratio not in svd_llm else f"{svd_llm[ratio]['ppl']:.3f}"
-        lines.append(
-            f"| {ratio:g} | {ours['ppl']:.3f}{_ci(ours['ppl_ci95'])} | {theirs['ppl']:.3f}{_ci(theirs['ppl_ci95'])} | "
-            f"{svd} | {_difference(theirs.get(f'{default}_minus_this'))} |"
-        )
-    return [*lines, ""]
