@@ -231,7 +231,7 @@ def _basis_sharing_section(doc: Path, results: dict) -> list[str]:
 
     def cell(method: str, ratio: float) -> str:
         row = rows.get((method, ratio))
-        return "—" if row is None else f"{row['ppl']:.3f}{_ci(row['ppl_ci95'])}"
+        return "—" if row is None else f"{row['ppl']:.3f}{_ci(row.get('ppl_ci95'))}"
 
     return [
         "### Basis Sharing (`--method basis-sharing`) beside the default and SVD-LLM (test split)",
