@@ -231,6 +231,13 @@ def shared_plan(
     return plan
 
 
+def uniform_rank(out_features: int, in_features: int, bias: int, ratio: float) -> int:
+    """The rank keeping (1−ρ) of an (out × in) matrix with its bias, which is stored whole and paid out of the
+    matrix's own share: the largest r with r·(out + in) + bias ≤ (1−ρ)(out·in + bias), within [0, min(out, in)]."""
+    kept = (1.0 - ratio) * (out_features * in_features + bias) - bias
+    return max(0, min(min(out_features, in_features), math.floor(kept / (out_features + in_features))))
+
+
 def lowrank_plan(
     method: str,
     ratio: float,
@@ -250,8 +257,7 @@ def lowrank_plan(
         for p in projections_compressed:
             out, inp = geometry.shape(p)
             bias = biases.get((layer, p), 0)
-            kept = (1.0 - ratio) * (out * inp + bias) - bias
-            rank = max(0, min(min(out, inp), math.floor(kept / (out + inp))))
+            rank = uniform_rank(out, inp, bias, ratio)
             projections.append(ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=bias))
     plan = CompressionPlan(
         method, ratio, attention_params_before, geometry, [], projections, projections_compressed

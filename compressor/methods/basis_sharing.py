@@ -10,15 +10,15 @@ same fraction of its numbers (uniform ranks), biases paid out of their own proje
 
 from __future__ import annotations
 
-import math
 import time
 
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape, numerical_context
-from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.methods.lowrank import install_lowrank
+from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan, uniform_rank
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear, SharedInputLinear
-from compressor.whitening import low_rank_factors, shared_basis_factors, whitened_svd, whitening_factor
+from compressor.remote_code.masa_modules import SharedInputLinear
+from compressor.whitening import shared_basis_factors, whitening_factor
 
 #: Projection types whose input basis a pair of layers shares (the paper's choice).
 SHARED_TYPES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -28,12 +28,6 @@ GROUP_SIZE = 2
 def pairs(num_layers: int, size: int = GROUP_SIZE) -> list[list[int]]:
     """Consecutive groups of `size` layers; the last one shorter when the depth does not divide."""
     return [list(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size)]
-
-
-def uniform_rank(out_features: int, in_features: int, bias: int, ratio: float) -> int:
-    """The rank r keeping (1−ρ) of an (out × in) matrix with its bias: r·(out + in) + bias ≤ (1−ρ)(out·in + bias)."""
-    kept = (1.0 - ratio) * (out_features * in_features + bias) - bias
-    return max(0, min(min(out_features, in_features), math.floor(kept / (out_features + in_features))))
 
 
 class BasisSharing(Method):
@@ -90,7 +84,7 @@ class BasisSharing(Method):
                         self._install_shared(ctx, group, p, members[0].rank, dtype, device)
                     else:
                         for pp in members:
-                            self._install_own(ctx, pp, dtype, device)
+                            install_lowrank(ctx, pp, True, dtype, device)
                     bar.advance(len(members))
         ctx.seconds["residual_svd"] = time.perf_counter() - start
         return plan
@@ -111,12 +105,3 @@ class BasisSharing(Method):
             ctx.install(
                 layer, p, SharedInputLinear.from_factors(shared, a, ctx.bias(layer, p), dtype, device)
             )
-
-    @staticmethod
-    def _install_own(ctx: MethodContext, pp: ProjectionPlan, dtype, device) -> None:
-        with numerical_context(f"layer {pp.layer} {pp.projection}"):
-            factor = ctx.whitening(pp.layer, pp.projection)
-            u, sigma, vh = whitened_svd(ctx.weight(pp.layer, pp.projection), factor.S)
-            a, b = low_rank_factors(u, sigma, vh, factor.S, pp.rank)
-        bias = ctx.bias(pp.layer, pp.projection)
-        ctx.install(pp.layer, pp.projection, LowRankLinear.from_factors(a, b, bias, dtype, device))

@@ -6,10 +6,25 @@ from __future__ import annotations
 import time
 
 from compressor.methods.base import Method, MethodContext, numerical_context
-from compressor.plan import CompressionPlan, lowrank_plan
+from compressor.plan import CompressionPlan, ProjectionPlan, lowrank_plan
 from compressor.progress import progress_bar
 from compressor.remote_code.masa_modules import LowRankLinear
 from compressor.whitening import low_rank_factors, plain_svd_factors, whitened_svd
+
+
+def install_lowrank(ctx: MethodContext, pp: ProjectionPlan, whitened: bool, dtype, device) -> None:
+    """Replace one projection by its rank-`pp.rank` factors: whitened by its input's Cholesky factor (SVD-LLM)
+    or the plain truncated SVD."""
+    w = ctx.weight(pp.layer, pp.projection)
+    with numerical_context(f"layer {pp.layer} {pp.projection}"):
+        if whitened:
+            factor = ctx.whitening(pp.layer, pp.projection)
+            u, sigma, vh = whitened_svd(w, factor.S)
+            a, b = low_rank_factors(u, sigma, vh, factor.S, pp.rank)
+        else:
+            a, b = plain_svd_factors(w, pp.rank)
+    bias = ctx.bias(pp.layer, pp.projection)
+    ctx.install(pp.layer, pp.projection, LowRankLinear.from_factors(a, b, bias, dtype, device))
 
 
 class LowRank(Method):
@@ -33,16 +48,7 @@ class LowRank(Method):
         title = "SVD" + (" (whitened)" if self.whitened else "")
         with progress_bar(title, total=len(plan.projections), enabled=ctx.progress) as bar:
             for pp in plan.projections:
-                w = ctx.weight(pp.layer, pp.projection)
-                with numerical_context(f"layer {pp.layer} {pp.projection}"):
-                    if self.whitened:
-                        factor = ctx.whitening(pp.layer, pp.projection)
-                        u, sigma, vh = whitened_svd(w, factor.S)
-                        a, b = low_rank_factors(u, sigma, vh, factor.S, pp.rank)
-                    else:
-                        a, b = plain_svd_factors(w, pp.rank)
-                bias = ctx.bias(pp.layer, pp.projection)
-                ctx.install(pp.layer, pp.projection, LowRankLinear.from_factors(a, b, bias, dtype, device))
+                install_lowrank(ctx, pp, self.whitened, dtype, device)
                 bar.advance()
         ctx.seconds["residual_svd"] = time.perf_counter() - start
         return plan
