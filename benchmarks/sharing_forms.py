@@ -34,7 +34,7 @@ import torch
 from benchmarks.quality import compare, prepare_quality, quality_header, score, strip_windows
 from compressor.adapters import PROJECTIONS, get_adapter
 from compressor.allocation import allocate_global_with_dense
-from compressor.methods.basis_sharing import pairs
+from compressor.grouping import consecutive_runs
 from compressor.whitening import discarded_energy, low_rank_factors, whitened_svd, whitening_factor
 
 FORMS = {"none": (), "basis-kv": ("k_proj", "v_proj"), "basis-qkv": ("q_proj", "k_proj", "v_proj")}
@@ -43,7 +43,7 @@ FORMS = {"none": (), "basis-kv": ("k_proj", "v_proj"), "basis-qkv": ("q_proj", "
 def _matrices(adapter, stats, shared: tuple[str, ...], size: int, joint: bool) -> list[dict]:
     """The matrices the allocation sees: per-layer ones, and one stacked matrix per group and shared type."""
     n, out = adapter.num_layers, []
-    groups = pairs(n, size)
+    groups = consecutive_runs(n, size)
     weight = {
         (i, p): adapter.projection(i, p).weight.detach().double() for i in range(n) for p in PROJECTIONS
     }

@@ -206,3 +206,30 @@ def allocate_global_with_dense(
         if not crossing:
             return ranks, dense
         dense |= crossing
+
+
+def marginal_price(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], ranks: Mapping[str, int]) -> float:
+    """The discarded energy per parameter of the last rank step the greedy bought: the smallest
+    `(tail[r−1] − tail[r]) / (out + in)` over the matrices given rank `r > 0` (the greedy buys steps in
+    decreasing order of this gain, so it is the price the budget ended at). 0.0 when nothing got rank."""
+    gains = [
+        (float(tails[name][r - 1]) - float(tails[name][r])) / sum(shapes[name])
+        for name, r in ranks.items()
+        if r > 0
+    ]
+    return min(gains, default=0.0)
+
+
+def cost_at_price(
+    tail: Tail, shape: Shape, price: float, dense_cost: int | None = None
+) -> tuple[float, int | None]:
+    """The Lagrangian cost of one matrix at `price` (energy per parameter): `min_r tail[r] + price·r·(out+in)`,
+    or `price·dense_cost` for storing it whole (no error) when `dense_cost` is given. Returns the cost and the
+    rank that reaches it (None: whole). Under one price, comparing two ways of storing the same weights by this
+    cost compares them as the global allocation would trade their error against the budget."""
+    values = _as_list(tail, shape, "tail")
+    step = sum(shape)
+    cost, rank = min((v + price * r * step, r) for r, v in enumerate(values))
+    if dense_cost is not None and price * dense_cost < cost:
+        return price * dense_cost, None
+    return cost, rank

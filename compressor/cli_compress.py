@@ -33,6 +33,8 @@ def compress_command(
     statistics: o.Statistics = None,
     targets: o.Targets = None,
     auto_groups: o.AutoGroups = None,
+    sharing: o.Sharing = None,
+    basis_layers: o.BasisLayers = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -137,6 +139,7 @@ def print_summary(summary: dict) -> None:
             f"[bold]Groups[/] ({grouping['rule']}): "
             + "  ".join(f"[{g[0]}]" if len(g) == 1 else f"[{g[0]}–{g[-1]}]" for g in grouping["groups"])
         )
+    print_sharing(summary["report"])
     search = summary["report"].get("shape_search")
     if search:
         chosen = search["chosen"]
@@ -184,6 +187,33 @@ def print_summary(summary: dict) -> None:
     console.print(times)
     console.print(
         f"peak memory {summary['peak_rss_gb']:.2f} GB · checkpoint: {summary['out'] or '(not saved)'}"
+    )
+
+
+def print_sharing(report: dict) -> None:
+    """The input-basis forms: each shared basis (run, readers, size, their mean relative whitened error), what
+    `--sharing auto` weighed, and the proxy the allocation minimised."""
+    sharing = report.get("sharing")
+    if not sharing:
+        return
+    bases = sharing["bases"]
+    console.print(
+        f"[bold]Shared input bases[/] ({len(bases)}; run: readers size (mean relative whitened error)): "
+        + ("  ".join(
+            f"[{r['layers'][0]}–{r['layers'][-1]}] {'/'.join(p.split('_')[0] for p in r['projections'])} "
+            f"{r['size']} ({r['relative_error']:.3f})" for r in bases
+        ) or "none")
+    )  # fmt: skip
+    choice = report.get("sharing_choice")
+    if choice:
+        shared = [c for c in choice["candidates"] if c["chosen"] == "basis"]
+        console.print(
+            f"[bold]--sharing auto[/]: {len(shared)} of {len(choice['candidates'])} (run, projection type) "
+            f"candidates share a basis, in {len(choice['rounds'])} rounds ({choice['rule']})"
+        )
+    console.print(
+        f"[dim]proxy (Σ relative whitened error over matrices): {sharing['proxy_error']:.4f}, "
+        f"mean {sharing['proxy_error_mean']:.5f} per matrix[/]"
     )
 
 

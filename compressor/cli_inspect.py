@@ -22,7 +22,7 @@ from compressor.inspection import (
     write_inspect_outputs,
 )
 from compressor.planning import plan_compression
-from compressor.report import energy_table, groupings_table, kl_table, plan_tables
+from compressor.report import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 
 console = Console()
 
@@ -66,7 +66,8 @@ def inspect_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Calibrate briefly and show the grouping: the logit-lens KL between consecutive layers, the groups
-    for each G, and the weight energy that B atoms capture per group and projection type.
+    for each G, the weight energy that B atoms capture per group and projection type, and how well one input
+    basis shared by a run of layers serves them (--sharing basis/qkv/auto).
 
     Nothing is compressed. Example: `masa-compress inspect smollm2-135m --out out/inspect`.
     """
@@ -102,6 +103,7 @@ def print_inspection(result: dict) -> None:
     console.print(kl_table(result))
     console.print(groupings_table(result))
     console.print(energy_table(result))
+    console.print(input_bases_table(result))
     console.print(
         f"[dim]* the recipe's G. Atoms: B={result['bases']}"
         + (
@@ -149,6 +151,8 @@ def plan_command(
     singletons: o.Singletons = None,
     statistics: o.Statistics = None,
     targets: o.Targets = None,
+    sharing: o.Sharing = None,
+    basis_layers: o.BasisLayers = None,
     layout: o.Layout = None,
     recipe_file: o.RecipeFile = None,
     as_json: JsonOpt = False,

@@ -99,6 +99,24 @@ AutoGroups = Annotated[
         "error left under the budget) instead of --groups/--bases; adds ~1-3 min. Default: the recipe's.",
     ),
 ]
+Sharing = Annotated[
+    Opt[str],
+    typer.Option(
+        "--sharing",
+        help="How --method masa shares weights across layers (default: the recipe's). atoms: the paper's shared "
+        "matrices per KL group + residuals; basis: k/v of every --basis-layers consecutive layers share one input "
+        "basis per type; qkv: one input basis for q/k/v of those layers; none: nothing shared, per-matrix factors; "
+        "auto: per run and projection type, a shared basis where the proxy says it pays. Measured: BENCHMARKS.md.",
+    ),
+]
+BasisLayers = Annotated[
+    Opt[int],
+    typer.Option(
+        "--basis-layers",
+        min=2,
+        help="--sharing basis/qkv/auto: consecutive layers per shared basis (default 4).",
+    ),
+]
 Calib = Annotated[
     Opt[str],
     typer.Option("--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name."),

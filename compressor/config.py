@@ -39,6 +39,8 @@ class CompressOptions:
     statistics: str | None = None
     targets: str | None = None
     auto_groups: bool | None = None
+    sharing: str | None = None
+    basis_layers: int | None = None
     # calibration and evaluation text
     calib: str | None = None
     calib_samples: int | None = None

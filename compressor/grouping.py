@@ -159,3 +159,10 @@ def groups_from_layout(sizes: list[int], n_layers: int) -> list[list[int]]:
         groups.append(list(range(start, start + s)))
         start += s
     return groups
+
+
+def consecutive_runs(num_layers: int, size: int) -> list[list[int]]:
+    """Consecutive runs of `size` layers, first to last; the last one shorter when the depth does not divide."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    return [list(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size)]

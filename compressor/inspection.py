@@ -19,9 +19,9 @@ from compressor.capture import collect_block_means
 from compressor.checkpoint import read_masa_config
 from compressor.config import CompressOptions
 from compressor.errors import UserError
-from compressor.grouping import consecutive_kl, group_layers, logit_lens_distributions
+from compressor.grouping import consecutive_kl, consecutive_runs, group_layers, logit_lens_distributions
 from compressor.models import load_model
-from compressor.pca import matrix_pca
+from compressor.pca import matrix_pca, shared_input_basis_energy
 from compressor.plan import atoms_per_group
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
@@ -89,6 +89,23 @@ def _group_eigenvalues(adapter: DecoderAdapter, groupings, progress: bool) -> di
     return eigenvalues
 
 
+def input_basis_energy(adapter: DecoderAdapter, run_layers: int) -> dict:
+    """For `--sharing basis|qkv|auto`: per run of `run_layers` consecutive layers and projection type, the weight
+    energy one shared input basis captures next to each matrix's own basis of the same size (half the rank of
+    one matrix), from the weights alone (`pca.shared_input_basis_energy`; the run whitens, and decides by the
+    exact whitened errors). A ratio near 1: the layers read a common input subspace, which sharing can use."""
+    runs = [r for r in consecutive_runs(adapter.num_layers, run_layers) if len(r) > 1]
+    rows = []
+    for index, layers in enumerate(runs):
+        for proj in PROJECTIONS:
+            weights = [adapter.projection(layer, proj).weight for layer in layers]
+            size = min(weights[0].shape) // 2
+            shared, own = shared_input_basis_energy(weights, size)
+            rows.append({"run": index, "layers": layers, "projection": proj, "size": size,
+                         "shared": shared, "own": own})  # fmt: skip
+    return {"run_layers": run_layers, "rows": rows}
+
+
 @torch.no_grad()
 def inspect_statistics(
     adapter: DecoderAdapter,
@@ -143,6 +160,7 @@ def inspect_statistics(
             }
         )
     chosen = [r["n_groups"] for r in records]
+    input_bases = input_basis_energy(adapter, settings.basis_layers)
     return {
         "num_layers": adapter.num_layers,
         "logit_lens": settings.logit_lens,
@@ -156,6 +174,7 @@ def inspect_statistics(
         "kl": kl.tolist(),
         "highlight": settings.groups if settings.groups in chosen else chosen[0],
         "groupings": records,
+        "input_bases": input_bases,
         "skipped": skipped,
         "seconds": {"grouping_and_pca": round(time.perf_counter() - start, 3)},
     }

@@ -145,3 +145,18 @@ def refit_coefficients(
         rhs = torch.einsum("oi,soi->s", w.to(torch.float64) @ c, atoms)  # (B,)
         rows.append(torch.linalg.lstsq(gram, rhs[:, None]).solution[:, 0])
     return torch.stack(rows)  # (L, B)
+
+
+def shared_input_basis_energy(weights: list[torch.Tensor], size: int) -> tuple[float, float]:
+    """How well one input basis of `size` directions serves several matrices `W_l (out, in)` at once, from the
+    weights alone: the fraction of Σ‖W_l‖² captured by the top `size` right singular vectors of the stacked
+    `[W_1; …; W_n]` (one shared basis, each matrix projected on it), and by each matrix's own top `size`
+    (the best any basis of that size can do for it). Equal fractions: the matrices read one common subspace."""
+    stacked = torch.cat([w.detach().to(torch.float64) for w in weights])  # (Σ out, in)
+    total = float((stacked**2).sum())
+    if total == 0.0:
+        return 1.0, 1.0
+    basis = torch.linalg.svd(stacked, full_matrices=False)[2][:size]  # (size, in)
+    shared = float(((stacked @ basis.T) ** 2).sum())
+    own = sum(float((torch.linalg.svdvals(w.to(torch.float64))[:size] ** 2).sum()) for w in weights)
+    return shared / total, own / total

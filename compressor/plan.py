@@ -132,6 +132,18 @@ class CompressionPlan:
     def _index(self) -> dict[tuple[int, str], ProjectionPlan]:
         return {(pp.layer, pp.projection): pp for pp in self.projections}
 
+    def allocation_units(self) -> dict[tuple, list[ProjectionPlan]]:
+        """What the allocation gives one rank each, with the projections that rank applies to: every matrix
+        not kept whole, keyed (layer, projection), except the projections reading one shared input basis, which
+        share its rank and are keyed ("basis", group, basis name); in the order of the projections."""
+        units: dict[tuple, list[ProjectionPlan]] = {}
+        for pp in self.projections:
+            if pp.mode == "basis":
+                units.setdefault(("basis", pp.group, pp.basis), []).append(pp)
+            elif pp.mode != "dense":
+                units[(pp.layer, pp.projection)] = [pp]
+        return units
+
     def check_budget(self) -> None:
         """Raise if the plan stores more than the budget (a bug, never a user error)."""
         after = self.attention_params_after()

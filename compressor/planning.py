@@ -55,6 +55,7 @@ def plan_from_config(
     method = get_method(settings.method)
     settings = method.effective_settings(settings)
     shape = ModelShape.from_config(config, target_projections(settings.targets))
+    calibrated = method.uses_groups_for(settings)
     groups_of, rule = _preview_groups(method, settings, shape.num_layers, layout)
     try:
         plan, reason = method.plan(shape, settings, ratio, groups_of), None
@@ -62,9 +63,9 @@ def plan_from_config(
         UserError
     ) as err:  # over budget: show the layout anyway, with the reason (atoms > layers stays fatal)
         plan, reason = method.plan(shape, settings, ratio, groups_of, check_feasible=False), str(err)
-    allocation = settings.allocation if "allocation" in method.settings_read else None
-    preview = _preview_ranks(method, plan, allocation, reason)
-    given = "final" if layout or not method.uses_groups else "assumed groups"
+    allocation = settings.allocation if "allocation" in method.settings_read_for(settings) else None
+    preview = _preview_ranks(calibrated, plan, allocation, reason)
+    given = "final" if layout or not calibrated else "assumed groups"
     result = {
         "method": method.name,
         "allocation": allocation,
@@ -74,16 +75,14 @@ def plan_from_config(
         "geometry": asdict(shape.geometry),
         "bias_projections": [p for p in bias_projections(config) if p in shape.targets],
         **_counts(plan, reason, preview, allocated=plan.ranks_allocated() and reason is None),
-        "groups": _groups_info(method, plan, rule, "layout" if layout else "assumed"),
+        "groups": _groups_info(plan, rule, ("layout" if layout else "assumed") if calibrated else "fixed"),
         "ranks": {
             "kind": preview.kind,
             "rows": [] if reason else _rank_rows(plan, preview.pair_budgets),
             "per_layer": _per_layer(plan),
         },  # fmt: skip
-        "alternatives": _alternatives(method, shape, settings, ratio)
-        if reason and method.uses_groups
-        else [],
-        "notes": _notes(method, plan),
+        "alternatives": _alternatives(method, shape, settings, ratio) if reason and calibrated else [],
+        "notes": _notes(method, settings, plan),
     }
     status = {"attention_params_before": "final", "budget": "final", **dict.fromkeys(COUNT_KEYS, given)}
     status |= dict.fromkeys(("residual_params", "attention_params_after", "achieved_ratio"), preview.status)
@@ -96,26 +95,27 @@ def plan_from_config(
 
 def _preview_groups(method: Method, settings, n_layers: int, layout: list[int] | None):
     """Groups standing in for the calibrated grouping, and the rule that placed them."""
-    if not method.uses_groups:
-        return None, "no groups: every projection low rank"
+    if not method.uses_groups_for(settings):
+        return None, method.groups_rule(settings)
     if layout:
         groups = groups_from_layout(layout, n_layers)
         return (lambda _n: groups), "given by --layout"
     rule = ASSUMED_RULE_ENDS if settings.end_boundaries else ASSUMED_RULE_EVEN
-    if "groups" not in method.settings_read:
+    if "groups" not in method.settings_read_for(settings):
         rule += "; G: the most groups the budget holds, as the run picks it"
     return (lambda n: assumed_groups(n_layers, n, settings.end_boundaries)), rule
 
 
 def _preview_ranks(
-    method: Method, plan: CompressionPlan, allocation: str | None, reason: str | None
+    calibrated: bool, plan: CompressionPlan, allocation: str | None, reason: str | None
 ) -> RankPreview:
-    """What can be said of the ranks before calibration, by the rule the run's allocator follows."""
-    given = "assumed groups" if method.uses_groups else "final"
+    """What can be said of the ranks before calibration, by the rule the run's allocator follows (`calibrated`:
+    the groups come from calibration, so these are assumed)."""
+    given = "assumed groups" if calibrated else "final"
     if reason is not None:
         return RankPreview("none (infeasible)", None, None, given)
     if plan.ranks_allocated():
-        kind = ("final given the groups (no residual)" if method.uses_groups
+        kind = ("final given the groups (no residual)" if calibrated
                 else "final (the same kept fraction of every matrix; no calibration dependence)")  # fmt: skip
         return RankPreview(kind, None, plan.attention_params_after(), given)
     paper = PaperAllocator()
@@ -153,8 +153,9 @@ def _counts(plan: CompressionPlan, reason: str | None, preview: RankPreview, all
     }
 
 
-def _groups_info(method: Method, plan: CompressionPlan, rule: str, source: str) -> dict:
-    if not method.uses_groups:
+def _groups_info(plan: CompressionPlan, rule: str, source: str) -> dict:
+    """The plan's groups; `source`: assumed / layout (calibrated groups) or fixed (by a rule of the method)."""
+    if not plan.groups:
         return {"source": "none", "rule": rule, "layers": [], "sizes": [], "atoms": []}
     return {
         "source": source,
@@ -199,8 +200,8 @@ def _rank_rows(plan: CompressionPlan, pair_budgets: list[int] | None) -> list[di
     return rows
 
 
-def _notes(method: Method, plan: CompressionPlan) -> list[str]:
-    if "bases" in method.settings_read and any(g.n_atoms for g in plan.groups):
+def _notes(method: Method, settings, plan: CompressionPlan) -> list[str]:
+    if "bases" in method.settings_read_for(settings) and any(g.n_atoms for g in plan.groups):
         return [
             "atoms: Matrix PCA returns fewer atoms than asked only for a group whose weights are "
             "linearly dependent (e.g. tied layers); the atom count is otherwise final"
@@ -260,6 +261,12 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
     """`plan_from_config` for a model spec, with the options resolved against the recipe exactly as a run
     resolves them (`session.resolve_run`): the same settings, the same refusals, no weights read."""
     if layout:
+        probe = resolve_run(model, options)
+        if not probe.method.uses_groups_for(probe.compression):
+            raise UserError(
+                f"--layout gives the sizes of KL groups, which {probe.method.describe(probe.compression)} does "
+                "not use: drop --layout, or use --sharing atoms"
+            )
         if options.groups is not None and options.groups != len(layout):
             raise UserError(
                 f"--groups {options.groups} disagrees with --layout ({len(layout)} groups): pass one of them"

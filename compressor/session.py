@@ -61,7 +61,7 @@ def resolve_run(model: str, options: CompressOptions) -> RunSpec:
     recipe = recipe or source.recipe
     calibration, evaluation, compression = resolve_run_settings(options, recipe)
     method = get_method(compression.method)
-    method.refuse_unread(options.given_compression_settings())
+    method.refuse_unread(options.given_compression_settings(), compression)
     compression = method.effective_settings(compression)
     return RunSpec(source, recipe, calibration, evaluation, compression, method)
 

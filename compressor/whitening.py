@@ -170,6 +170,39 @@ def shared_basis_factors(
     return list(torch.split(a, [w.shape[0] for w in weights])), b
 
 
+def _basis_qr(basis: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduced QR of `(B S)ᵀ = Q R`, Q `(in, k)` orthonormal, R `(k, k)` upper, float64: the whitened directions
+    of the basis rows in one layer's metric. Leading blocks give every smaller basis (the first `r` rows of B)."""
+    b = basis.detach().to(torch.float64)
+    s = S.detach().to(device=b.device, dtype=torch.float64)
+    return torch.linalg.qr((b @ s).T)  # (in, k), (k, k)
+
+
+def refit_tail(weight: torch.Tensor, basis: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """`tail[r] = min_A ‖(W − A B_r) S‖²` for r = 0..k, with `B_r` the first r rows of `basis (k, in)`: the
+    whitened output error of a layer whose coefficients are refit on its own statistics (`C = S Sᵀ`) against a
+    shared input basis. The best `A B_r S` is the projection of `W S` on the span of `Q_r` (`basis_qr`), so the
+    error at every size comes from one QR: ‖W S‖² minus the cumulated energy of `W S` along each column of Q."""
+    ws = weight.detach().to(torch.float64) @ S.to(device=weight.device, dtype=torch.float64)  # (out, in)
+    q, _ = _basis_qr(basis, S)
+    captured = torch.cumsum(((ws @ q) ** 2).sum(dim=0), dim=0)  # (k,)
+    tail = (ws**2).sum() - torch.cat([captured.new_zeros(1), captured])
+    return tail.clamp_min(0.0)  # rounding may leave -1e-16 where everything is captured
+
+
+def refit_on_basis(weight: torch.Tensor, basis: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """Coefficients `A (out, r)` on the input basis `B (r, in)` minimising the layer's own output error
+    `‖(W − A B) S‖²`: with `(B S)ᵀ = Q R`, the optimum is `A B S = W S Q Qᵀ`, i.e. `A = W S Q R⁻ᵀ` (a triangular
+    solve), float64. `refit_tail` gives its error at every r."""
+    w = weight.detach().to(torch.float64)
+    if basis.shape[0] == 0:
+        return w.new_zeros(w.shape[0], 0)
+    s = S.to(device=w.device, dtype=torch.float64)
+    q, r = _basis_qr(basis.to(w.device), s)
+    # left=False solves X Rᵀ = W S Q for X, with Rᵀ lower-triangular.
+    return torch.linalg.solve_triangular(r.T, w @ s @ q, upper=False, left=False)  # (out, r)
+
+
 def plain_svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unwhitened rank-`rank` factors of `W`: `A = U_r Σ_r` `(out, r)`, `B = Vh_r` `(r, in)`, float64."""
     u, sigma, vh = plain_svd(W)

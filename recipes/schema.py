@@ -76,6 +76,21 @@ class CompressionSettings(_Strict):
         description="choose groups G and atoms B (ignoring groups/bases) by a proxy computed before any module is "
         "built: the total relative whitened error left under the budget, the lowest over G ≤ 8 and B ≤ 2",
     )
+    sharing: Literal["atoms", "basis", "qkv", "none", "auto"] = Field(
+        "basis",
+        description="how layers share weights (default basis: the form that paid on the bundled model's validation "
+        "split, see BENCHMARKS.md). atoms: the paper's Matrix PCA atoms per KL group + whitened "
+        "residuals; basis: k_proj and v_proj of each run of basis_layers consecutive layers share one whitened input "
+        "basis per type (per-layer coefficients refit on each layer's statistics), every other projection its own "
+        "whitened factors; qkv: one input basis for q, k and v of a run; none: per-matrix whitened factors, nothing "
+        "shared; auto: per run and projection type, a shared basis where the proxy says it pays. Every input-basis "
+        "form allocates ranks and basis sizes globally (allocation global or global-relative)",
+    )
+    basis_layers: int = Field(
+        4,
+        ge=2,
+        description="basis, qkv, auto: consecutive layers per shared input basis (the last run may be shorter)",
+    )
     singletons: Literal["keep", "compress"] = Field(
         "compress",
         description="keep: singleton groups keep their weights (paper); compress: whitened low rank like any "

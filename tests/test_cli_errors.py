@@ -190,9 +190,25 @@ CASES = [
         lambda t, mp: ["smollm2-135m", "--targets", "attn,mlp", "--method", "masa-paper"],
         "no rule for MLP projections",
     ),
+    ("unknown --sharing", lambda t, mp: ["smollm2-135m", "--sharing", "layers"], "invalid --sharing"),
+    (
+        "an option of another form of sharing",
+        lambda t, mp: ["smollm2-135m", "--sharing", "basis", "--bases", "2"],
+        "--bases has no effect with --method masa --sharing basis: drop it, or use --sharing atoms",
+    ),
+    (
+        "a shared basis with Algorithm 1",
+        lambda t, mp: ["smollm2-135m", "--sharing", "basis", "--allocation", "paper"],
+        "has no rule for a basis shared across layers",
+    ),
+    (
+        "group sizes for a form without KL groups",
+        lambda t, mp: ["plan", "smollm2-135m", "--layout", "1,28,1"],
+        "--layout gives the sizes of KL groups, which --method masa --sharing basis does not use",
+    ),
     (
         "a dry run cannot choose G and B",
-        lambda t, mp: ["smollm2-135m", "--dry-run", "--auto-groups"],
+        lambda t, mp: ["smollm2-135m", "--dry-run", "--sharing", "atoms", "--auto-groups"],
         "cannot plan with --auto-groups",
     ),
     (
@@ -201,6 +217,8 @@ CASES = [
             _tiny_model_dir(t),
             "--ratio",
             "0.99",
+            "--sharing",
+            "atoms",
             "--groups",
             "3",
             "--no-save",

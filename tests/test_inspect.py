@@ -33,6 +33,9 @@ COUNT_KEYS = (
 
 
 def _compressed(family: str, ratio: float, n_layers: int = 6, **settings):
+    """A compressed tiny model; MASA in its atoms form unless `sharing` is given (plans of KL groups)."""
+    if settings.get("method", "masa") in ("masa", "masa-paper"):
+        settings.setdefault("sharing", "atoms")
     model = tiny_model(family, num_hidden_layers=n_layers)
     adapter = get_adapter(model)
     before = adapter.attention_parameter_count()
@@ -64,7 +67,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_plan_counts_equal_the_real_compression(family, largest, singletons):
     ratio = 0.3
     settings = CompressionSettings(
-        groups=3, largest_group_bases=largest, singletons=singletons, allocation="paper"
+        sharing="atoms", groups=3, largest_group_bases=largest, singletons=singletons, allocation="paper"
     )
     _, before, outcome = _compressed(family, ratio, **settings.model_dump())
     real = outcome.plan
@@ -136,7 +139,7 @@ def test_assumed_groups():
 
 def test_infeasible_plan_says_what_fits():
     config = tiny_config("llama", num_hidden_layers=6)
-    settings = CompressionSettings(groups=3, bases=1, singletons="keep")
+    settings = CompressionSettings(sharing="atoms", groups=3, bases=1, singletons="keep")
     planned = plan_from_config(config, 0.9, settings)
     assert not planned["feasible"] and "infeasible" in planned["reason"]
     assert planned["attention_params_after"] is None and planned["residual_budget"] < 0
@@ -152,14 +155,27 @@ def test_infeasible_plan_says_what_fits():
 
 def test_plan_cli_json_parses_and_matches_the_table(tmp_path, capsys):
     tiny_config("qwen2", num_hidden_layers=6).save_pretrained(tmp_path)
-    code, out, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "paper", "--json")
+    code, out, _ = _cli(
+        capsys,
+        "plan",
+        str(tmp_path),
+        "--ratio",
+        "0.3",
+        "--sharing",
+        "atoms",
+        "--allocation",
+        "paper",
+        "--json",
+    )
     assert code == 0
     payload = json.loads(out)
     assert payload["feasible"] is True
     assert payload["groups"]["source"] == "assumed"
     for key in ("attention_params_before", "attention_params_after"):
         assert isinstance(payload[key], int)
-    code, table, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "paper")
+    code, table, _ = _cli(
+        capsys, "plan", str(tmp_path), "--ratio", "0.3", "--sharing", "atoms", "--allocation", "paper"
+    )
     assert code == 0
     for key in (*COUNT_KEYS, "residual_params", "attention_params_after", "attention_params_after_max"):
         assert f"{payload[key]:,}" in table, key
@@ -171,11 +187,17 @@ def test_plan_cli_json_parses_and_matches_the_table(tmp_path, capsys):
 
 def test_plan_cli_infeasible_exits_1_and_layout_is_checked(tmp_path, capsys):
     tiny_config("llama", num_hidden_layers=6).save_pretrained(tmp_path)
-    code, out, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.9", "--groups", "3", "--json")
+    code, out, _ = _cli(
+        capsys, "plan", str(tmp_path), "--ratio", "0.9", "--sharing", "atoms", "--groups", "3", "--json"
+    )
     assert code == 1 and json.loads(out)["feasible"] is False
-    code, out, _ = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--layout", "2,2,2", "--json")
+    code, out, _ = _cli(
+        capsys, "plan", str(tmp_path), "--ratio", "0.3", "--sharing", "atoms", "--layout", "2,2,2", "--json"
+    )
     assert code == 0 and json.loads(out)["groups"]["layers"] == [[0, 1], [2, 3], [4, 5]]
-    code, _, err = _cli(capsys, "plan", str(tmp_path), "--ratio", "0.3", "--layout", "2,2")
+    code, _, err = _cli(
+        capsys, "plan", str(tmp_path), "--ratio", "0.3", "--sharing", "atoms", "--layout", "2,2"
+    )
     assert code == 2 and "summing to the 6 layers" in err
 
 
@@ -213,7 +235,7 @@ def test_inspect_groups_and_energy_equal_those_of_a_run():
     stats = collect_statistics(model, adapter, random_windows(), progress=False)
     means, _ = collect_block_means(adapter, random_windows(), batch_size=3, progress=False)
     torch.testing.assert_close(means, stats.block_output_means)
-    settings = CompressionSettings(groups=3)
+    settings = CompressionSettings(sharing="atoms", groups=3)
     result = inspect_statistics(adapter, means, settings, parse_group_counts("2-4,9"))
     assert [g["n_groups"] for g in result["groupings"]] == [2, 3, 4]
     assert [s["n_groups"] for s in result["skipped"]] == [9]
@@ -256,6 +278,10 @@ def test_inspect_cli_on_the_bundled_model(tmp_path, capsys):
     for name in ("grouping.png", "energy.png"):
         with Image.open(out_dir / name) as image:
             assert image.format == "PNG" and image.size[0] >= 1000 and image.size[1] >= 450
+    # --sharing basis/qkv/auto: one input basis per run of 4 layers vs each matrix's own (shared <= own)
+    bases = result["input_bases"]
+    assert bases["run_layers"] == 4 and len(bases["rows"]) == 8 * 4
+    assert all(0.0 < r["shared"] <= r["own"] + 1e-12 <= 1.0 + 1e-12 for r in bases["rows"])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -267,7 +293,7 @@ def test_show_describes_a_saved_checkpoint(tmp_path, capsys):
 
     model, _, outcome = _compressed("llama", 0.3, groups=3)
     metadata = {"model": "tiny-llama", "method": "masa", "report": outcome.report,
-                "settings": {"compression": CompressionSettings(groups=3).model_dump()}}  # fmt: skip
+                "settings": {"compression": CompressionSettings(sharing="atoms", groups=3).model_dump()}}  # fmt: skip
     path = save_compressed(model, outcome.plan, tmp_path / "ckpt", metadata=metadata)
     code, out, _ = _cli(capsys, "show", str(path), "--json")
     assert code == 0

@@ -85,8 +85,10 @@ def test_the_preview_plans_a_registered_method_as_the_run_does(example_method):
 
 def test_options_a_method_does_not_read_are_refused(example_method):
     with pytest.raises(UserError, match="--groups has no effect with --method example-svd"):
-        example_method.refuse_unread({"groups": 4})
-    example_method.refuse_unread({"targets": "attn", "method": "example-svd"})  # read by every method
+        example_method.refuse_unread({"groups": 4}, CompressionSettings())
+    example_method.refuse_unread(
+        {"targets": "attn", "method": "example-svd"}, CompressionSettings()
+    )  # read by every method
 
 
 def test_a_name_is_registered_once(example_method):

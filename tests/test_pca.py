@@ -183,3 +183,18 @@ def test_refit_coefficients_are_optimal_per_layer():
         target = (xs[layer] @ w[layer].T).reshape(-1)
         expected = torch.linalg.lstsq(design, target[:, None]).solution[:, 0]
         torch.testing.assert_close(coeffs[layer], expected, rtol=1e-8, atol=1e-10)
+
+
+def test_shared_input_basis_energy_is_own_for_a_common_subspace_and_never_above_it():
+    """Matrices reading one common `size`-dim input subspace: one shared basis captures all their energy, as
+    their own bases do. Unrelated matrices: the shared basis captures less than each one's own."""
+    from compressor.pca import shared_input_basis_energy
+
+    g = torch.Generator().manual_seed(0)
+    common = torch.randn(3, 12, generator=g, dtype=torch.float64)
+    weights = [torch.randn(4, 3, generator=g, dtype=torch.float64) @ common for _ in range(3)]
+    shared, own = shared_input_basis_energy(weights, 3)
+    assert shared == pytest.approx(1.0) and own == pytest.approx(1.0)
+    unrelated = [torch.randn(4, 12, generator=g, dtype=torch.float64) for _ in range(3)]
+    shared, own = shared_input_basis_energy(unrelated, 3)
+    assert shared < own <= 1.0

@@ -15,20 +15,27 @@ from compressor.recipes.schema import CompressionSettings
 
 
 def _compress(model, method="masa", ratio=0.3, windows=None, **settings):
+    """Compress with `method`; MASA in its `atoms` form unless `sharing` is given (this file tests the atoms
+    machinery: groups, Matrix PCA, residuals; the input-basis forms are `test_masa_basis.py`'s)."""
     adapter = get_adapter(model)
     windows = windows if windows is not None else random_windows()
     stats = collect_statistics(model, adapter, windows, progress=False)
+    if method == "masa":
+        settings.setdefault("sharing", "atoms")
     settings = CompressionSettings(method=method, **settings)
     return compress_model(model, adapter, stats, settings, ratio, progress=False, windows=windows)
 
 
-@pytest.mark.parametrize("method", sorted(REGISTRY))
+@pytest.mark.parametrize(
+    ("method", "form"),
+    [(m, {}) for m in sorted(REGISTRY)] + [("masa", {"sharing": f}) for f in ("basis", "qkv")],
+)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_every_method_meets_the_budget_and_counts_exactly(method, family):
+def test_every_method_meets_the_budget_and_counts_exactly(method, form, family):
     model = tiny_model(family)
     before = sum(p.numel() for p in model.parameters())
     attn_before = get_adapter(model).attention_parameter_count()
-    outcome = _compress(model, method, ratio=0.3)
+    outcome = _compress(model, method, ratio=0.3, **form)
     plan = outcome.plan
     # The stored count of the installed modules equals the planner's count, within the budget.
     assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget

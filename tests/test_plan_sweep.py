@@ -46,11 +46,15 @@ def _config(recipe: str):
 
 
 @pytest.mark.parametrize("recipe", sorted(SHAPES))
-@pytest.mark.parametrize("method", sorted(REGISTRY))
+@pytest.mark.parametrize(
+    ("method", "form"), [(m, {}) for m in sorted(REGISTRY)] + [("masa", {"sharing": "basis"})]
+)
 @pytest.mark.parametrize("targets", ["attn", "attn,mlp"])
-def test_plan_holds_the_budget_or_says_why(recipe, method, targets):
+def test_plan_holds_the_budget_or_says_why(recipe, method, form, targets):
     config = _config(recipe)
-    settings = builtin_recipe(recipe).compression.model_copy(update={"method": method, "targets": targets})
+    settings = builtin_recipe(recipe).compression.model_copy(
+        update={"method": method, "targets": targets, **form}
+    )
     try:
         REGISTRY[method].effective_settings(settings)
     except UserError as err:  # the method has no rule for these settings (masa-paper and MLPs): one line

@@ -35,6 +35,8 @@ def _run_summary(method: str = "masa", **settings) -> dict:
     adapter = get_adapter(model)
     before = adapter.attention_parameter_count()
     stats = collect_statistics(model, adapter, random_windows(), progress=False)
+    if method == "masa":  # the atoms form: it has groups, atom energy and residual ranks to draw
+        settings.setdefault("sharing", "atoms")
     outcome = compress_model(
         model, adapter, stats, CompressionSettings(method=method, **settings), 0.3, progress=False
     )

@@ -14,10 +14,12 @@ from compressor.recipes.schema import CompressionSettings
 
 
 def _run(model, stats, windows, ratio=0.3, **settings):
+    """MASA's atoms form (the one `--auto-groups` chooses G and B for) with `settings`."""
     adapter = get_adapter(model)
     return compress_model(
-        model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
-    )
+        model, adapter, stats, CompressionSettings(sharing="atoms", **settings), ratio, progress=False,
+        windows=windows,
+    )  # fmt: skip
 
 
 def test_proxy_is_the_relative_error_of_the_model_built_with_that_shape():

@@ -18,9 +18,13 @@ from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
 
 
 def _compress(model, ratio=0.3, windows=None, **settings):
+    """MASA in its `atoms` form unless `sharing` (or another method) is given: this file tests the atoms
+    machinery on MLP targets; `test_masa_basis.py` the input-basis forms."""
     adapter = get_adapter(model)
     windows = windows if windows is not None else random_windows()
     stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    if settings.get("method", "masa") == "masa":
+        settings.setdefault("sharing", "atoms")
     return compress_model(
         model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
     )
@@ -99,7 +103,7 @@ def test_mlp_errors_are_the_whitened_tails_the_allocation_saw():
     windows = random_windows()
     stats = collect_statistics(original, get_adapter(original), windows, progress=False, mlp=True)
     outcome = compress_model(
-        model, get_adapter(model), stats, CompressionSettings(targets="mlp", auto_groups=True), 0.3,
+        model, get_adapter(model), stats, CompressionSettings(sharing="atoms", targets="mlp", auto_groups=True), 0.3,
         progress=False, windows=windows,
     )  # fmt: skip
     chosen = outcome.report["shape_search"]["chosen"]

@@ -6,7 +6,9 @@ The pure math (Algorithm 1's pair walk, the greedy) is `compressor.allocation`'s
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ from compressor.allocation import (
 )
 from compressor.plan import CompressionPlan, layer_dense_params
 
+#: Per matrix, (layer, projection) -> its whitened error at every rank of its allocation unit.
 Tails = dict[tuple[int, str], torch.Tensor]
 OutputEnergy = Callable[[int, str], float]
 
@@ -74,39 +77,86 @@ class PaperAllocator:
         return {"algorithm1": rows} if rows else {}
 
 
+@dataclass(frozen=True)
+class AllocationProblem:
+    """What the greedy sees of a plan: per unit (`_unit_name`) its scaled tail, its (Σ out, in) shape, and the
+    cost of keeping it whole."""
+
+    units: dict[str, list]  # name -> the ProjectionPlans sharing its rank
+    tails: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, int]]
+    dense_costs: dict[str, int]
+
+
 class GlobalAllocator:
     """Ranks across all residuals by discarded energy per parameter under the one residual budget.
 
-    `relative` divides each matrix's tail by the output energy of its original weight (‖W S‖²), so that errors
-    of projections read from different inputs (V vs O) share one scale. With `dense_when_cheaper`, a matrix
-    whose factors would cost at least its weight is kept whole and the numbers saved go to the others.
+    The unit of allocation is a matrix, or the matrices reading one shared input basis (one rank for all of
+    them, a step costing the basis row plus one coefficient column per matrix): `plan.allocation_units`. Tails
+    are per matrix, `tails[(layer, projection)][r]`: the whitened error of that matrix when its unit has rank r
+    (for a basis reader, with its coefficients refit on its own statistics), so a unit's tail is the sum of its
+    matrices'. `relative` divides each matrix's tail by its output energy ‖W S‖², so that errors of projections
+    read from different inputs (V vs O) share one scale. With `dense_when_cheaper`, a unit whose factors would
+    cost at least its weights is kept whole and the numbers saved go to the others. Shared atoms whose every
+    reader ends up kept whole are dropped and their numbers allocated again (nobody would use them).
     """
 
     def __init__(self, relative: bool, dense_when_cheaper: bool):
         self.name = "global-relative" if relative else "global"
         self.relative, self.dense_when_cheaper = relative, dense_when_cheaper
 
+    def problem(self, plan: CompressionPlan, tails: Tails, output_energy: OutputEnergy) -> AllocationProblem:
+        units = {_unit_name(key): members for key, members in plan.allocation_units().items()}
+
+        def scaled(pp) -> torch.Tensor:
+            # An all-zero weight has no output energy and nothing to approximate (its tail is all zeros): it
+            # keeps scale 1 rather than 0/0, and the allocation gives it rank 0.
+            scale = (output_energy(pp.layer, pp.projection) or 1.0) if self.relative else 1.0
+            return tails[(pp.layer, pp.projection)] / scale
+
+        return AllocationProblem(
+            units,
+            {n: functools.reduce(operator.add, map(scaled, members)) for n, members in units.items()},
+            {n: (sum(pp.out_features for pp in m), m[0].in_features) for n, m in units.items()},
+            # Keeping a unit whole costs its weights and gives back its coefficients.
+            {n: sum(pp.dense_params - pp.n_atoms for pp in m) for n, m in units.items()},
+        )
+
     def allocate(self, plan: CompressionPlan, tails: Tails, output_energy: OutputEnergy) -> dict:
-        keys = [(pp.layer, pp.projection) for pp in plan.projections if pp.mode != "dense"]
-        names = {f"{layer}.{p}": (layer, p) for layer, p in keys}
-        # An all-zero weight has no output energy and nothing to approximate (its tail is all zeros): it keeps
-        # scale 1 rather than 0/0, and the allocation gives it rank 0.
-        scale = {k: (output_energy(*k) or 1.0) if self.relative else 1.0 for k in keys}
-        scaled = {n: tails[k] / scale[k] for n, k in names.items()}
-        shapes = {n: plan.geometry.shape(k[1]) for n, k in names.items()}
-        if not self.dense_when_cheaper:
-            ranks, dense = allocate_global(scaled, shapes, plan.residual_budget()), set()
-        else:
-            # Keeping a projection whole costs its weight and gives back its coefficients.
-            dense_costs = {n: plan.get(*k).dense_params - plan.get(*k).n_atoms for n, k in names.items()}
-            ranks, dense = allocate_global_with_dense(scaled, shapes, plan.residual_budget(), dense_costs)
-        for n, k in names.items():
-            pp = plan.get(*k)
-            if n in dense:
-                pp.mode, pp.n_atoms, pp.rank = "dense", 0, None
+        whole, dropped = [], []
+        while True:
+            problem = self.problem(plan, tails, output_energy)
+            if self.dense_when_cheaper:
+                ranks, dense = allocate_global_with_dense(
+                    problem.tails, problem.shapes, plan.residual_budget(), problem.dense_costs
+                )
             else:
-                pp.rank = ranks[n]
-        return {"kept_whole_by_allocation": sorted(names[n] for n in dense)} if dense else {}
+                ranks, dense = allocate_global(problem.tails, problem.shapes, plan.residual_budget()), set()
+            atoms_before = _atom_sets(plan)
+            for n, members in problem.units.items():
+                for pp in members:
+                    if n in dense:
+                        pp.mode, pp.n_atoms, pp.rank, pp.basis = "dense", 0, None, None
+                    else:
+                        pp.rank = ranks[n]
+            whole += [(pp.layer, pp.projection) for n in dense for pp in problem.units[n]]
+            # Atoms whose readers were all kept whole are no longer counted: allocate their numbers again.
+            freed = sorted(atoms_before - _atom_sets(plan))
+            if not freed:
+                break
+            dropped += freed
+        report = {"kept_whole_by_allocation": sorted(whole)} if whole else {}
+        return report | ({"atoms_dropped_unused": [list(k) for k in dropped]} if dropped else {})
+
+
+def _atom_sets(plan: CompressionPlan) -> set[tuple[int, str]]:
+    """(group, projection type) of every set of shared atoms some projection still reads."""
+    return {(pp.group, pp.projection) for pp in plan.projections if pp.mode == "shared" and pp.n_atoms}
+
+
+def _unit_name(key: tuple) -> str:
+    """`12.q_proj` for a matrix, `basis.3.k_proj` for the matrices reading group 3's k_proj basis."""
+    return ".".join(map(str, key))
 
 
 def allocator_for(allocation: str, dense_when_cheaper: bool) -> PaperAllocator | GlobalAllocator:

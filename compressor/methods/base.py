@@ -211,18 +211,40 @@ class Method:
         self.check_settings(settings)
         return settings
 
-    def refuse_unread(self, given: dict[str, object]) -> None:
-        """A one-line error for an option the user gave that this method does not read, or pins otherwise."""
+    def settings_read_for(self, settings: CompressionSettings) -> frozenset[str]:
+        """The settings read with these settings (a method whose forms read different settings overrides it)."""
+        return self.settings_read
+
+    def refuse_unread(self, given: dict[str, object], settings: CompressionSettings) -> None:
+        """A one-line error for an option the user gave that this method does not read with the resolved
+        `settings`, or pins otherwise."""
+        read = self.settings_read_for(settings)
         for key in sorted(given):
             flag = "--" + key.replace("_", "-")
             if key in self.preset and given[key] != self.preset[key]:
                 raise UserError(
                     f"{flag}: --method {self.name} pins {key} = {self.preset[key]!r}: drop {flag} or use --method masa"
                 )
-            if key not in self.settings_read | COMMON_SETTINGS | set(self.preset):
+            if key not in read | COMMON_SETTINGS | set(self.preset):
                 raise UserError(
-                    f"{flag} has no effect with --method {self.name}: drop it or use --method masa"
+                    f"{flag} has no effect with {self.describe(settings)}: {self.instead(settings, key)}"
                 )
+
+    def uses_groups_for(self, settings: CompressionSettings) -> bool:
+        """Whether the plan depends on the calibrated grouping with these settings."""
+        return self.uses_groups
+
+    def groups_rule(self, settings: CompressionSettings) -> str:
+        """How the layers are grouped when the grouping does not come from calibration."""
+        return "no groups: every projection low rank"
+
+    def describe(self, settings: CompressionSettings) -> str:
+        """How errors name this method (with the form that decides what is read)."""
+        return f"--method {self.name}"
+
+    def instead(self, settings: CompressionSettings, key: str) -> str:
+        """What to do about an option `key` this method does not read with `settings`."""
+        return "drop it or use --method masa"
 
     def check_settings(self, settings: CompressionSettings) -> None:
         """Refuse, before any heavy work, settings the method has no rule for (default: none)."""

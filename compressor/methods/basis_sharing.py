@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from compressor.grouping import consecutive_runs
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape, numerical_context
 from compressor.methods.lowrank import install_lowrank
 from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan, uniform_rank
@@ -23,11 +24,6 @@ from compressor.whitening import shared_basis_factors, whitening_factor
 #: Projection types whose input basis a pair of layers shares (the paper's choice).
 SHARED_TYPES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 GROUP_SIZE = 2
-
-
-def pairs(num_layers: int, size: int = GROUP_SIZE) -> list[list[int]]:
-    """Consecutive groups of `size` layers; the last one shorter when the depth does not divide."""
-    return [list(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size)]
 
 
 class BasisSharing(Method):
@@ -46,7 +42,7 @@ class BasisSharing(Method):
         check_feasible: bool = True,
     ) -> CompressionPlan:
         projections, groups = [], []
-        for index, layers in enumerate(pairs(shape.num_layers)):
+        for index, layers in enumerate(consecutive_runs(shape.num_layers, GROUP_SIZE)):
             groups.append(GroupPlan(index, layers, 0))
             for p in shape.targets:
                 out, inp = shape.geometry.shape(p)

@@ -126,8 +126,9 @@ class SharedInputLinear(nn.Module):
 
     @staticmethod
     def shared_basis(basis: torch.Tensor, dtype, device) -> nn.Parameter:
-        """The Parameter every module of a group receives (so that it is stored and counted once)."""
-        return nn.Parameter(basis.to(device=device, dtype=dtype), requires_grad=False)
+        """The Parameter every module of a group receives (so that it is stored and counted once). Contiguous, as
+        it is stored: a transposed layout would round differently in GEMMs than the reloaded checkpoint."""
+        return nn.Parameter(basis.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
 
     @classmethod
     def from_factors(

@@ -27,7 +27,7 @@ from compressor.report.records import (
     write_json,
 )
 from compressor.report.run_report import write_run_report
-from compressor.report.tables import energy_table, groupings_table, kl_table, plan_tables
+from compressor.report.tables import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 
 __all__ = [
     "DPI",
@@ -42,6 +42,7 @@ __all__ = [
     "format_groups",
     "group_label",
     "groupings_table",
+    "input_bases_table",
     "kl_table",
     "plan_tables",
     "plot_energy",

@@ -77,6 +77,26 @@ def energy_table(inspection: dict) -> Table:
     return table
 
 
+def input_bases_table(inspection: dict) -> Table:
+    """Per run of layers and projection type: weight energy of one shared input basis vs each matrix's own."""
+    bases = inspection["input_bases"]
+    table = Table(
+        title=f"Weight energy of one input basis shared by {bases['run_layers']} consecutive layers "
+        "(half a matrix's rank) vs each matrix's own basis of that size: shared / own"
+    )
+    table.add_column("run")
+    for p in PROJECTIONS:
+        table.add_column(p, justify="right")
+    for run in sorted({r["run"] for r in bases["rows"]}):
+        rows = {r["projection"]: r for r in bases["rows"] if r["run"] == run}
+        first = next(iter(rows.values()))
+        table.add_row(
+            group_label(first["layers"]),
+            *(f"{_pct(rows[p]['shared'])} / {_pct(rows[p]['own'])}" for p in PROJECTIONS),
+        )
+    return table
+
+
 PLAN_ROWS = (
     ("attention_params_before", "attention parameters before (P_attn)"),
     ("budget", "budget ⌊(1-ρ)·P_attn⌋"),
@@ -130,8 +150,12 @@ def _plan_header(plan: dict) -> list:
             Text.assemble(
                 ("Groups ", "bold"),
                 (f"({groups['source']}) ", "yellow" if groups["source"] == "assumed" else "green"),
-                f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))} · "
-                f"atoms per group {', '.join(map(str, groups['atoms']))}",
+                f"{format_groups(groups['layers'])} · sizes {', '.join(map(str, groups['sizes']))}"
+                + (
+                    f" · atoms per group {', '.join(map(str, groups['atoms']))}"
+                    if any(groups["atoms"])
+                    else ""
+                ),
             )
         )
         out.append(Text(f"  {groups['rule']}", style="dim"))

@@ -1,6 +1,9 @@
 """MASA ("Share Your Attention"), training-free: grouping of consecutive layers by logit-lens KL, Matrix PCA
 atoms shared within each group, Cholesky-whitened low-rank residuals, ranks by an allocator under one budget.
-`masa-paper` is the same method with the paper's choices pinned (a preset)."""
+`masa-paper` is the same method with the paper's choices pinned (a preset).
+
+`--sharing` picks the form of sharing: `atoms` (the paper's, `masa.stages`) or an input-basis form
+(`basis`, `qkv`, `none`, `auto`: `masa.basis`), every form under the same budget and global allocation."""
 
 from __future__ import annotations
 
@@ -12,6 +15,15 @@ from compressor.adapters import MLP_PROJECTIONS, target_projections
 from compressor.errors import UserError
 from compressor.methods.allocators import allocator_for
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape
+from compressor.methods.masa.basis import (
+    BASIS_FORMS,
+    apply_basis_form,
+    basis_layout,
+    check_basis_settings,
+)
+from compressor.methods.masa.basis import (
+    settings_read as basis_settings_read,
+)
 from compressor.methods.masa.shapes import choose_groups_and_bases
 from compressor.methods.masa.stages import (
     all_group_atoms,
@@ -29,10 +41,43 @@ from compressor.sequential import install_sequentially
 class Masa(Method):
     name = "masa"
     summary = "shared atoms per group of layers + whitened residuals, ranks by the allocator (default)"
-    settings_read = frozenset(CompressionSettings.model_fields) - {"method", "targets"}
+    #: With `--sharing atoms`; the input-basis forms read `masa.basis.settings_read(form)`.
+    settings_read = frozenset(CompressionSettings.model_fields) - {"method", "targets", "basis_layers"}
     uses_groups = True
 
+    def settings_read_for(self, settings: CompressionSettings) -> frozenset[str]:
+        if settings.sharing in BASIS_FORMS:
+            return basis_settings_read(settings.sharing)
+        return self.settings_read
+
+    def uses_groups_for(self, settings: CompressionSettings) -> bool:
+        return settings.sharing == "atoms"
+
+    def groups_rule(self, settings: CompressionSettings) -> str:
+        if settings.sharing == "none":
+            return "no groups: every projection its own whitened factors"
+        what = {
+            "basis": "k_proj and v_proj share an input basis per type",
+            "qkv": "q/k/v share one input basis",
+            "auto": "each projection type shares an input basis or not, as the proxy chooses at run time",
+        }[settings.sharing]
+        return f"fixed: runs of {settings.basis_layers} consecutive layers (--basis-layers); {what}"
+
+    def describe(self, settings: CompressionSettings) -> str:
+        return f"--method {self.name} --sharing {settings.sharing}"
+
+    def instead(self, settings: CompressionSettings, key: str) -> str:
+        forms = [
+            f
+            for f in ("atoms", *BASIS_FORMS)
+            if key in self.settings_read_for(settings.model_copy(update={"sharing": f}))
+        ]
+        return f"drop it, or use --sharing {forms[0]}" if forms else "drop it"
+
     def check_settings(self, settings: CompressionSettings) -> None:
+        if settings.sharing in BASIS_FORMS:
+            check_basis_settings(settings, target_projections(settings.targets))
+            return
         if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
             return
         if settings.allocation == "paper":
@@ -48,6 +93,9 @@ class Masa(Method):
     def check_before_calibration(
         self, shape: ModelShape, settings: CompressionSettings, ratio: float
     ) -> None:
+        if settings.sharing in BASIS_FORMS:
+            basis_layout(shape, settings, ratio)
+            return
         if settings.auto_groups:  # the search skips what does not fit, and says so when nothing does
             return
         check_feasible_before_calibration(
@@ -56,6 +104,8 @@ class Masa(Method):
         )  # fmt: skip
 
     def plan(self, shape, settings, ratio, groups_of: GroupsOf | None, check_feasible: bool = True):
+        if settings.sharing in BASIS_FORMS:
+            return basis_layout(shape, settings, ratio)
         if groups_of is None:
             raise ValueError("MASA plans on groups: pass the calibrated grouping or assumed groups")
         groups = groups_of(settings.groups)
@@ -65,6 +115,8 @@ class Masa(Method):
 
     def apply(self, ctx: MethodContext) -> CompressionPlan:
         settings = ctx.settings
+        if settings.sharing in BASIS_FORMS:
+            return apply_basis_form(ctx)
         if settings.auto_groups:
             # Only G and B change: every stage reads the rest of the settings from the context.
             choice, record = choose_groups_and_bases(ctx)
@@ -122,6 +174,7 @@ class MasaPaper(Masa):
     summary = "the paper's choices: plain Matrix PCA, Algorithm 1, singletons kept whole, original statistics"
     # Groups, atoms and the logit lens still come from the recipe/options.
     preset = {
+        "sharing": "atoms",
         "atoms": "plain",
         "allocation": "paper",
         "singletons": "keep",

@@ -1,0 +1,260 @@
+"""MASA's input-basis forms of sharing (`--sharing basis|qkv|none|auto`): layers are taken in runs of
+`basis_layers` consecutive layers; a projection type of a run either shares ONE whitened input basis B (r × in),
+each layer keeping its own output coefficients A_l (W_l ≈ A_l B), or every matrix gets its own whitened factors.
+One global allocation decides every rank and basis size under the budget.
+
+- `basis`: k_proj and v_proj of each run share a basis per type (measured on the bundled model's validation
+  split: the form that paid most among k/v, q/k/v and joint q/k/v bases over runs of 2 and 4 layers);
+- `qkv`: one basis for q, k and v of all the run's layers (they read the same input);
+- `none`: per-matrix factors only (the same as `--sharing atoms --bases 0`);
+- `auto`: per run and projection type, shared basis or own factors, whichever the proxy prefers (`choose`).
+
+A basis of rank r is the first r rows of the whitened factorization of the stacked weights [W_l] under the
+run's summed input autocorrelation (Basis Sharing's construction); each A_l is refit on its own layer's
+statistics, so the error of each matrix at every basis size is exact (`whitening.refit_tail`): the allocation,
+the proxy and the built model agree. A basis costs r·in once plus r·out per reader: a rank-r factorization of
+the stacked matrix, so the allocation treats the readers of a basis as one unit with one rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from compressor.errors import UserError
+from compressor.grouping import consecutive_runs
+from compressor.methods.allocators import GlobalAllocator, allocator_for
+from compressor.methods.base import MethodContext, ModelShape, numerical_context
+from compressor.methods.masa.choice import choose_shared
+from compressor.methods.masa.stages import install_projection, residual_tail
+from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.progress import progress_bar
+from compressor.recipes.schema import CompressionSettings
+from compressor.remote_code.masa_modules import SharedInputLinear
+from compressor.whitening import low_rank_factors, refit_on_basis, refit_tail, whitened_svd, whitening_factor
+
+#: The input-basis forms (the other form, `atoms`, is `masa.stages`').
+BASIS_FORMS = ("basis", "qkv", "none", "auto")
+#: Projection types sharing a basis per type in the `basis` form.
+BASIS_TYPES = ("k_proj", "v_proj")
+#: Projection types sharing one joint basis in the `qkv` form, and its name.
+JOINT_TYPES, JOINT_NAME = ("q_proj", "k_proj", "v_proj"), "qkv"
+
+#: A run's shared bases: basis name -> the projection types reading it.
+Shared = dict[int, dict[str, tuple[str, ...]]]
+
+
+def settings_read(form: str) -> frozenset[str]:
+    """The settings an input-basis form reads (besides method and targets)."""
+    read = {"sharing", "allocation", "dense_when_cheaper", "statistics"}
+    return frozenset(read if form == "none" else read | {"basis_layers"})
+
+
+def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]) -> None:
+    """Refuse, before any heavy work, what the input-basis forms have no rule for."""
+    flag = f"--sharing {settings.sharing}"
+    if settings.allocation == "paper":
+        raise UserError(
+            f"{flag}: Algorithm 1 (--allocation paper) balances per-layer (Q,K)/(V,O) pairs and has no rule for a "
+            "basis shared across layers: use --allocation global-relative (or global)"
+        )
+    if settings.statistics == "sequential":
+        raise UserError(
+            f"{flag}: a shared basis reads several layers' statistics at once, which --statistics sequential "
+            "does not collect: use --statistics original"
+        )
+    if settings.auto_groups:
+        raise UserError(
+            f"{flag}: --auto-groups chooses groups and atoms for --sharing atoms: use --fixed-groups"
+        )
+    needs = {"basis": BASIS_TYPES, "qkv": JOINT_TYPES}.get(settings.sharing, ())
+    if needs and not set(needs) & set(targets):
+        raise UserError(
+            f"{flag} shares the input bases of {'/'.join(p.split('_')[0] for p in needs)}, which --targets mlp "
+            "leaves alone: use --targets attn or attn,mlp, or --sharing auto"
+        )
+
+
+def runs_of(shape: ModelShape, settings: CompressionSettings) -> list[list[int]]:
+    """The runs of consecutive layers (one run per layer for `none`: nothing is shared)."""
+    return consecutive_runs(shape.num_layers, 1 if settings.sharing == "none" else settings.basis_layers)
+
+
+def fixed_shared(shape: ModelShape, settings: CompressionSettings) -> Shared:
+    """The bases of the fixed forms; none for `none` and for `auto` before its choice."""
+    shared: Shared = {}
+    for index, layers in enumerate(runs_of(shape, settings)):
+        if len(layers) < 2:  # a run of one layer shares nothing
+            continue
+        if settings.sharing == "basis":
+            shared[index] = {p: (p,) for p in BASIS_TYPES if p in shape.targets}
+        elif settings.sharing == "qkv":
+            shared[index] = {JOINT_NAME: tuple(p for p in JOINT_TYPES if p in shape.targets)}
+    return shared
+
+
+def candidates(shape: ModelShape, settings: CompressionSettings) -> Shared:
+    """What `auto` chooses from: a basis per projection type for every run of several layers."""
+    runs = runs_of(shape, settings)
+    return {i: {p: (p,) for p in shape.targets} for i, layers in enumerate(runs) if len(layers) > 1}
+
+
+def basis_layout(
+    shape: ModelShape, settings: CompressionSettings, ratio: float, shared: Shared | None = None
+) -> CompressionPlan:
+    """The layout (ranks and basis sizes not yet allocated): projections reading a basis of `shared` (default:
+    the fixed form's) in `basis` mode, every other one `lowrank`."""
+    shared = fixed_shared(shape, settings) if shared is None else shared
+    groups, projections = [], []
+    for index, layers in enumerate(runs_of(shape, settings)):
+        groups.append(GroupPlan(index, layers, 0))
+        reads = {p: name for name, types in shared.get(index, {}).items() for p in types}
+        for layer in layers:
+            for p in shape.targets:
+                out, inp = shape.geometry.shape(p)
+                projections.append(ProjectionPlan(
+                    layer, p, out, inp, "basis" if p in reads else "lowrank", group=index,
+                    bias=shape.biases.get((layer, p), 0), basis=reads.get(p),
+                ))  # fmt: skip
+    plan = CompressionPlan(
+        settings.method, ratio, shape.params_before, shape.geometry, groups, projections, shape.targets
+    )
+    if plan.residual_budget() < 0:
+        raise UserError(
+            f"--ratio {ratio:g} is infeasible: the biases alone need {plan.fixed_params():,} of the "
+            f"{plan.budget:,} numbers allowed; use a smaller --ratio"
+        )
+    return plan
+
+
+def group_whitening(ctx: MethodContext, layers: list[int], p: str):
+    """Cholesky factor of the summed input autocorrelation of `p` over `layers` (damping reported)."""
+    with numerical_context(f"the summed {p} input autocorrelation of layers {layers}"):
+        factor = whitening_factor(
+            torch.stack([ctx.autocorr(layer, p).to(ctx.compute_device) for layer in layers]).sum(dim=0)
+        )
+    ctx.record_damping(factor, layers=list(layers), projection=p, input="group sum (shared basis)")
+    return factor
+
+
+def full_basis(ctx: MethodContext, layers: list[int], types: tuple[str, ...]) -> torch.Tensor:
+    """Every row of a run's shared basis, most important first (`(k, in)`, k = min(Σ out, in)): the whitened
+    factorization of the stacked weights of `types` over `layers` under their summed input autocorrelation."""
+    factor = group_whitening(ctx, layers, types[0])  # the types of one basis read the same input
+    stacked = torch.cat([ctx.weight(layer, p) for layer in layers for p in types])  # (Σ out, in)
+    with numerical_context(f"layers {layers} {'/'.join(types)}"):
+        u, sigma, vh = whitened_svd(stacked, factor.S)
+        return low_rank_factors(u, sigma, vh, factor.S, sigma.shape[0])[1]
+
+
+def shared_tails(
+    ctx: MethodContext, layers: list[int], types: tuple[str, ...]
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Each reader's exact whitened error at every size of the run's basis, its coefficients refit."""
+    basis = full_basis(ctx, layers, types)
+    return {
+        (layer, p): refit_tail(ctx.weight(layer, p), basis, ctx.whitening(layer, p).S).cpu()
+        for layer in layers
+        for p in types
+    }
+
+
+def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
+    """Pass 1: every matrix's tail, on its own and as a reader of its run's basis; the form's (or `auto`'s)
+    bases; the global allocation. Pass 2: the bases with their refit coefficients, then the per-matrix factors."""
+    settings, shape = ctx.settings, ctx.shape
+    start = time.perf_counter()
+    runs = runs_of(shape, settings)
+    offered = candidates(shape, settings) if settings.sharing == "auto" else fixed_shared(shape, settings)
+    own_needed = [(layer, p) for layer in range(shape.num_layers) for p in shape.targets]
+    if settings.sharing != "auto":  # a fixed form never factors a basis reader on its own
+        read = {(layer, p) for i, b in offered.items() for t in b.values() for p in t for layer in runs[i]}
+        own_needed = [key for key in own_needed if key not in read]
+    total = len(own_needed) + sum(len(b) for b in offered.values())
+    own, as_reader = {}, {}
+    with progress_bar("Spectra", total=total, enabled=ctx.progress) as bar:
+        for layer, p in own_needed:
+            own[(layer, p)] = residual_tail(ctx, layer, p, ctx.weight(layer, p))
+            bar.advance()
+        for index, bases in offered.items():
+            for name, types in bases.items():
+                as_reader[(index, name)] = shared_tails(ctx, runs[index], types)
+                bar.advance()
+    allocator = allocator_for(settings.allocation, settings.dense_when_cheaper)
+    assert isinstance(allocator, GlobalAllocator)  # check_basis_settings refuses the paper's
+
+    def layout(shared: Shared) -> tuple[CompressionPlan, dict]:
+        tails = dict(own)
+        for index, bases in shared.items():
+            for name in bases:
+                tails.update(as_reader[(index, name)])
+        return basis_layout(shape, settings, ctx.ratio, shared), tails
+
+    if settings.sharing == "auto":
+        shared, ctx.report["sharing_choice"] = choose_shared(offered, layout, allocator, ctx.output_energy)
+    else:
+        shared = offered
+    plan, tails = layout(shared)
+    ctx.report.update(allocator.allocate(plan, tails, ctx.output_energy))
+    plan.check_budget()
+    ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy)
+    install_all(ctx, plan)
+    ctx.seconds["residual_svd"] = time.perf_counter() - start
+    return plan
+
+
+def install_all(ctx: MethodContext, plan: CompressionPlan) -> None:
+    """Pass 2: build each shared basis at its allocated size with its readers, and every other matrix's factors."""
+    units = plan.allocation_units()
+    with progress_bar("Factors", total=len(units), enabled=ctx.progress) as bar:
+        for key, members in units.items():
+            if members[0].mode == "basis":
+                install_shared_basis(ctx, plan, members)
+            else:
+                install_projection(ctx, plan, {}, {}, *key, ctx.whitening(*key))
+            bar.advance()
+
+
+def install_shared_basis(ctx: MethodContext, plan: CompressionPlan, members: list[ProjectionPlan]) -> None:
+    """One shared basis at its allocated size, each reader installed on it with its own refit coefficients."""
+    layers = plan.groups[members[0].group].layers
+    types = tuple(dict.fromkeys(pp.projection for pp in members))
+    basis = full_basis(ctx, layers, types)[: members[0].rank]
+    shared = SharedInputLinear.shared_basis(basis, ctx.model_dtype, ctx.model_device)
+    for pp in members:
+        with numerical_context(f"layer {pp.layer} {pp.projection}"):
+            a = refit_on_basis(
+                ctx.weight(pp.layer, pp.projection), basis, ctx.whitening(pp.layer, pp.projection).S
+            )
+        module = SharedInputLinear.from_factors(
+            shared, a, ctx.bias(pp.layer, pp.projection), ctx.model_dtype, ctx.model_device
+        )
+        ctx.install(pp.layer, pp.projection, module)
+
+
+def sharing_report(plan: CompressionPlan, tails: dict, output_energy) -> dict:
+    """The proxy: Σ of each matrix's relative whitened error ‖(W − Ŵ) S‖² / ‖W S‖², exact for the built model
+    (what `global-relative` minimises; `global` minimises the absolute errors) and, per shared basis, its
+    readers, size and their mean relative error."""
+
+    def relative(pp) -> float:
+        if pp.mode == "dense":
+            return 0.0
+        return float(tails[(pp.layer, pp.projection)][pp.rank]) / (
+            output_energy(pp.layer, pp.projection) or 1.0
+        )
+
+    bases = {}
+    for pp in plan.projections:
+        if pp.mode == "basis":
+            row = bases.setdefault((pp.group, pp.basis), {
+                "group": pp.group, "basis": pp.basis, "layers": plan.groups[pp.group].layers,
+                "projections": [], "size": pp.rank, "errors": [],
+            })  # fmt: skip
+            row["projections"] = sorted(set(row["projections"]) | {pp.projection})
+            row["errors"].append(relative(pp))
+    rows = [{**{k: v for k, v in r.items() if k != "errors"}, "relative_error": sum(r["errors"]) / len(r["errors"])}
+            for r in bases.values()]  # fmt: skip
+    errors = [relative(pp) for pp in plan.projections]
+    return {"proxy_error": sum(errors), "proxy_error_mean": sum(errors) / len(errors), "bases": rows}
