@@ -13,7 +13,7 @@ from benchmarks.quality import compare, run_quality, strip_windows, variant_key
 
 # The paper-faithful settings spelled out under method `masa`, so that each row can change one of them
 # (`--method masa-paper` pins them all).
-PAPER = {"method": "masa", "groups": 3, "bases": 1, "atoms": "plain", "allocation": "paper",
+PAPER = {"method": "masa", "sharing": "atoms", "groups": 3, "bases": 1, "atoms": "plain", "allocation": "paper",
          "singletons": "keep", "end_boundaries": True, "statistics": "original",
          "dense_when_cheaper": False}  # fmt: skip
 
@@ -67,15 +67,21 @@ ABLATIONS: dict[str, dict] = {
         "dense_when_cheaper": True,
         "bases": 0,
     },
-    # The default: global-relative + dense when cheaper + singletons compressed (the rest as the paper).
-    "masa (default)": {"method": "masa"},
-    "masa (default), zero atoms": {"method": "masa", "bases": 0},
-    "auto G and B (proxy)": {"method": "masa", "auto_groups": True},
+    # The default this ablation was run for (`--sharing atoms`, before `basis` became the default):
+    # global-relative + dense when cheaper + singletons compressed (the rest as the paper).
+    "masa (default)": {"method": "masa", "sharing": "atoms"},
+    "masa (default), zero atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
+    "auto G and B (proxy)": {"method": "masa", "sharing": "atoms", "auto_groups": True},
     # `--targets attn,mlp`: the ratio then counts every linear projection of the layers; the reference is
     # SVD-LLM on the same targets.
     "svd-llm, attn+mlp": {"method": "svd-llm", "targets": "attn,mlp"},
-    "masa (default), attn+mlp": {"method": "masa", "targets": "attn,mlp"},
-    "masa (default), attn+mlp, zero atoms": {"method": "masa", "targets": "attn,mlp", "bases": 0},
+    "masa (default), attn+mlp": {"method": "masa", "sharing": "atoms", "targets": "attn,mlp"},
+    "masa (default), attn+mlp, zero atoms": {
+        "method": "masa",
+        "sharing": "atoms",
+        "targets": "attn,mlp",
+        "bases": 0,
+    },
 }
 
 

@@ -19,6 +19,7 @@ from compressor.capture import collect_statistics
 from compressor.config import CompressOptions
 from compressor.evaluate import evaluate_against, evaluate_perplexity
 from compressor.intervals import paired_difference
+from compressor.methods import get_method
 from compressor.models import load_model
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
@@ -34,11 +35,16 @@ from compressor.session import (
 VARIANTS: dict[str, dict] = {
     "masa": {"method": "masa"},
     "masa-paper": {"method": "masa-paper"},
-    "masa-zero-atoms": {"method": "masa", "bases": 0},
+    "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},
     "svd": {"method": "svd"},
     "shared-mean": {"method": "shared-mean"},
     "basis-sharing": {"method": "basis-sharing"},
+    # MASA's forms of sharing (`--sharing`), every other setting the recipe's
+    **{
+        f"sharing-{form}": {"method": "masa", "sharing": form}
+        for form in ("atoms", "basis", "qkv", "none", "auto")
+    },
 }
 
 
@@ -113,6 +119,8 @@ def build_variant(
     """A compressed copy of the model (the recipe's settings with `overrides`) and its row, not yet scored."""
     model_copy = copy.deepcopy(setup.loaded.model)
     settings = CompressionSettings(**{**setup.recipe.compression.model_dump(), **overrides})
+    # As a CLI run would: a setting the method does not read is an error, never silently dropped.
+    get_method(settings.method).refuse_unread(overrides, settings)
     start = time.perf_counter()
     outcome = compress_model(
         model_copy,
@@ -134,9 +142,17 @@ def build_variant(
         "settings": settings.model_dump(),
         "groups": outcome.report.get("grouping", {}).get("groups"),
         "report": {
-            k: outcome.report[k] for k in ("shape_search", "effective_settings") if k in outcome.report
+            k: outcome.report[k]
+            for k in ("shape_search", "effective_settings", "sharing", "atoms_dropped_unused")
+            if k in outcome.report
         },
     }
+    choice = outcome.report.get("sharing_choice")
+    if choice:  # what --sharing auto chose, without the per-candidate costs
+        row["report"]["sharing_choice"] = {
+            "rounds": choice["rounds"],
+            "chosen": [[c["group"], c["projection"]] for c in choice["candidates"] if c["chosen"] == "basis"],
+        }
     return model_copy, row
 
 

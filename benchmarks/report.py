@@ -20,6 +20,7 @@ from benchmarks.report_committed import (
     _mlp_section,
     _shape_search_section,
     _sharing_forms_section,
+    _sharing_section,
 )
 
 __all__ = ["REPO", "TARGETS", "render"]
@@ -46,6 +47,14 @@ def _summary(results: dict) -> list[str]:
         f"| decode latency, compressed / original (`decode_latency_ratio`) | "
         f"{results['decode_latency_ratio']:.3f}x | (information) | |",
     ]
+    latency = results.get("latency", {})
+    if "prefill_ratio_to_previous" in latency:  # today's default vs the former one, same ratio, one process
+        for phase in ("prefill", "decode"):
+            value = latency[f"{phase}_ratio_to_previous"]
+            rows.append(
+                f"| {phase} latency, default checkpoint / the former default's (`{phase}_ratio_to_previous`) | "
+                f"{value:.3f}x | ≤ 1x (no slower) | {'met' if value <= 1.0 else '**missed**'} |"
+            )
     return rows
 
 
@@ -206,6 +215,14 @@ def _latency_section(results: dict, rel) -> list[str]:
         f"- Greedy decoding: {lat['decoded_tokens_equal_to_original']} of the {lat['decode_tokens']} tokens "
         "equal the original model's (the models differ by design; shown for orientation).",
     ]
+    previous = lat.get("previous")
+    if previous:  # the former default's checkpoint at the same ratio, timed in the same process
+        lines.append(
+            f"- Against the former default (`{lat.get('previous_settings', '--sharing atoms')}`, same ratio and "
+            f"calibration, timed alongside): prefill {previous['prefill_ms']:,.1f} ms, decode "
+            f"{previous['decode_ms']:,.1f} ms; today's default takes **{lat['prefill_ratio_to_previous']:.3f}x** "
+            f"its prefill and **{lat['decode_ratio_to_previous']:.3f}x** its decode."
+        )
     for phase, key in (("prefill", "prefill_latency_ratio"), ("decode", "decode_latency_ratio")):
         extra = k[f"{phase}_ms"] - o[f"{phase}_ms"]
         if results[key] <= TARGETS["prefill_latency_ratio"][0] or extra <= 0:
@@ -374,6 +391,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
     lines += _calibration_size_section(doc)
     lines += _mlp_section(doc)
     lines += _shape_search_section(doc)
+    lines += _sharing_section(doc)
     lines += _sharing_forms_section(doc)
     lines += _basis_sharing_section(doc, results)
     notes = results.get("notes") or []

@@ -249,3 +249,87 @@ def _basis_sharing_section(doc: Path, results: dict) -> list[str]:
         ],
         "",
     ]
+
+
+#: `python -m benchmarks.quality --variants <the columns> --ratios R --split S --out benchmarks/sharing/S-R.json`
+SHARING_DIR = "sharing"
+SHARING_COLUMNS = (
+    ("sharing-none", "`none`"),
+    ("sharing-atoms", "`atoms`"),
+    ("sharing-basis", "`basis`"),
+    ("sharing-qkv", "`qkv`"),
+    ("sharing-auto", "`auto`"),
+    ("basis-sharing", "basis-sharing"),
+    ("svd-llm", "svd-llm"),
+)
+
+
+def _sharing_rows(split: str) -> tuple[list[Path], dict, dict]:
+    """The committed runs of one split: their paths, rows by (variant, ratio), and the original's by ratio."""
+    folder = REPO / "benchmarks" / SHARING_DIR
+    paths = sorted(folder.glob(f"{split}*.json"))
+    rows, originals = {}, {}
+    for path in paths:
+        result = json.loads(path.read_text())
+        for row in result["quality"]:
+            rows[(row["method"], row["ratio"])] = row
+            originals[row["ratio"]] = (
+                result["original_ppl"],
+                result["original_ppl_ci95"],
+                result["evaluation"],
+            )
+    return paths, rows, originals
+
+
+def _sharing_section(doc: Path) -> list[str]:
+    """Issue 13: MASA's forms of sharing in the tool (`--sharing`), beside Basis Sharing and SVD-LLM, on one
+    calibration per ratio, scored with the original in one pass; chosen on validation, reported on test."""
+    from compressor.recipes.schema import builtin_recipe
+
+    default = builtin_recipe("smollm2-135m").compression.sharing
+    lines = []
+    for split in ("test", "validation"):
+        paths, rows, originals = _sharing_rows(split)
+        if not paths:
+            continue
+        tokens = next(iter(originals.values()))[2]["tokens"]
+        present = [(v, label) for v, label in SHARING_COLUMNS if any(k[0] == v for k in rows)]
+        ratios = sorted(originals)
+        lines += [
+            f"### MASA's forms of sharing (`--sharing`) on the {split} split",
+            "",
+            f"From `python -m benchmarks.quality --variants ... --ratios R --split {split}` ({_sources(paths, doc)}): "
+            f"at each ratio one calibration for every column, scored with the original in one pass over the "
+            f"{tokens:,} {split} tokens. The default is `--sharing {default}` (its column is the default). Second "
+            "table: the paired difference to `none` (negative: the form beats per-matrix factors) and that "
+            "difference as a share of `none`'s perplexity rise over the original.",
+            "",
+            "| ratio | original | " + " | ".join(label for _, label in present) + " |",
+            "|---|---|" + "---|" * len(present),
+        ]
+        for r in ratios:
+            cells = [_ppl_cell(rows.get((v, r))) for v, _ in present]
+            lines.append(f"| {r:g} | {originals[r][0]:.3f} | " + " | ".join(cells) + " |")
+        lines += ["", "| ratio | " + " | ".join(f"{label} − `none`" for _, label in present[1:]) + " |",
+                  "|---|" + "---|" * (len(present) - 1)]  # fmt: skip
+        for r in ratios:
+            none = rows.get(("sharing-none", r))
+            cells = [_versus_none(rows.get((v, r)), none) for v, _ in present[1:]]
+            lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _ppl_cell(row: dict | None) -> str:
+    return "—" if row is None else f"{row['ppl']:.3f}{_ci(row.get('ppl_ci95'))}"
+
+
+def _versus_none(row: dict | None, none: dict | None) -> str:
+    """This row minus `none` (paired, from `none`'s point of view reversed) and its share of `none`'s rise."""
+    diff = None if row is None else row.get("sharing-none_minus_this")
+    if diff is None or none is None:
+        return "—"
+    if diff["value"] == 0.0 and diff["ci95"] == [0.0, 0.0]:
+        return "identical models"
+    flipped = {"value": -diff["value"], "ci95": [-diff["ci95"][1], -diff["ci95"][0]], "tie": diff["tie"]}
+    return f"{_difference(flipped)}, {flipped['value'] / none['rise']['value']:+.0%} of the rise"

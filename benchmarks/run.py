@@ -49,7 +49,7 @@ FULL = {
     "methods": ["masa", "svd-llm"],
     "ratios": [0.1, 0.2, 0.3, 0.4],
     # Ablations measured once, at the headline ratio: the paper's configuration and the default without atoms.
-    "extra_variants": {0.2: ["masa-paper", "masa-zero-atoms"]},
+    "extra_variants": {0.2: ["masa-paper", "sharing-none", "sharing-atoms"]},
     "calib_samples": None,  # the recipe's: 64 windows
     "seq_len": None,  # the recipe's: 512 tokens
     "eval_split": "test",

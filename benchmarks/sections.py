@@ -152,18 +152,41 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
     }
 
 
+#: The default before the input-basis forms (issue "Sharing that pays"): its checkpoint is timed beside today's.
+PREVIOUS_DEFAULT = "--sharing atoms"
+
+
+def _previous_default_checkpoint(s: dict, checkpoint: Path) -> Path:
+    """The former default's checkpoint at the same ratio and calibration, beside `checkpoint`."""
+    previous = checkpoint.with_name(checkpoint.name + "-previous-default")
+    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", *PREVIOUS_DEFAULT.split()]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            args += [flag, str(s[key])]
+    log(f"the former default's checkpoint: masa-compress {' '.join(args)}")
+    run_module_measured(
+        "compressor", [*args, "--out", str(previous), "--overwrite"], "the former default's run"
+    )
+    return previous
+
+
 def section_latency(s: dict, checkpoint: Path) -> dict:
     from benchmarks.speed import checkpoint_bytes
     from compressor.models import bundled_model_dir, resolve_model
 
+    previous = _previous_default_checkpoint(s, checkpoint)
     log(f"latency: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens (fresh process)")
     latency = run_json_child(
         ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
         + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
-        + ["--repeats", str(s["latency_repeats"])],
+        + ["--repeats", str(s["latency_repeats"]), "--previous", str(previous)],
         "the latency measurement",
     )
     log(f"  prefill ratio {latency['prefill_ratio']:.3f}, decode ratio {latency['decode_ratio']:.3f}")
+    log(
+        f"  to the former default ({PREVIOUS_DEFAULT}): prefill {latency['prefill_ratio_to_previous']:.3f}, "
+        f"decode {latency['decode_ratio_to_previous']:.3f}"
+    )
     memory = {}
     for name, spec in (("original", MODEL), ("compressed", str(checkpoint))):
         log(f"inference memory of the {name} model (fresh process)")
@@ -174,6 +197,7 @@ def section_latency(s: dict, checkpoint: Path) -> dict:
         )
     memory["original_file_mib"] = checkpoint_bytes(bundled_model_dir(resolve_model(MODEL), False)) / 1024**2
     memory["compressed_file_mib"] = checkpoint_bytes(checkpoint) / 1024**2
+    latency["previous_settings"] = PREVIOUS_DEFAULT
     return {
         "latency": latency,
         "inference_memory": memory,
