@@ -200,7 +200,8 @@ def plot_ranks(
     path: Path, projections: Sequence[dict], title: str, initial: dict[str, int] | None = None
 ) -> Path:
     """Residual (or low-rank) rank per layer and projection type; layers kept whole shaded, single projections
-    kept whole (factors would have cost more) marked × at their full rank; with `initial` (projection →
+    kept whole (factors would have cost more) marked × at their full rank, readers of a shared input basis
+    marked □ at its size; with `initial` (projection →
     Algorithm 1's starting rank) dotted lines show where the balancing started."""
     fig = _figure(*RUN_FIGSIZE)
     ax = fig.add_subplot()
@@ -212,7 +213,7 @@ def plot_ranks(
     for i, layer in enumerate(whole_layers):
         label = "layer kept whole" if i == 0 else None
         ax.axvspan(layer - 0.5, layer + 0.5, color=SINGLETON_COLOR, alpha=0.5, lw=0, label=label)
-    marked = False
+    marked = shared = False
     for p in present_projections(projections):
         mine = [pp for pp in projections if pp["projection"] == p and pp["layer"] not in whole_layers]
         rows = sorted((pp["layer"], pp["rank"]) for pp in mine if pp["mode"] != "dense")
@@ -226,6 +227,10 @@ def plot_ranks(
             for x, y in zip(xs, ys, strict=True):
                 line[x] = y
             ax.plot(range(n_layers), line, "-o", ms=3, color=PROJECTION_COLORS[p], label=p)
+            readers = sorted((pp["layer"], pp["rank"]) for pp in mine if pp["mode"] == "basis")
+            if readers:  # the size of the shared input basis they read
+                ax.plot(*zip(*readers, strict=True), "s", ms=6, mfc="none", color=PROJECTION_COLORS[p])
+                shared = True
             if initial and p in initial:
                 ax.plot(xs, [initial[p]] * len(xs), ":", lw=1.2, color=PROJECTION_COLORS[p])
         if whole:
@@ -235,11 +240,13 @@ def plot_ranks(
             marked = True
     if marked:
         ax.plot([], [], "x", color="#555555", label="kept whole (factors dearer)")
+    if shared:
+        ax.plot([], [], "s", mfc="none", color="#555555", label="reads a shared input basis (its size)")
     if initial:
         ax.plot([], [], ":", color="#555555", label="initial (Algorithm 1)")
     ax.set_xlim(-0.5, n_layers - 0.5)
     ax.set_xlabel("layer")
-    ax.set_ylabel("rank of the residual factors")
+    ax.set_ylabel("rank of the residual factors / basis size")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.legend(loc="outside right upper", fontsize=8)
