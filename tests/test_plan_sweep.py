@@ -47,7 +47,9 @@ def _config(recipe: str):
 
 @pytest.mark.parametrize("recipe", sorted(SHAPES))
 @pytest.mark.parametrize(
-    ("method", "form"), [(m, {}) for m in sorted(REGISTRY)] + [("masa", {"sharing": "basis"})]
+    ("method", "form"),
+    [(m, {}) for m in sorted(REGISTRY)]
+    + [("masa", {"sharing": f}) for f in ("atoms", "qkv", "none", "auto")],
 )
 @pytest.mark.parametrize("targets", ["attn", "attn,mlp"])
 def test_plan_holds_the_budget_or_says_why(recipe, method, form, targets):
