@@ -293,14 +293,18 @@ def _sharing_section(doc: Path) -> list[str]:
         if not paths:
             continue
         tokens = next(iter(originals.values()))[2]["tokens"]
-        present = [(v, label) for v, label in SHARING_COLUMNS if any(k[0] == v for k in rows)]
+        present = [
+            (v, label + (" (default)" if v == f"sharing-{default}" else ""))
+            for v, label in SHARING_COLUMNS
+            if any(k[0] == v for k in rows)
+        ]
         ratios = sorted(originals)
         lines += [
             f"### MASA's forms of sharing (`--sharing`) on the {split} split",
             "",
             f"From `python -m benchmarks.quality --variants ... --ratios R --split {split}` ({_sources(paths, doc)}): "
             f"at each ratio one calibration for every column, scored with the original in one pass over the "
-            f"{tokens:,} {split} tokens. The default is `--sharing {default}` (its column is the default). Second "
+            f"{tokens:,} {split} tokens. The default is `--sharing {default}`. Second "
             "table: the paired difference to `none` (negative: the form beats per-matrix factors) and that "
             "difference as a share of `none`'s perplexity rise over the original.",
             "",

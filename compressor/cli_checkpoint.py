@@ -112,7 +112,13 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
     comp = info["compression"]
     if comp:
         rows.append(("settings", ", ".join(f"{k}={v}" for k, v in comp.items())))
-    if info["groups"]:
+    bases = info.get("shared_bases") or []
+    if bases:
+        rows.append(("shared input bases", "  ".join(
+            f"{group_label(b['layers'])} {'/'.join(p.removesuffix('_proj') for p in b['projections'])} {b['size']}"
+            for b in bases
+        )))  # fmt: skip
+    elif info["groups"]:
         groups = "  ".join(
             f"{group_label(g['layers'])} " + (f"B={g['n_atoms']}" if len(g["layers"]) > 1 else "alone")
             for g in info["groups"]
@@ -123,14 +129,19 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
 
 
 def _ranks_table(info: dict) -> Table:
-    ranks = Table(title="per layer: mode and residual rank (atoms)")
+    ranks = Table(
+        title="per layer: rank of each projection · (B) B atoms · ◇ reads a shared input basis of this size"
+    )
     for col in ("layer", "mode", "group", "q_proj", "k_proj", "v_proj", "o_proj"):
         ranks.add_column(col, justify="right" if col != "mode" else "left")
     for row in info["ranks"]:
         cells = []
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if row["mode"] == "dense":
+            mode = row.get(f"{p}_mode", row["mode"])  # checkpoints read before per-projection modes
+            if mode == "dense":
                 cells.append("whole")
+            elif mode == "basis":
+                cells.append(f"{row.get(p)} ◇")
             else:
                 atoms = row.get(f"{p}_atoms", 0)
                 cells.append(f"{row.get(p)}" + (f" ({atoms})" if atoms else ""))

@@ -256,6 +256,19 @@ def write_inspect_outputs(out_dir, inspection: dict) -> list:
 # show
 
 
+def _shared_bases(layout: dict) -> list[dict]:
+    """Each input basis a run of layers shares: its run, the projection types reading it and its size."""
+    bases: dict[tuple, dict] = {}
+    for spec in layout.get("projections", []):
+        if spec["mode"] == "basis":
+            row = bases.setdefault((spec["group"], spec["basis"]), {
+                "group": spec["group"], "basis": spec["basis"], "size": spec["rank"], "layers": [], "projections": [],
+            })  # fmt: skip
+            row["layers"] = sorted(set(row["layers"]) | {spec["layer"]})
+            row["projections"] = sorted(set(row["projections"]) | {spec["projection"]})
+    return list(bases.values())
+
+
 def describe_checkpoint(path: str) -> dict:
     """What a compressed checkpoint holds, from its `masa_config.json` (no weights are read)."""
     config = read_masa_config(path)
@@ -271,6 +284,9 @@ def describe_checkpoint(path: str) -> dict:
         )
         row[spec["projection"]] = spec.get("rank")
         row[f"{spec['projection']}_atoms"] = spec.get("n_atoms", 0)
+        row[f"{spec['projection']}_mode"] = spec["mode"]
+        if spec["mode"] != "dense":  # a layer is `dense` only when all its projections are kept whole
+            row["mode"] = spec["mode"] if row["mode"] in ("dense", spec["mode"]) else "mixed"
     files = config.get("files") or {}
     grouping = (meta.get("report") or {}).get("grouping") or {}
     return {
@@ -290,6 +306,7 @@ def describe_checkpoint(path: str) -> dict:
         "attention_params_after": counts.get("attention_params_after"),
         "total_params": counts.get("total_params"),
         "groups": layout.get("groups", []),
+        "shared_bases": _shared_bases(layout),
         "grouping_rule": grouping.get("rule"),
         "logit_lens": grouping.get("logit_lens"),
         "ranks": [by_layer[k] for k in sorted(by_layer)],

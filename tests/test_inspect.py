@@ -308,6 +308,24 @@ def test_show_describes_a_saved_checkpoint(tmp_path, capsys):
     assert code == 2 and "masa_config.json" in err
 
 
+def test_show_names_each_shared_input_basis_and_its_readers(tmp_path, capsys):
+    from compressor.checkpoint import save_compressed
+
+    model, _, outcome = _compressed("llama", 0.3, sharing="basis", basis_layers=4)
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt", metadata={"method": "masa"})
+    code, out, _ = _cli(capsys, "show", str(path), "--json")
+    assert code == 0
+    expected = {(pp.group, pp.basis): pp.rank for pp in outcome.plan.projections if pp.mode == "basis"}
+    shown = json.loads(out)["shared_bases"]
+    assert expected and {(b["group"], b["basis"]): b["size"] for b in shown} == expected
+    for row in shown:
+        readers = [pp for pp in outcome.plan.projections if pp.mode == "basis" and pp.group == row["group"]
+                   and pp.basis == row["basis"]]  # fmt: skip
+        assert row["layers"] == sorted({pp.layer for pp in readers})
+    code, table, _ = _cli(capsys, "show", str(path))
+    assert code == 0 and "shared input bases" in table and "◇" in table
+
+
 def test_plan_with_global_allocation_reports_the_bound(tmp_path, capsys):
     tiny_config("llama", num_hidden_layers=6).save_pretrained(tmp_path)
     code, out, _ = _cli(
