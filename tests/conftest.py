@@ -142,3 +142,20 @@ def relative_whitened_error(original, compressed, stats, projections) -> float:
             e = w - dense_weight(after.projection(layer, p)).detach().double()
             total += float(torch.trace(e @ c @ e.T) / torch.trace(w @ c @ w.T))
     return total
+
+
+def reloaded_identically(model, path, seq_len: int = 12) -> list:
+    """Both loaders of a saved checkpoint (ours and transformers' remote code): each reproduces `model`'s
+    logits and holds as many parameters (a shared tensor stored once is loaded once). Returns the two models."""
+    from transformers import AutoModelForCausalLM
+
+    from compressor.checkpoint import load_compressed
+
+    x = random_windows(2, seq_len)
+    reloaded = [load_compressed(path), AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)]
+    with torch.no_grad():
+        expected = model(x).logits
+        for other in reloaded:
+            torch.testing.assert_close(other(x).logits, expected, rtol=0, atol=1e-5)
+            assert sum(p.numel() for p in other.parameters()) == sum(p.numel() for p in model.parameters())
+    return reloaded

@@ -8,11 +8,17 @@ import copy
 
 import pytest
 import torch
-from conftest import plant_identical_layers, random_windows, relative_whitened_error, tiny_model
+from conftest import (
+    plant_identical_layers,
+    random_windows,
+    relative_whitened_error,
+    reloaded_identically,
+    tiny_model,
+)
 
 from compressor.adapters import PROJECTIONS, get_adapter
 from compressor.capture import collect_statistics
-from compressor.checkpoint import load_compressed, save_compressed
+from compressor.checkpoint import save_compressed
 from compressor.errors import UserError
 from compressor.methods import get_method
 from compressor.methods.allocators import GlobalAllocator
@@ -237,8 +243,6 @@ def test_auto_shares_what_is_planted_and_never_ends_above_none_on_the_proxy():
 
 @pytest.mark.parametrize(("family", "sharing"), [("llama", "basis"), ("qwen2", "basis"), ("llama", "qkv")])
 def test_compressed_model_shares_bases_and_saves_loads_identically(family, sharing, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = tiny_model(family, num_hidden_layers=6)
     outcome, _ = _compress(model, _form(sharing))
     plan = outcome.plan
@@ -253,16 +257,7 @@ def test_compressed_model_shares_bases_and_saves_loads_identically(family, shari
     rows = outcome.report["sharing"]["bases"]
     assert all(0.0 <= r["relative_error"] <= 1.0 for r in rows)
 
-    path = save_compressed(model, plan, tmp_path / "ckpt", metadata={"method": "masa"})
-    x = random_windows(2, 12)
-    with torch.no_grad():
-        expected = model(x).logits
-        for reloaded in (
-            load_compressed(path),
-            AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True),
-        ):
-            torch.testing.assert_close(reloaded(x).logits, expected, rtol=0, atol=1e-5)
-            assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in model.parameters())
+    reloaded_identically(model, save_compressed(model, plan, tmp_path / "ckpt", metadata={"method": "masa"}))
 
 
 # -- options ---------------------------------------------------------------------------------------------------
