@@ -43,7 +43,10 @@ def _ablation_section(doc: Path) -> list[str]:
     validation = REPO / "benchmarks" / VALIDATION_ABLATION_FILE
     if validation.is_file():
         lines += [
-            "## The default's choices, checked on the validation split (ratio 0.2)",
+            "## The atoms form's choices, checked on the validation split (ratio 0.2)",
+            "",
+            "Measured when the atoms form was the default (before `--sharing basis`): `masa (default)` below is "
+            "`--sharing atoms`, and `masa (default), zero atoms` is today's `--sharing none`.",
             "",
             f"From `python -m benchmarks.ablation --only ... --out benchmarks/{VALIDATION_ABLATION_FILE}` "
             f"({_sources([validation], doc)}): the paper-faithful configuration, each change the default makes, "
@@ -59,7 +62,7 @@ def _ablation_section(doc: Path) -> list[str]:
     found = [REPO / "benchmarks" / name for name in ABLATION_FILES if (REPO / "benchmarks" / name).is_file()]
     if found:
         lines += [
-            "## History: the ablation that chose the default (first 20,440 validation tokens, no intervals)",
+            "## History: the ablation that chose the atoms form's settings (first 20,440 validation tokens, no intervals)",
             "",
             f"From `python -m benchmarks.ablation` ({_sources(found, doc)}), each candidate alone over the "
             "paper-faithful configuration, then combinations; every row's `settings` are in its file. Measured "
