@@ -13,7 +13,7 @@ from rich.table import Table
 from compressor.checkpoint import export_dense
 from compressor.cli import JsonOpt
 from compressor.inspection import describe_checkpoint
-from compressor.report import group_label
+from compressor.report import basis_label, group_label
 
 console = Console()
 
@@ -114,10 +114,7 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
         rows.append(("settings", ", ".join(f"{k}={v}" for k, v in comp.items())))
     bases = info.get("shared_bases") or []
     if bases:
-        rows.append(("shared input bases", "  ".join(
-            f"{group_label(b['layers'])} {'/'.join(p.removesuffix('_proj') for p in b['projections'])} {b['size']}"
-            for b in bases
-        )))  # fmt: skip
+        rows.append(("shared input bases", "  ".join(basis_label(b) for b in bases)))
     elif info["groups"]:
         groups = "  ".join(
             f"{group_label(g['layers'])} " + (f"B={g['n_atoms']}" if len(g["layers"]) > 1 else "alone")

@@ -14,6 +14,7 @@ from compressor.api import compress
 from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
 from compressor.cli_inspect import show_plan
 from compressor.config import CompressOptions
+from compressor.report import basis_label, group_label
 
 console = Console()
 
@@ -136,8 +137,7 @@ def print_summary(summary: dict) -> None:
     grouping = summary["report"].get("grouping")
     if grouping:
         console.print(
-            f"[bold]Groups[/] ({grouping['rule']}): "
-            + "  ".join(f"[{g[0]}]" if len(g) == 1 else f"[{g[0]}–{g[-1]}]" for g in grouping["groups"])
+            f"[bold]Groups[/] ({grouping['rule']}): " + "  ".join(group_label(g) for g in grouping["groups"])
         )
     print_sharing(summary["report"])
     search = summary["report"].get("shape_search")
@@ -199,11 +199,8 @@ def print_sharing(report: dict) -> None:
     bases = sharing["bases"]
     console.print(
         f"[bold]Shared input bases[/] ({len(bases)}; run: readers size (mean relative whitened error)): "
-        + ("  ".join(
-            f"[{r['layers'][0]}–{r['layers'][-1]}] {'/'.join(p.split('_')[0] for p in r['projections'])} "
-            f"{r['size']} ({r['relative_error']:.3f})" for r in bases
-        ) or "none")
-    )  # fmt: skip
+        + ("  ".join(f"{basis_label(r)} ({r['relative_error']:.3f})" for r in bases) or "none")
+    )
     choice = report.get("sharing_choice")
     if choice:
         shared = [c for c in choice["candidates"] if c["chosen"] == "basis"]

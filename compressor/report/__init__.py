@@ -19,6 +19,7 @@ from compressor.report.plots import (
 )
 from compressor.report.records import (
     ENERGY_CURVE_MAX_ATOMS,
+    basis_label,
     energy_record,
     format_groups,
     group_label,
@@ -32,6 +33,7 @@ from compressor.report.tables import energy_table, groupings_table, input_bases_
 __all__ = [
     "DPI",
     "ENERGY_CURVE_MAX_ATOMS",
+    "basis_label",
     "INSPECT_ENERGY_FIGSIZE",
     "KL_PANEL_INCHES",
     "MAP_EXTRA_INCHES",

@@ -29,6 +29,12 @@ def format_groups(groups: Sequence[Sequence[int]]) -> str:
     return " ".join(group_label(g) for g in groups)
 
 
+def basis_label(basis: dict) -> str:
+    """`[0–3] k/v 320`: a shared input basis's run of layers, the projection types reading it, and its size."""
+    readers = "/".join(p.removesuffix("_proj") for p in basis["projections"])
+    return f"{group_label(basis['layers'])} {readers} {basis['size']}"
+
+
 def energy_record(
     group: int, layers: Sequence[int], projection: str, eigenvalues: torch.Tensor, n_atoms: int
 ) -> dict:

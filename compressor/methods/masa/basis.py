@@ -26,7 +26,7 @@ from compressor.errors import UserError
 from compressor.grouping import consecutive_runs
 from compressor.methods.allocators import GlobalAllocator, allocator_for
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
-from compressor.methods.masa.choice import choose_shared
+from compressor.methods.masa.choice import Shared, choose_shared
 from compressor.methods.masa.stages import install_projection, residual_tail
 from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
 from compressor.progress import progress_bar
@@ -40,9 +40,6 @@ BASIS_FORMS = ("basis", "qkv", "none", "auto")
 BASIS_TYPES = ("k_proj", "v_proj")
 #: Projection types sharing one joint basis in the `qkv` form, and its name.
 JOINT_TYPES, JOINT_NAME = ("q_proj", "k_proj", "v_proj"), "qkv"
-
-#: A run's shared bases: basis name -> the projection types reading it.
-Shared = dict[int, dict[str, tuple[str, ...]]]
 
 
 def settings_read(form: str) -> frozenset[str]:

@@ -18,7 +18,7 @@ from compressor.allocation import cost_at_price, marginal_price
 from compressor.methods.allocators import GlobalAllocator, OutputEnergy
 from compressor.plan import CompressionPlan
 
-#: A run's shared bases: basis name -> the projection types reading it (as `masa.basis.Shared`).
+#: Per run index, its shared bases: basis name -> the projection types reading it.
 Shared = dict[int, dict[str, tuple[str, ...]]]
 Layout = Callable[[Shared], tuple[CompressionPlan, dict]]
 
@@ -65,10 +65,8 @@ def choose_shared(
                 "shared_cost": c[1],
                 "chosen": "basis" if name in best.get(index, {}) else "own",
             }
-            for (index, name), c in _costs(
-                offered, own, together, rounds[-1]["price"], allocator.dense_when_cheaper
-            ).items()
-        ],  # fmt: skip
+            for (index, name), c in costs.items()  # at the last round's price
+        ],
     }
     return best, record
 
