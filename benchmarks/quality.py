@@ -35,6 +35,12 @@ from compressor.session import (
 VARIANTS: dict[str, dict] = {
     "masa": {"method": "masa"},
     "masa-paper": {"method": "masa-paper"},
+    # The former default allocation (relative whitened error), for the loss-aware default's comparison.
+    "masa-relative": {"method": "masa", "allocation": "global-relative"},
+    # Whole-model compression: every linear projection of the decoder layers.
+    "masa-attn-mlp": {"method": "masa", "targets": "attn,mlp"},
+    "masa-attn-mlp-relative": {"method": "masa", "targets": "attn,mlp", "allocation": "global-relative"},
+    "svd-llm-attn-mlp": {"method": "svd-llm", "targets": "attn,mlp"},
     "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},
     "svd": {"method": "svd"},
@@ -137,6 +143,7 @@ def build_variant(
         "ratio": ratio,
         "achieved_ratio": outcome.plan.achieved_ratio(),
         "attention_params_after": outcome.plan.attention_params_after(),
+        "model_params_after": sum(p.numel() for p in model_copy.parameters()),
         "compress_seconds": seconds + setup.stats.seconds,
         "stage_seconds": dict(outcome.seconds),
         "settings": settings.model_dump(),
@@ -232,6 +239,7 @@ def quality_header(setup: QualitySetup) -> dict:
             **setup.evaluation.model_dump(), "text": setup.eval_name,
             "tokens": setup.original.tokens if setup.original else None,
         },
+        "model_params_before": sum(p.numel() for p in setup.loaded.model.parameters()),
         "original_ppl": setup.original.ppl if setup.original else None,
         "original_ppl_ci95": setup.original.ppl_ci95 if setup.original else None,
         "calibration_seconds": setup.stats.seconds,

@@ -22,6 +22,7 @@ from benchmarks.report_committed import (
     _sharing_forms_section,
     _sharing_section,
 )
+from benchmarks.report_whole_model import whole_model_section
 
 __all__ = ["REPO", "TARGETS", "render"]
 
@@ -387,6 +388,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_latency_section(results, rel),
         *_scaling_section(results, rel),
     ]
+    lines += whole_model_section(doc)
     lines += _ablation_section(doc)
     lines += _calibration_size_section(doc)
     lines += _mlp_section(doc)

@@ -22,6 +22,7 @@ from compressor.intervals import paired_difference
 from compressor.methods import ModelShape
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.pipeline import CompressionOutcome, compress_model
+from compressor.plan import targets_ratio
 from compressor.progress import note
 from compressor.recipes.schema import EvaluationSettings
 from compressor.report import write_run_report
@@ -157,7 +158,7 @@ def compress(
     start_all = time.perf_counter()
     run = resolve_run(model, options)
     out = options.out or default_output_dir(
-        run.recipe_name or run.source.location, run.compression.method, options.ratio
+        run.recipe_name or run.source.location, run.compression.method, options.ratio, options.ratio_of
     )
     if options.save:
         check_output_dir(out, options.overwrite)
@@ -171,15 +172,18 @@ def compress(
     with_mlp = bool(set(shape.targets) & set(MLP_PROJECTIONS))
     if with_mlp:
         adapter.check_mlp()
-    run.method.check_before_calibration(shape, run.compression, options.ratio)
+    model_params_before = sum(p.numel() for p in loaded.model.parameters())
+    ratio = targets_ratio(
+        options.ratio, options.ratio_of, model_params_before, shape.params_before, run.compression.targets
+    )
+    run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(loaded.tokenizer, run.calibration, calib_text)
     eval_windows, eval_name = (
         evaluation_token_windows(loaded.tokenizer, run.evaluation, eval_text) if eval_text else (None, "")
     )
-    model_params_before = sum(p.numel() for p in loaded.model.parameters())
     if options.save:
         element = next(loaded.model.parameters()).element_size()
-        check_free_disk(out, int((model_params_before - options.ratio * shape.params_before) * element))
+        check_free_disk(out, int((model_params_before - ratio * shape.params_before) * element))
     before = None
     if options.evaluate and not options.compare:
         before = evaluate_perplexity(
@@ -192,7 +196,7 @@ def compress(
     )
     seconds["calibration"] = stats.seconds
     outcome = compress_model(
-        loaded.model, adapter, stats, run.compression, options.ratio, progress, windows=calib_windows
+        loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows
     )
     seconds.update(outcome.seconds)
     del stats
@@ -208,6 +212,9 @@ def compress(
     if options.save:
         t = time.perf_counter()
         summary["out"] = _save(run, loaded, outcome, summary, out, options.overwrite)
+        summary["checkpoint_bytes"] = sum(
+            p.stat().st_size for p in Path(summary["out"]).glob("*.safetensors")
+        )
         seconds["save"] = time.perf_counter() - t
         note(f"[green]Wrote[/] {summary['out']}", progress)
     seconds["total"] = time.perf_counter() - start_all
@@ -290,18 +297,24 @@ def _summary(
 ) -> dict:
     """What the run did, for the summary table, `--json` and the checkpoint's metadata."""
     plan = outcome.plan
+    element = next(loaded.model.parameters()).element_size()
     return {
         "tool_version": __version__,
         "model": run.source.describe(),
         "recipe": run.recipe_name,
         "method": run.compression.method,
         "ratio_requested": options.ratio,
+        "ratio_of": options.ratio_of,
+        "targets_ratio": plan.ratio,
         "targets": run.compression.targets,
         "achieved_ratio": plan.achieved_ratio(),
         "attention_params_before": plan.attention_params_before,
         "attention_params_after": plan.attention_params_after(),
         "model_params_before": model_params_before,
         "model_params_after": sum(p.numel() for p in loaded.model.parameters()),
+        # What the weights take at the model's dtype (the written checkpoint's size is added once saved).
+        "weights_bytes_before": model_params_before * element,
+        "weights_bytes_after": sum(p.numel() for p in loaded.model.parameters()) * element,
         "ppl_before": quality.get("ppl_before"),
         "ppl_after": quality.get("ppl_after"),
         "split": run.evaluation.split if options.evaluate else None,

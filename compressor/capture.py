@@ -16,6 +16,7 @@ from torch import nn
 from compressor.adapters import DecoderAdapter
 from compressor.errors import NumericalError
 from compressor.progress import progress_bar
+from compressor.sensitivity import Sensitivity
 
 
 @dataclass
@@ -28,6 +29,7 @@ class CalibrationStats:
     seconds: float = 0.0
     mlp_autocorr: list[torch.Tensor] | None = None  # L × (hidden, hidden): input of gate/up (mlp=True)
     down_autocorr: list[torch.Tensor] | None = None  # L × (intermediate, same): input of down_proj
+    sensitivity: Sensitivity | None = None  # loss sensitivity per projection (--allocation global-loss)
 
     def to(self, device: torch.device) -> CalibrationStats:
         def moved(matrices):
@@ -42,6 +44,7 @@ class CalibrationStats:
             self.seconds,
             moved(self.mlp_autocorr),
             moved(self.down_autocorr),
+            self.sensitivity,
         )
 
     @property

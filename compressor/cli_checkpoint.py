@@ -62,6 +62,21 @@ def show_command(
         table.add_row(key, value)
     console.print(table)
     console.print(_ranks_table(info))
+    if info["kept_by_type"]:
+        console.print(_kept_table(info["kept_by_type"]))
+
+
+def _kept_table(rows: list[dict]) -> Table:
+    """Where the budget went, per projection type (the run's allocation.png draws it per layer)."""
+    table = Table(title="kept fraction of the dense numbers, per projection type")
+    for column in ("projection", "kept", "least kept (layer)", "most kept (layer)"):
+        table.add_column(column, justify="left" if column == "projection" else "right")
+    for r in rows:
+        table.add_row(
+            r["projection"], f"{r['kept']:.1%}", f"{r['least_kept']:.1%} ({r['least_kept_layer']})",
+            f"{r['most_kept']:.1%} ({r['most_kept_layer']})",
+        )  # fmt: skip
+    return table
 
 
 def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from compressor.api import compress
 from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
 from compressor.cli_inspect import show_plan
 from compressor.config import CompressOptions
-from compressor.report import basis_label, group_label
+from compressor.report import basis_label, group_label, kept_by_type
 
 console = Console()
 
@@ -22,6 +22,7 @@ console = Console()
 def compress_command(
     model: ModelArg,
     ratio: o.Ratio = 0.2,
+    ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
@@ -36,6 +37,7 @@ def compress_command(
     auto_groups: o.AutoGroups = None,
     sharing: o.Sharing = None,
     basis_layers: o.BasisLayers = None,
+    sensitivity_samples: o.SensitivitySamples = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -125,6 +127,10 @@ def compress_command(
     print_summary(run.summary)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 def _fmt_ppl(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
@@ -140,12 +146,20 @@ def print_summary(summary: dict) -> None:
             f"[bold]Groups[/] ({grouping['rule']}): " + "  ".join(group_label(g) for g in grouping["groups"])
         )
     print_sharing(summary["report"])
+    projections = (summary.get("plan") or {}).get("projections")
+    if projections and all(pp["mode"] == "dense" or pp.get("rank") is not None for pp in projections):
+        console.print(
+            "[bold]Kept fraction of the dense numbers[/] (per layer: allocation.png beside the checkpoint): "
+            + "  ".join(
+                f"{r['projection'].removesuffix('_proj')} {r['kept']:.0%}" for r in kept_by_type(projections)
+            )
+        )
     search = summary["report"].get("shape_search")
     if search:
         chosen = search["chosen"]
         console.print(
             f"[bold]G and B chosen by the proxy[/]: G={chosen['groups']}, B={chosen['bases']} "
-            f"(lowest relative whitened error of {len(search['candidates'])} feasible candidates)"
+            f"(lowest weighted whitened error of {len(search['candidates'])} feasible candidates)"
         )
     table = Table(title=f"masa-compress · {summary['model']} · method {summary['method']}")
     table.add_column("")
@@ -157,14 +171,27 @@ def print_summary(summary: dict) -> None:
         f"{summary['attention_params_before']:,}",
         f"{summary['attention_params_after']:,}",
     )
-    table.add_row(
-        "model parameters", f"{summary['model_params_before']:,}", f"{summary['model_params_after']:,}"
-    )
+    before, after = summary["model_params_before"], summary["model_params_after"]
+    table.add_row("model parameters", f"{before:,}", f"{after:,}")
+    if "weights_bytes_before" in summary:
+        written = summary.get("checkpoint_bytes")
+        table.add_row(
+            "model size (weights; written checkpoint)",
+            _mib(summary["weights_bytes_before"]),
+            _mib(summary["weights_bytes_after"]) + (f"; {_mib(written)}" if written else ""),
+        )
+    by_model = summary.get("ratio_of") == "model"
     table.add_row(
         "ratio removed" + (" of attention" if targets == "attn" else f" of {targets}"),
-        f"requested {summary['ratio_requested']:.3f}",
+        "" if by_model else f"requested {summary['ratio_requested']:.3f}",
         f"achieved {summary['achieved_ratio']:.4f}",
     )
+    if by_model:
+        table.add_row(
+            "ratio removed of the model",
+            f"requested {summary['ratio_requested']:.3f}",
+            f"achieved {1 - after / before:.4f}",
+        )
     quality = summary.get("quality") or {}
     table.add_row(
         f"perplexity ({summary.get('split')} split)" if quality else "perplexity",
@@ -210,7 +237,7 @@ def print_sharing(report: dict) -> None:
         )
     console.print(
         f"[dim]proxy (Σ relative whitened error over matrices): {sharing['proxy_error']:.4f}, "
-        f"mean {sharing['proxy_error_mean']:.5f} per matrix[/]"
+        f"mean {sharing['proxy_error_mean']:.5f} per matrix; the allocation's objective {sharing['objective']:.4g}[/]"
     )
 
 

@@ -140,6 +140,7 @@ def _parse_layout(text: str | None) -> list[int] | None:
 def plan_command(
     model: ModelArg,
     ratio: o.Ratio = 0.2,
+    ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
@@ -153,6 +154,7 @@ def plan_command(
     targets: o.Targets = None,
     sharing: o.Sharing = None,
     basis_layers: o.BasisLayers = None,
+    sensitivity_samples: o.SensitivitySamples = None,
     layout: o.Layout = None,
     recipe_file: o.RecipeFile = None,
     as_json: JsonOpt = False,

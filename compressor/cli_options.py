@@ -24,6 +24,15 @@ Ratio = Annotated[
         help="Fraction of the targeted parameters (attention by default) to remove, in (0, 1).",
     ),
 ]
+RatioOf = Annotated[
+    str,
+    typer.Option(
+        "--ratio-of",
+        help="What --ratio is a fraction of: targets (default: the targeted projections' parameters) or model "
+        "(all the model's parameters, embeddings included: --ratio 0.2 --ratio-of model makes the model 20% "
+        "smaller, the tool removing the numbers from the targeted projections only).",
+    ),
+]
 Method = Annotated[
     Opt[str], typer.Option("--method", "-m", help=f"The method (default: the recipe's, masa). {METHOD_HELP}.")
 ]
@@ -57,8 +66,10 @@ Allocation = Annotated[
     Opt[str],
     typer.Option(
         "--allocation",
-        help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, or global-relative (ranks across all matrices "
-        "by energy per parameter). Default: the recipe's (global-relative in the built-in recipes).",
+        help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, global-relative (ranks across all matrices by "
+        "whitened error per parameter, each error relative to the matrix's output energy) or global-loss (each "
+        "error weighted by its loss sensitivity, from one backward pass over calibration windows). Default: the "
+        "recipe's.",
     ),
 ]
 Atoms = Annotated[
@@ -107,6 +118,15 @@ Sharing = Annotated[
         "matrices per KL group + residuals; basis: k/v of every --basis-layers consecutive layers share one input "
         "basis per type; qkv: one input basis for q/k/v of those layers; none: nothing shared, per-matrix factors; "
         "auto: per run and projection type, a shared basis where the proxy says it pays. Measured: BENCHMARKS.md.",
+    ),
+]
+SensitivitySamples = Annotated[
+    Opt[int],
+    typer.Option(
+        "--sensitivity-samples",
+        min=1,
+        help="--allocation global-loss: calibration windows of the backward pass that measures each "
+        "projection's loss sensitivity (default 16; more: steadier weights, a longer pass).",
     ),
 ]
 BasisLayers = Annotated[

@@ -25,6 +25,7 @@ class CompressOptions:
     """Everything a compression run (and its `--dry-run` / `plan`) can be told; None means "the recipe's value"."""
 
     ratio: float = 0.2
+    ratio_of: str = "targets"  # targets: the ratio counts the targeted projections; model: every parameter
     # compression settings (CompressionSettings' fields)
     method: str | None = None
     groups: int | None = None
@@ -41,6 +42,7 @@ class CompressOptions:
     auto_groups: bool | None = None
     sharing: str | None = None
     basis_layers: int | None = None
+    sensitivity_samples: int | None = None
     # calibration and evaluation text
     calib: str | None = None
     calib_samples: int | None = None

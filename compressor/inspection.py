@@ -25,7 +25,14 @@ from compressor.pca import matrix_pca, shared_input_basis_energy
 from compressor.plan import atoms_per_group
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
-from compressor.report import energy_record, format_groups, plot_grouping, plot_inspect_energy, write_json
+from compressor.report import (
+    energy_record,
+    format_groups,
+    kept_by_type,
+    plot_grouping,
+    plot_inspect_energy,
+    write_json,
+)
 from compressor.session import calibration_token_windows, read_texts, resolve_run
 
 #: `inspect` calibrates on fewer windows than a compression run (the recipe's 64 for smollm2-135m): the
@@ -319,4 +326,5 @@ def describe_checkpoint(path: str) -> dict:
         "seconds": (meta.get("seconds") or {}).get("total"),
         "files": {name: info.get("bytes") for name, info in files.items()},
         "weights_bytes": sum(info.get("bytes", 0) for info in files.values()),
+        "kept_by_type": kept_by_type(plan["projections"]) if plan.get("projections") else [],
     }

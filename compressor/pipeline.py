@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compressor.adapters import MLP_PROJECTIONS, DecoderAdapter, target_projections
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, DecoderAdapter, target_projections
 from compressor.capture import CalibrationStats
 from compressor.methods import MethodContext, ModelShape, get_method
 from compressor.plan import CompressionPlan, check_ratio
 from compressor.recipes.schema import CompressionSettings
+from compressor.sensitivity import collect_sensitivity
 
 
 @dataclass
@@ -47,9 +48,14 @@ def compress_model(
     if settings.statistics == "sequential" and windows is None:
         raise ValueError("sequential statistics need the calibration windows: pass `windows`")
     device = compute_device or next(model.parameters()).device
+    if "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss":
+        _measure_sensitivity(model, adapter, stats, windows, settings.sensitivity_samples, progress)
     shape = ModelShape.from_adapter(adapter, projections)
     ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress, shape, windows)
     ctx.report["effective_settings"] = settings.model_dump()
+    if stats.sensitivity is not None and settings.allocation == "global-loss":
+        ctx.seconds["sensitivity"] = stats.sensitivity.seconds
+        ctx.report["sensitivity"] = {"windows": stats.sensitivity.windows, "tokens": stats.sensitivity.tokens}
     plan = method.apply(ctx)
     plan.check_budget()
     counted = adapter.attention_parameter_count(projections)
@@ -58,3 +64,22 @@ def compress_model(
             f"installed modules store {counted} numbers, the plan says {plan.attention_params_after()}"
         )
     return CompressionOutcome(plan=plan, seconds=ctx.seconds, report=ctx.report)
+
+
+def _measure_sensitivity(
+    model, adapter, stats: CalibrationStats, windows, samples: int, progress: bool
+) -> None:
+    """The loss sensitivity of every projection (`--allocation global-loss`), measured on the original model
+    before anything is replaced, on the first `samples` calibration windows; kept on `stats` (a calibration
+    statistic: several compressions of the same model from the same statistics measure it once)."""
+    if stats.sensitivity is not None:
+        if stats.sensitivity.windows != min(samples, stats.windows):
+            raise ValueError(
+                f"the statistics carry a loss sensitivity over {stats.sensitivity.windows} windows, the settings "
+                f"ask for {samples}: collect the statistics again"
+            )
+        return
+    if windows is None:
+        raise ValueError("--allocation global-loss needs the calibration windows: pass `windows`")
+    projections = PROJECTIONS + (MLP_PROJECTIONS if stats.has_mlp else ())
+    stats.sensitivity = collect_sensitivity(model, adapter, windows[:samples], projections, progress=progress)

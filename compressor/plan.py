@@ -327,6 +327,25 @@ def infeasibility(plan: CompressionPlan, bases: int) -> str | None:
     )
 
 
+def targets_ratio(ratio: float, ratio_of: str, model_params: int, target_params: int, targets: str) -> float:
+    """The fraction of the targeted parameters to remove so that `ratio` of the `ratio_of` parameters go:
+    `targets` (the ratio itself) or `model` (every parameter of the model, embeddings included, counted once
+    when tied; only the targets shrink, so they lose `ratio · model / targets` of theirs)."""
+    check_ratio(ratio)
+    if ratio_of == "targets":
+        return ratio
+    if ratio_of != "model":
+        raise UserError(f"--ratio-of {ratio_of!r} is not one of: targets, model")
+    removed = ratio * model_params
+    if removed >= target_params:
+        raise UserError(
+            f"--ratio {ratio:g} --ratio-of model removes {removed:,.0f} of the model's {model_params:,} parameters, "
+            f"but the targeted projections ({targets}) hold only {target_params:,}: lower --ratio (at most "
+            f"{target_params / model_params:.3f}) or target more (--targets attn,mlp)"
+        )
+    return removed / target_params
+
+
 def check_ratio(ratio: float) -> None:
     """The one check of `--ratio` (every entry point calls it before anything else)."""
     if not 0.0 < ratio < 1.0:

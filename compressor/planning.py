@@ -17,7 +17,7 @@ from compressor.methods import Method, ModelShape, get_method
 from compressor.methods.allocators import PaperAllocator
 from compressor.methods.base import bias_projections
 from compressor.models import read_config
-from compressor.plan import CompressionPlan, check_ratio
+from compressor.plan import CompressionPlan, check_ratio, targets_ratio
 from compressor.recipes.schema import CompressionSettings
 from compressor.session import resolve_run
 
@@ -279,11 +279,37 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
             "drop --auto-groups (or pass --groups/--bases) to see a plan"
         )
     config, where = read_model_config(run.source)
-    result = plan_from_config(config, options.ratio, run.compression, layout)
+    model_params = model_parameter_count(config)
+    target_params = ModelShape.from_config(config, target_projections(run.compression.targets)).params_before
+    ratio = targets_ratio(
+        options.ratio, options.ratio_of, model_params, target_params, run.compression.targets
+    )
+    result = plan_from_config(config, ratio, run.compression, layout)
+    after = result["attention_params_after"]
+    result["status"] |= {"model_params_before": "final"}
+    if after is not None:
+        result["status"]["model_params_after"] = result["status"]["attention_params_after"]
     return {
         "model": run.source.describe(),
         "recipe": run.recipe_name,
         "config_source": where,
         "settings": run.compression.model_dump(),
         **result,
+        "ratio_requested": options.ratio,
+        "ratio_of": options.ratio_of,
+        "targets_ratio": ratio,
+        "model_params_before": model_params,
+        # The targets' numbers change, nothing else does (an upper bound where the ranks are).
+        "model_params_after": None if after is None else model_params - target_params + after,
     }
+
+
+def model_parameter_count(config) -> int:
+    """The parameters of a model built from `config` (tied embeddings counted once), built on the meta device:
+    no memory, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -111,9 +111,9 @@ def evaluation_token_windows(
 # the output directory
 
 
-def default_output_dir(source_name: str, method: str, ratio: float) -> str:
+def default_output_dir(source_name: str, method: str, ratio: float, ratio_of: str = "targets") -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name.rstrip("/").split("/")[-1]).strip("-") or "model"
-    return f"out/{stem}-{method}-r{ratio:g}"
+    return f"out/{stem}-{method}-r{ratio:g}" + ("-model" if ratio_of == "model" else "")
 
 
 def _existing_parent(out: str) -> Path:

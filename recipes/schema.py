@@ -46,10 +46,19 @@ class CompressionSettings(_Strict):
     logit_lens: Literal["final_norm", "raw"] = Field(
         "final_norm", description="apply the final norm before the unembedding (standard logit lens) or not"
     )
-    allocation: Literal["paper", "global", "global-relative"] = Field(
-        "global-relative",
+    allocation: Literal["paper", "global", "global-relative", "global-loss"] = Field(
+        "global-loss",
         description="paper: Algorithm 1 per (Q,K)/(V,O) pair; global: ranks across all matrices by whitened "
-        "energy per parameter; global-relative: the same with each matrix's error relative to its output energy",
+        "energy per parameter; global-relative: the same with each matrix's error relative to its output energy; "
+        "global-loss: each matrix's error weighted by its loss sensitivity (mean squared loss gradient at its "
+        "output, one backward pass over sensitivity_samples calibration windows; the default, chosen on the "
+        "bundled model's validation split, see BENCHMARKS.md)",
+    )
+    sensitivity_samples: int = Field(
+        16,
+        ge=1,
+        description="allocation global-loss: calibration windows (the first ones) of the backward pass that "
+        "measures each projection's loss sensitivity",
     )
     dense_when_cheaper: bool = Field(
         True,
@@ -84,7 +93,7 @@ class CompressionSettings(_Strict):
         "basis per type (per-layer coefficients refit on each layer's statistics), every other projection its own "
         "whitened factors; qkv: one input basis for q, k and v of a run; none: per-matrix whitened factors, nothing "
         "shared; auto: per run and projection type, a shared basis where the proxy says it pays. Every input-basis "
-        "form allocates ranks and basis sizes globally (allocation global or global-relative)",
+        "form allocates ranks and basis sizes globally (allocation global, global-relative or global-loss)",
     )
     basis_layers: int = Field(
         4,

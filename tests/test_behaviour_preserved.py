@@ -34,7 +34,10 @@ LOGIT_TOLERANCE = 1e-4
 
 #: What the recorded fingerprints were written with. The MASA cases pin `sharing: atoms`, the default when they
 #: were recorded (before `basis` became the default); the input-basis cases were recorded when they were added.
-ATOMS = {"sharing": "atoms"}
+#: Every MASA case recorded before `global-loss` became the default allocation pins `global-relative` (REL);
+#: the `-loss` cases were recorded when it became the default.
+REL = {"allocation": "global-relative"}
+ATOMS = {"sharing": "atoms", **REL}
 CASES = {
     "llama-masa": ("llama", ATOMS, 0.3),
     "llama-masa-paper": ("llama", {"method": "masa-paper"}, 0.3),
@@ -46,16 +49,20 @@ CASES = {
     "llama-whitened-atoms": ("llama", {"atoms": "whitened", "groups": 2, **ATOMS}, 0.3),
     "llama-sequential": ("llama", {"statistics": "sequential", **ATOMS}, 0.3),
     "llama-auto-groups": ("llama", {"auto_groups": True, **ATOMS}, 0.3),
-    "llama-global": ("llama", {"allocation": "global", "dense_when_cheaper": False, **ATOMS}, 0.3),
+    "llama-global": ("llama", {**ATOMS, "allocation": "global", "dense_when_cheaper": False}, 0.3),
     "qwen2-masa": ("qwen2", ATOMS, 0.25),
     "qwen2-svd-llm": ("qwen2", {"method": "svd-llm"}, 0.25),
     "qwen2-masa-paper": ("qwen2", {"method": "masa-paper"}, 0.25),
-    "llama-basis": ("llama", {"sharing": "basis"}, 0.3),
-    "llama-basis-attn-mlp": ("llama", {"sharing": "basis", "targets": "attn,mlp"}, 0.3),
-    "llama-qkv": ("llama", {"sharing": "qkv"}, 0.3),
-    "llama-none": ("llama", {"sharing": "none"}, 0.3),
-    "llama-auto": ("llama", {"sharing": "auto"}, 0.3),
-    "qwen2-basis": ("qwen2", {"sharing": "basis"}, 0.25),
+    "llama-basis": ("llama", {"sharing": "basis", **REL}, 0.3),
+    "llama-basis-attn-mlp": ("llama", {"sharing": "basis", "targets": "attn,mlp", **REL}, 0.3),
+    "llama-qkv": ("llama", {"sharing": "qkv", **REL}, 0.3),
+    "llama-none": ("llama", {"sharing": "none", **REL}, 0.3),
+    "llama-auto": ("llama", {"sharing": "auto", **REL}, 0.3),
+    "qwen2-basis": ("qwen2", {"sharing": "basis", **REL}, 0.25),
+    "llama-loss": ("llama", {}, 0.3),
+    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp"}, 0.3),
+    "llama-loss-auto": ("llama", {"sharing": "auto"}, 0.3),
+    "qwen2-loss": ("qwen2", {}, 0.25),
 }
 
 
@@ -89,10 +96,15 @@ def test_checkpoint_unchanged(tmp_path, case):
     )
 
 
-if __name__ == "__main__":  # record the fingerprints (only when a change of behaviour is intended)
+if __name__ == "__main__":
+    # Record the fingerprints of the cases named on the command line (a new case, or a change of behaviour that
+    # is intended), or of every case when none is named; the others keep what they recorded.
     import tempfile
 
+    recorded = json.loads(FINGERPRINTS.read_text()) if FINGERPRINTS.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        found = {case: checkpoint_fingerprint(case, Path(tmp) / case) for case in sorted(CASES)}
-    FINGERPRINTS.write_text(json.dumps(found, indent=1) + "\n")
+        found = {
+            case: checkpoint_fingerprint(case, Path(tmp) / case) for case in sys.argv[1:] or sorted(CASES)
+        }
+    FINGERPRINTS.write_text(json.dumps(dict(sorted({**recorded, **found}.items())), indent=1) + "\n")
     print(f"wrote {len(found)} fingerprints to {FINGERPRINTS}", file=sys.stderr)

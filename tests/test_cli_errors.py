@@ -74,8 +74,11 @@ def _damaged_checkpoint(tmp: Path, damage: str) -> str:
 
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    stats = collect_statistics(model, adapter, random_windows(), progress=False)
-    outcome = compress_model(model, adapter, stats, CompressionSettings(), 0.3, progress=False)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    outcome = compress_model(
+        model, adapter, stats, CompressionSettings(), 0.3, progress=False, windows=windows
+    )
     path = save_compressed(model, outcome.plan, tmp / "ckpt")
     weights, config = path / "model.safetensors", path / "masa_config.json"
     if damage == "truncated":
@@ -205,6 +208,16 @@ CASES = [
         "group sizes for a form without KL groups",
         lambda t, mp: ["plan", "smollm2-135m", "--layout", "1,28,1"],
         "--layout gives the sizes of KL groups, which --method masa --sharing basis does not use",
+    ),
+    (
+        "a model ratio the targets cannot hold",
+        lambda t, mp: ["plan", "smollm2-135m", "--ratio", "0.3", "--ratio-of", "model"],
+        "--ratio 0.3 --ratio-of model removes",
+    ),
+    (
+        "an unknown --ratio-of",
+        lambda t, mp: ["plan", "smollm2-135m", "--ratio-of", "file"],
+        "--ratio-of 'file' is not one of: targets, model",
     ),
     (
         "a dry run cannot choose G and B",

@@ -24,8 +24,11 @@ def _digests(directory: Path) -> dict[str, str]:
 def _tiny_checkpoint(out: Path, method: str) -> Path:
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    stats = collect_statistics(model, adapter, random_windows(), progress=False)
-    outcome = compress_model(model, adapter, stats, CompressionSettings(method=method), 0.3, progress=False)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    outcome = compress_model(
+        model, adapter, stats, CompressionSettings(method=method), 0.3, progress=False, windows=windows
+    )
     return save_compressed(model, outcome.plan, out, metadata={"method": method})
 
 

@@ -39,8 +39,11 @@ def _compressed(family: str, ratio: float, n_layers: int = 6, **settings):
     model = tiny_model(family, num_hidden_layers=n_layers)
     adapter = get_adapter(model)
     before = adapter.attention_parameter_count()
-    stats = collect_statistics(model, adapter, random_windows(), progress=False)
-    outcome = compress_model(model, adapter, stats, CompressionSettings(**settings), ratio, progress=False)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    outcome = compress_model(
+        model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
+    )
     return model, before, outcome
 
 
@@ -239,7 +242,7 @@ def test_inspect_groups_and_energy_equal_those_of_a_run():
     result = inspect_statistics(adapter, means, settings, parse_group_counts("2-4,9"))
     assert [g["n_groups"] for g in result["groupings"]] == [2, 3, 4]
     assert [s["n_groups"] for s in result["skipped"]] == [9]
-    outcome = compress_model(model, adapter, stats, settings, 0.3, progress=False)
+    outcome = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=random_windows())
     ran = outcome.report["grouping"]
     chosen = next(g for g in result["groupings"] if g["n_groups"] == 3)
     assert result["highlight"] == 3

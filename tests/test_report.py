@@ -15,6 +15,8 @@ from compressor.capture import collect_statistics
 from compressor.pipeline import compress_model
 from compressor.recipes.schema import CompressionSettings
 from compressor.report import (
+    ALLOCATION_EXTRA_INCHES,
+    ALLOCATION_ROW_INCHES,
     DPI,
     INSPECT_ENERGY_FIGSIZE,
     KL_PANEL_INCHES,
@@ -22,6 +24,8 @@ from compressor.report import (
     MAP_ROW_INCHES,
     RUN_FIGSIZE,
     energy_record,
+    kept_by_type,
+    kept_fractions,
     plot_grouping,
     plot_inspect_energy,
     pooled_energy,
@@ -34,11 +38,18 @@ def _run_summary(method: str = "masa", **settings) -> dict:
     model = tiny_model("llama")
     adapter = get_adapter(model)
     before = adapter.attention_parameter_count()
-    stats = collect_statistics(model, adapter, random_windows(), progress=False)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False)
     if method == "masa":  # the atoms form: it has groups, atom energy and residual ranks to draw
         settings.setdefault("sharing", "atoms")
     outcome = compress_model(
-        model, adapter, stats, CompressionSettings(method=method, **settings), 0.3, progress=False
+        model,
+        adapter,
+        stats,
+        CompressionSettings(method=method, **settings),
+        0.3,
+        progress=False,
+        windows=windows,
     )
     return {
         "model": "tiny-llama",
@@ -68,18 +79,39 @@ def _check_png(path, width: int, height: int) -> np.ndarray:
 def test_run_report_writes_the_summary_and_three_readable_plots(tmp_path):
     summary = _run_summary("masa", groups=3)
     paths = write_run_report(tmp_path / "run", summary)
-    assert [p.name for p in paths] == ["report.json", "grouping.png", "energy.png", "ranks.png"]
+    names = ["report.json", "grouping.png", "energy.png", "ranks.png", "allocation.png"]
+    assert [p.name for p in paths] == names
     saved = json.loads((tmp_path / "run" / "report.json").read_text())
     assert saved["attention_params_after"] == summary["attention_params_after"]
     assert saved["report"]["grouping"]["groups"] == summary["report"]["grouping"]["groups"]
     width, height = round(RUN_FIGSIZE[0] * DPI), round(RUN_FIGSIZE[1] * DPI)
-    for path in paths[1:]:
+    for path in paths[1:4]:
         _check_png(path, width, height)
+    _check_png(paths[4], width, round((ALLOCATION_EXTRA_INCHES + 4 * ALLOCATION_ROW_INCHES) * DPI))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"sharing": "atoms", "groups": 3}, {"sharing": "basis", "basis_layers": 3}, {"method": "svd-llm"}],
+)
+def test_kept_fractions_account_for_every_stored_number(settings):
+    """Σ kept fraction × dense size over the projections + their biases = what the plan stores: shared atoms
+    and bases split among their readers, nothing counted twice or left out."""
+    summary = _run_summary(settings.pop("method", "masa"), **settings)
+    plan = summary["plan"]
+    kept = kept_fractions(plan["projections"])
+    stored = sum(kept[(pp["layer"], pp["projection"])] * pp["out_features"] * pp["in_features"]
+                 for pp in plan["projections"])  # fmt: skip
+    biases = sum(pp["bias"] for pp in plan["projections"])
+    assert stored + biases == pytest.approx(plan["attention_params_after"], rel=1e-12)
+    rows = kept_by_type(plan["projections"])
+    assert [r["projection"] for r in rows] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert all(r["least_kept"] <= r["kept"] <= r["most_kept"] for r in rows)
 
 
 def test_run_report_of_a_baseline_has_no_grouping_plots(tmp_path):
     paths = write_run_report(tmp_path, _run_summary("svd-llm"))
-    assert [p.name for p in paths] == ["report.json", "ranks.png"]
+    assert [p.name for p in paths] == ["report.json", "ranks.png", "allocation.png"]
 
 
 def test_boundaries_are_drawn_where_the_kl_says(tmp_path):

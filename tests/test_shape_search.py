@@ -14,10 +14,13 @@ from compressor.recipes.schema import CompressionSettings
 
 
 def _run(model, stats, windows, ratio=0.3, **settings):
-    """MASA's atoms form (the one `--auto-groups` chooses G and B for) with `settings`."""
+    """MASA's atoms form (the one `--auto-groups` chooses G and B for) with `settings`, allocated by relative
+    error (`global-relative`: the proxy is then the built model's relative whitened error, which these tests
+    measure independently)."""
     adapter = get_adapter(model)
+    settings = {"sharing": "atoms", "allocation": "global-relative", **settings}
     return compress_model(
-        model, adapter, stats, CompressionSettings(sharing="atoms", **settings), ratio, progress=False,
+        model, adapter, stats, CompressionSettings(**settings), ratio, progress=False,
         windows=windows,
     )  # fmt: skip
 

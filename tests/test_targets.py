@@ -103,7 +103,7 @@ def test_mlp_errors_are_the_whitened_tails_the_allocation_saw():
     windows = random_windows()
     stats = collect_statistics(original, get_adapter(original), windows, progress=False, mlp=True)
     outcome = compress_model(
-        model, get_adapter(model), stats, CompressionSettings(sharing="atoms", targets="mlp", auto_groups=True), 0.3,
+        model, get_adapter(model), stats, CompressionSettings(sharing="atoms", targets="mlp", auto_groups=True, allocation="global-relative"), 0.3,
         progress=False, windows=windows,
     )  # fmt: skip
     chosen = outcome.report["shape_search"]["chosen"]

@@ -24,7 +24,9 @@ from compressor.plan import CompressionPlan, layer_dense_params
 
 #: Per matrix, (layer, projection) -> its whitened error at every rank of its allocation unit.
 Tails = dict[tuple[int, str], torch.Tensor]
-OutputEnergy = Callable[[int, str], float]
+#: Per matrix, what one unit of its whitened error costs in the allocation's objective
+#: (`MethodContext.error_weight`: 1, 1 / ‖W S‖², or the loss sensitivity).
+ErrorWeight = Callable[[int, str], float]
 
 PAIRS = (("q_proj", "k_proj"), ("o_proj", "v_proj"))
 
@@ -64,7 +66,7 @@ class PaperAllocator:
             ranks[a], ranks[b] = _initial_ranks(plan.geometry.shape(a), plan.geometry.shape(b), budget)
         return ranks
 
-    def allocate(self, plan: CompressionPlan, tails: Tails, output_energy: OutputEnergy) -> dict:
+    def allocate(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> dict:
         split = self.pair_budgets(plan)
         shape = plan.geometry.shape
         rows = []
@@ -95,24 +97,22 @@ class GlobalAllocator:
     them, a step costing the basis row plus one coefficient column per matrix): `plan.allocation_units`. Tails
     are per matrix, `tails[(layer, projection)][r]`: the whitened error of that matrix when its unit has rank r
     (for a basis reader, with its coefficients refit on its own statistics), so a unit's tail is the sum of its
-    matrices'. `relative` divides each matrix's tail by its output energy ‖W S‖², so that errors of projections
-    read from different inputs (V vs O) share one scale. With `dense_when_cheaper`, a unit whose factors would
+    matrices', each matrix's times its weight (from the run: `MethodContext.error_weight`). `global` weighs every
+    error alike; `global-relative` divides it by the matrix's output energy ‖W S‖², so that errors of projections
+    read from different inputs (V vs O) share one scale; `global-loss` multiplies it by the matrix's loss
+    sensitivity (`compressor.sensitivity`), so that errors are compared by what they cost the loss. With `dense_when_cheaper`, a unit whose factors would
     cost at least its weights is kept whole and the numbers saved go to the others. Shared atoms whose every
     reader ends up kept whole are dropped and their numbers allocated again (nobody would use them).
     """
 
-    def __init__(self, relative: bool, dense_when_cheaper: bool):
-        self.name = "global-relative" if relative else "global"
-        self.relative, self.dense_when_cheaper = relative, dense_when_cheaper
+    def __init__(self, name: str, dense_when_cheaper: bool):
+        self.name, self.dense_when_cheaper = name, dense_when_cheaper
 
-    def problem(self, plan: CompressionPlan, tails: Tails, output_energy: OutputEnergy) -> AllocationProblem:
+    def problem(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> AllocationProblem:
         units = {_unit_name(key): members for key, members in plan.allocation_units().items()}
 
         def scaled(pp) -> torch.Tensor:
-            # An all-zero weight has no output energy and nothing to approximate (its tail is all zeros): it
-            # keeps scale 1 rather than 0/0, and the allocation gives it rank 0.
-            scale = (output_energy(pp.layer, pp.projection) or 1.0) if self.relative else 1.0
-            return tails[(pp.layer, pp.projection)] / scale
+            return tails[(pp.layer, pp.projection)] * weight(pp.layer, pp.projection)
 
         return AllocationProblem(
             units,
@@ -122,10 +122,10 @@ class GlobalAllocator:
             {n: sum(pp.dense_params - pp.n_atoms for pp in m) for n, m in units.items()},
         )
 
-    def allocate(self, plan: CompressionPlan, tails: Tails, output_energy: OutputEnergy) -> dict:
+    def allocate(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> dict:
         whole, dropped = [], []
         while True:
-            problem = self.problem(plan, tails, output_energy)
+            problem = self.problem(plan, tails, weight)
             if self.dense_when_cheaper:
                 ranks, dense = allocate_global_with_dense(
                     problem.tails, problem.shapes, plan.residual_budget(), problem.dense_costs
@@ -162,4 +162,4 @@ def _unit_name(key: tuple) -> str:
 def allocator_for(allocation: str, dense_when_cheaper: bool) -> PaperAllocator | GlobalAllocator:
     if allocation == "paper":
         return PaperAllocator()
-    return GlobalAllocator(relative=allocation == "global-relative", dense_when_cheaper=dense_when_cheaper)
+    return GlobalAllocator(allocation, dense_when_cheaper)

@@ -157,6 +157,22 @@ class MethodContext:
             self._output_energy[key] = float(((w @ self.whitening(layer, projection).S) ** 2).sum())
         return self._output_energy[key]
 
+    def error_weight(self, layer: int, projection: str) -> float:
+        """What one unit of the matrix's whitened error ‖(W − Ŵ) S‖² costs in the global allocation's objective:
+        1 (`global`), 1 / ‖W S‖² (`global-relative`: its share of the output energy; an all-zero weight has
+        nothing to approximate and keeps weight 1 rather than 1/0), or the mean squared loss gradient at the
+        matrix's output (`global-loss`: `compressor.sensitivity`)."""
+        allocation = self.settings.allocation
+        if allocation == "global-loss":
+            if self.stats.sensitivity is None:
+                raise ValueError(
+                    "--allocation global-loss needs the loss sensitivity: collect_sensitivity(...)"
+                )
+            return self.stats.sensitivity[(layer, projection)]
+        if allocation == "global-relative":
+            return 1.0 / (self.output_energy(layer, projection) or 1.0)
+        return 1.0
+
     def grouping(self, n_groups: int) -> Grouping:
         """Consecutive layers grouped by the KL of their logit-lens distributions (recorded in the report)."""
         start = time.perf_counter()

@@ -6,12 +6,15 @@ numbers go to the terminal, to JSON and to the pictures.
 """
 
 from compressor.report.plots import (
+    ALLOCATION_EXTRA_INCHES,
+    ALLOCATION_ROW_INCHES,
     DPI,
     INSPECT_ENERGY_FIGSIZE,
     KL_PANEL_INCHES,
     MAP_EXTRA_INCHES,
     MAP_ROW_INCHES,
     RUN_FIGSIZE,
+    plot_allocation,
     plot_energy,
     plot_grouping,
     plot_inspect_energy,
@@ -23,6 +26,8 @@ from compressor.report.records import (
     energy_record,
     format_groups,
     group_label,
+    kept_by_type,
+    kept_fractions,
     pooled_energy,
     present_projections,
     write_json,
@@ -31,6 +36,8 @@ from compressor.report.run_report import write_run_report
 from compressor.report.tables import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 
 __all__ = [
+    "ALLOCATION_EXTRA_INCHES",
+    "ALLOCATION_ROW_INCHES",
     "DPI",
     "ENERGY_CURVE_MAX_ATOMS",
     "basis_label",
@@ -45,9 +52,12 @@ __all__ = [
     "group_label",
     "groupings_table",
     "input_bases_table",
+    "kept_by_type",
+    "kept_fractions",
     "kl_table",
     "plan_tables",
     "plot_energy",
+    "plot_allocation",
     "plot_grouping",
     "plot_inspect_energy",
     "plot_ranks",

@@ -2,7 +2,9 @@
 
 Plot geometry (fixed, so that tests can check the files they open): `DPI` dots per inch; the run report's
 `grouping.png`, `energy.png` and `ranks.png` are `RUN_FIGSIZE` inches; `inspect`'s `grouping.png` adds
-`MAP_ROW_INCHES` per group count, and its `energy.png` is `INSPECT_ENERGY_FIGSIZE`.
+`MAP_ROW_INCHES` per group count, and its `energy.png` is `INSPECT_ENERGY_FIGSIZE`; the run report's
+`allocation.png` is `RUN_FIGSIZE[0]` wide and `ALLOCATION_EXTRA_INCHES` + `ALLOCATION_ROW_INCHES` per projection
+type high.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from compressor.adapters import PROJECTIONS
-from compressor.report.records import pooled_energy, present_projections
+from compressor.report.records import kept_fractions, pooled_energy, present_projections
 
 DPI = 100
 RUN_FIGSIZE = (10.0, 4.5)
@@ -20,6 +22,8 @@ KL_PANEL_INCHES = 4.0
 MAP_ROW_INCHES = 0.32
 MAP_EXTRA_INCHES = 0.9
 INSPECT_ENERGY_FIGSIZE = (13.0, 4.5)
+ALLOCATION_ROW_INCHES = 0.45
+ALLOCATION_EXTRA_INCHES = 1.2
 
 PROJECTION_COLORS = {
     "q_proj": "#4C72B0", "k_proj": "#DD8452", "v_proj": "#55A868", "o_proj": "#C44E52",
@@ -250,6 +254,27 @@ def plot_ranks(
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.legend(loc="outside right upper", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_allocation(path: Path, projections: Sequence[dict], title: str) -> Path:
+    """Where the budget went: the fraction of its dense numbers each projection keeps (`kept_fractions`), one
+    row per projection type, one column per layer, with the type's mean over layers beside its name."""
+    kept = kept_fractions(projections)
+    types = present_projections(projections)
+    n_layers = 1 + max(layer for layer, _ in kept)
+    grid = [[kept.get((layer, p), float("nan")) for layer in range(n_layers)] for p in types]
+    fig = _figure(RUN_FIGSIZE[0], ALLOCATION_EXTRA_INCHES + ALLOCATION_ROW_INCHES * len(types))
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    means = [sum(v for v in row if v == v) / max(1, sum(v == v for v in row)) for row in grid]
+    ax.set_yticks(
+        range(len(types)), [f"{p.removesuffix('_proj')} ({m:.0%})" for p, m in zip(types, means, strict=True)]
+    )
+    ax.set_xticks(range(n_layers), [str(layer) if layer % 2 == 0 else "" for layer in range(n_layers)])
+    ax.set_xlabel("layer")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label="kept fraction of the dense numbers", fraction=0.04)
     return _save(fig, path)
 
 

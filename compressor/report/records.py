@@ -64,6 +64,50 @@ def pooled_energy(energy: Sequence[dict]) -> dict[str, float | None]:
     return out
 
 
+def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
+    """Per (layer, projection) of a plan's `projections` (`CompressionPlan.to_dict()`), the numbers it stores
+    over its dense weight's: 1 kept whole; rank·(out + in) / (out·in) for own factors; for a reader of a shared
+    input basis rank·out plus its share of the basis (rank·in over the readers); for shared atoms its
+    coefficients, its share of the atoms and its residual factors. Biases are left out (never compressed)."""
+    readers: dict[tuple, int] = {}
+    sharers: dict[tuple, int] = {}
+    for pp in projections:
+        if pp["mode"] == "basis":
+            readers[(pp["group"], pp["basis"])] = readers.get((pp["group"], pp["basis"]), 0) + 1
+        elif pp["mode"] == "shared":
+            sharers[(pp["group"], pp["projection"])] = sharers.get((pp["group"], pp["projection"]), 0) + 1
+    out = {}
+    for pp in projections:
+        o, i, rank = pp["out_features"], pp["in_features"], pp.get("rank") or 0
+        if pp["mode"] == "dense":
+            stored = o * i
+        elif pp["mode"] == "basis":
+            stored = rank * o + rank * i / readers[(pp["group"], pp["basis"])]
+        elif pp["mode"] == "shared":
+            atoms = pp["n_atoms"]
+            stored = atoms + atoms * o * i / sharers[(pp["group"], pp["projection"])] + rank * (o + i)
+        else:
+            stored = rank * (o + i)
+        out[(pp["layer"], pp["projection"])] = stored / (o * i)
+    return out
+
+
+def kept_by_type(projections: Sequence[dict]) -> list[dict]:
+    """Per projection type: the kept fraction of its numbers over all layers, and its least and most kept layer."""
+    kept = kept_fractions(projections)
+    rows = []
+    for p in present_projections(projections):
+        mine = [pp for pp in projections if pp["projection"] == p]
+        total = sum(kept[(pp["layer"], p)] * pp["out_features"] * pp["in_features"] for pp in mine)
+        layers = {pp["layer"]: kept[(pp["layer"], p)] for pp in mine}
+        low, high = min(layers, key=layers.get), max(layers, key=layers.get)
+        rows.append({
+            "projection": p, "kept": total / sum(pp["out_features"] * pp["in_features"] for pp in mine),
+            "least_kept_layer": low, "least_kept": layers[low], "most_kept_layer": high, "most_kept": layers[high],
+        })  # fmt: skip
+    return rows
+
+
 def write_json(path: Path, obj: object) -> Path:
     """Indented JSON; values JSON cannot hold (paths, dtypes) are written as strings."""
     path = Path(path)

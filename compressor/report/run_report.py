@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compressor.report.plots import _initial_ranks, plot_energy, plot_grouping, plot_ranks
+from compressor.report.plots import _initial_ranks, plot_allocation, plot_energy, plot_grouping, plot_ranks
 from compressor.report.records import format_groups, write_json
 
 
 def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
     """Write `report.json` (the whole summary of `api.compress`) and the plots its report supports:
     `grouping.png` (KL per transition, boundaries, groups) when it has a grouping, `energy.png` when it has
-    `atom_energy`, `ranks.png` when the plan has allocated ranks. Returns the paths written."""
+    `atom_energy`, `ranks.png` and `allocation.png` (the kept fraction per layer and projection type) when the
+    plan has allocated ranks. Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [write_json(out_dir / "report.json", summary)]
@@ -43,4 +44,5 @@ def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
                 out_dir / "ranks.png", projections, f"{title} · residual ranks", _initial_ranks(report)
             )
         )
+        paths.append(plot_allocation(out_dir / "allocation.png", projections, f"{title} · kept fraction"))
     return paths

@@ -108,6 +108,8 @@ PLAN_ROWS = (
     ("residual_params", "residual factors"),
     ("attention_params_after", "attention parameters after"),
     ("attention_params_after_max", "attention parameters after, bound"),
+    ("model_params_before", "model parameters before (embeddings included)"),
+    ("model_params_after", "model parameters after"),
 )
 
 
@@ -136,7 +138,12 @@ def _plan_header(plan: dict) -> list:
             ("Plan ", "bold"),
             f"{plan['model']} · method {plan['method']}"
             + (f" (allocation {plan['allocation']})" if plan.get("allocation") else "")
-            + f" · remove {plan['ratio_requested']:g} of the {_targets_name(plan)} parameters",
+            + (
+                f" · remove {plan['ratio_requested']:g} of the model's parameters: {plan['targets_ratio']:.4f} of "
+                f"the {_targets_name(plan)} parameters"
+                if plan.get("ratio_of") == "model"
+                else f" · remove {plan['ratio_requested']:g} of the {_targets_name(plan)} parameters"
+            ),
         ),
         Text(
             f"config: {plan['config_source']} · {plan['num_layers']} layers · hidden {geo['hidden_size']} · "

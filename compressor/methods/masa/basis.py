@@ -44,7 +44,7 @@ JOINT_TYPES, JOINT_NAME = ("q_proj", "k_proj", "v_proj"), "qkv"
 
 def settings_read(form: str) -> frozenset[str]:
     """The settings an input-basis form reads (besides method and targets)."""
-    read = {"sharing", "allocation", "dense_when_cheaper", "statistics"}
+    read = {"sharing", "allocation", "dense_when_cheaper", "statistics", "sensitivity_samples"}
     return frozenset(read if form == "none" else read | {"basis_layers"})
 
 
@@ -54,7 +54,7 @@ def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]
     if settings.allocation == "paper":
         raise UserError(
             f"{flag}: Algorithm 1 (--allocation paper) balances per-layer (Q,K)/(V,O) pairs and has no rule for a "
-            "basis shared across layers: use --allocation global-relative (or global)"
+            "basis shared across layers: use --allocation global-loss (or global-relative, global)"
         )
     if settings.statistics == "sequential":
         raise UserError(
@@ -189,13 +189,13 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
         return basis_layout(shape, settings, ctx.ratio, shared), tails
 
     if settings.sharing == "auto":
-        shared, ctx.report["sharing_choice"] = choose_shared(offered, layout, allocator, ctx.output_energy)
+        shared, ctx.report["sharing_choice"] = choose_shared(offered, layout, allocator, ctx.error_weight)
     else:
         shared = offered
     plan, tails = layout(shared)
-    ctx.report.update(allocator.allocate(plan, tails, ctx.output_energy))
+    ctx.report.update(allocator.allocate(plan, tails, ctx.error_weight))
     plan.check_budget()
-    ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy)
+    ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy, ctx.error_weight)
     install_all(ctx, plan)
     ctx.seconds["residual_svd"] = time.perf_counter() - start
     return plan
@@ -230,10 +230,11 @@ def install_shared_basis(ctx: MethodContext, plan: CompressionPlan, members: lis
         ctx.install(pp.layer, pp.projection, module)
 
 
-def sharing_report(plan: CompressionPlan, tails: dict, output_energy) -> dict:
+def sharing_report(plan: CompressionPlan, tails: dict, output_energy, weight) -> dict:
     """The proxy: Σ of each matrix's relative whitened error ‖(W − Ŵ) S‖² / ‖W S‖², exact for the built model
-    (what `global-relative` minimises; `global` minimises the absolute errors) and, per shared basis, its
-    readers, size and their mean relative error."""
+    (what `global-relative` minimises); the objective the allocation minimised, Σ of each error times its weight
+    (`MethodContext.error_weight`: the relative error under `global-relative`, the loss-weighted one under
+    `global-loss`); and per shared basis, its readers, size and their mean relative error."""
 
     def relative(pp) -> float:
         if pp.mode == "dense":
@@ -254,4 +255,12 @@ def sharing_report(plan: CompressionPlan, tails: dict, output_energy) -> dict:
     rows = [{**{k: v for k, v in r.items() if k != "errors"}, "relative_error": sum(r["errors"]) / len(r["errors"])}
             for r in bases.values()]  # fmt: skip
     errors = [relative(pp) for pp in plan.projections]
-    return {"proxy_error": sum(errors), "proxy_error_mean": sum(errors) / len(errors), "bases": rows}
+    objective = sum(
+        float(tails[(pp.layer, pp.projection)][pp.rank]) * weight(pp.layer, pp.projection)
+        for pp in plan.projections
+        if pp.mode != "dense"
+    )
+    return {
+        "proxy_error": sum(errors), "proxy_error_mean": sum(errors) / len(errors), "objective": objective,
+        "bases": rows,
+    }  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from compressor.allocation import cost_at_price, marginal_price
-from compressor.methods.allocators import GlobalAllocator, OutputEnergy
+from compressor.methods.allocators import ErrorWeight, GlobalAllocator
 from compressor.plan import CompressionPlan
 
 #: Per run index, its shared bases: basis name -> the projection types reading it.
@@ -26,16 +26,16 @@ MAX_ROUNDS = 6
 
 
 def choose_shared(
-    offered: Shared, layout: Layout, allocator: GlobalAllocator, output_energy: OutputEnergy
+    offered: Shared, layout: Layout, allocator: GlobalAllocator, weight: ErrorWeight
 ) -> tuple[Shared, dict]:
     """The bases among `offered` (one type per basis) that pay at the allocation's price, and a record of why:
     per candidate its cost on its own and shared at the final price, and per round the price and the proxy."""
-    own = allocator.problem(*layout({}), output_energy)
-    together = allocator.problem(*layout(offered), output_energy)
+    own = allocator.problem(*layout({}), weight)
+    together = allocator.problem(*layout(offered), weight)
     chosen: Shared = {}
     rounds, seen = [], []
     for _ in range(MAX_ROUNDS):
-        price, proxy = _allocate(layout, chosen, allocator, output_energy)
+        price, proxy = _allocate(layout, chosen, allocator, weight)
         rounds.append({"shared": _count(chosen), "price": price, "proxy_error": proxy})
         seen.append((proxy, chosen))
         costs = _costs(offered, own, together, price, allocator.dense_when_cheaper)
@@ -72,12 +72,12 @@ def choose_shared(
 
 
 def _allocate(
-    layout: Layout, shared: Shared, allocator: GlobalAllocator, output_energy
+    layout: Layout, shared: Shared, allocator: GlobalAllocator, weight: ErrorWeight
 ) -> tuple[float, float]:
     """Allocate `shared`'s layout on a scratch plan: the price it ends at and its proxy error."""
     plan, tails = layout(shared)
-    problem = allocator.problem(plan, tails, output_energy)
-    allocator.allocate(plan, tails, output_energy)
+    problem = allocator.problem(plan, tails, weight)
+    allocator.allocate(plan, tails, weight)
     ranks = {n: m[0].rank for n, m in problem.units.items() if m[0].mode != "dense"}
     proxy = sum(float(problem.tails[n][r]) for n, r in ranks.items())
     return marginal_price({n: problem.tails[n] for n in ranks}, problem.shapes, ranks), proxy

@@ -83,7 +83,7 @@ class Masa(Method):
         if settings.allocation == "paper":
             raise UserError(
                 "--targets mlp: Algorithm 1 (--allocation paper, --method masa-paper) balances (Q,K) and (V,O) "
-                "pairs and has no rule for MLP projections: use --method masa with --allocation global-relative"
+                "pairs and has no rule for MLP projections: use --method masa with --allocation global-loss"
             )
         if settings.statistics == "sequential":
             raise UserError(
@@ -160,7 +160,7 @@ class Masa(Method):
                 tails[(layer, p)] = residual_tail(ctx, layer, p, residual(ctx, plan, atoms, layer, p))
                 bar.advance()
         allocator = allocator_for(ctx.settings.allocation, ctx.settings.dense_when_cheaper)
-        ctx.report.update(allocator.allocate(plan, tails, ctx.output_energy))
+        ctx.report.update(allocator.allocate(plan, tails, ctx.error_weight))
         plan.check_budget()
         targets = [k for k in targets if plan.get(*k).mode != "dense"]  # the allocation may keep some whole
         # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.

@@ -3,8 +3,9 @@
 For each candidate (G, B) the MASA layout is planned, Matrix PCA run, the whitened spectrum of every residual
 computed and the ranks allocated exactly as the real run would, but no module is built and nothing is
 evaluated. The proxy is what is left: Σ over compressed projections of the discarded whitened energy at the
-allocated rank, relative to that projection's whitened output energy ‖W S‖² (so V's and O's errors, read from
-different inputs, add on one scale). The candidate with the lowest proxy is chosen.
+allocated rank, weighted as the allocation weighs it (`MethodContext.error_weight`: relative to the projection's
+whitened output energy ‖W S‖² under `global-relative`, times its loss sensitivity under `global-loss`). The
+candidate with the lowest proxy is chosen.
 
 Spectra are cached by (group layers, atoms, layer, projection): consecutive G share most of their groups,
 and with B = 0 a residual is the weight itself whatever the grouping (such layouts differ only by their
@@ -71,7 +72,8 @@ def choose_groups_and_bases(
     best = min(rows, key=lambda r: (r["proxy"], r["bases"], r["groups"]))
     ctx.seconds["shape_search"] = time.perf_counter() - start
     record = {
-        "proxy": "relative whitened error left under the budget (lower is better)",
+        "proxy": f"whitened error left under the budget, weighted as {ctx.settings.allocation} weighs it "
+        "(lower is better)",
         "candidates": rows,
         "chosen": {"groups": best["groups"], "bases": best["bases"]},
     }
@@ -96,10 +98,10 @@ def _proxy(ctx: MethodContext, groups: list[list[int]], bases: int, tails: Spect
     if plan.residual_budget() < 0:
         return None
     allocator = allocator_for(ctx.settings.allocation, ctx.settings.dense_when_cheaper)
-    allocator.allocate(plan, {k: tails[key][0] for k, key in keyed.items()}, ctx.output_energy)
+    allocator.allocate(plan, {k: tails[key][0] for k, key in keyed.items()}, ctx.error_weight)
     plan.check_budget()
     return sum(
-        float(tails[key][0][plan.get(*k).rank]) / ctx.output_energy(*k)
+        float(tails[key][0][plan.get(*k).rank]) * ctx.error_weight(*k)
         for k, key in keyed.items()
         if plan.get(*k).mode != "dense"  # kept whole by the allocation: exact
     )

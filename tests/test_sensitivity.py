@@ -1,0 +1,90 @@
+"""Loss sensitivity (`--allocation global-loss`): one backward pass, no weight updated, on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_windows, tiny_model
+
+from compressor.adapters import PROJECTIONS, get_adapter
+from compressor.capture import collect_statistics
+from compressor.pipeline import compress_model
+from compressor.recipes.schema import CompressionSettings
+from compressor.sensitivity import collect_sensitivity
+
+ALL = PROJECTIONS + ("gate_proj", "up_proj", "down_proj")
+
+
+def test_sensitivity_is_the_mean_squared_loss_gradient_at_each_output():
+    model = tiny_model("llama", num_hidden_layers=3)
+    adapter = get_adapter(model)
+    windows = random_windows(3, 16)
+    sensitivity = collect_sensitivity(model, adapter, windows, ALL, progress=False)
+
+    # Independently: keep every output, differentiate the summed next-token loss with respect to them.
+    expected = dict.fromkeys(sensitivity.weights, 0.0)
+    for window in windows:
+        outputs = {}
+        handles = [
+            adapter.projection(layer, p).register_forward_hook(
+                lambda m, a, out, key=(layer, p), seen=outputs: seen.setdefault(key, out)
+            )
+            for layer, p in expected
+        ]
+        with torch.enable_grad():
+            embeds = model.get_input_embeddings()(window[None]).detach().requires_grad_(True)
+            logits = model(inputs_embeds=embeds).logits
+            loss = F.cross_entropy(logits[0, :-1], window[1:], reduction="sum")
+            grads = torch.autograd.grad(loss, [outputs[k] for k in expected])
+        for handle in handles:
+            handle.remove()
+        for key, grad in zip(expected, grads, strict=True):
+            expected[key] += float(grad.double().pow(2).sum())
+    for (layer, p), total in expected.items():
+        d_out = adapter.projection(layer, p).weight.shape[0]
+        assert sensitivity[(layer, p)] == pytest.approx(total / (windows.numel() * d_out), rel=1e-6)
+    assert sensitivity.tokens == windows.numel() and sensitivity.windows == 3
+
+
+def test_sensitivity_leaves_the_model_as_it_was():
+    model = tiny_model("llama", num_hidden_layers=2)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    collect_sensitivity(model, get_adapter(model), random_windows(2, 16), ALL, progress=False)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert not model.training
+
+
+def test_outputs_that_cannot_reach_the_loss_weigh_nothing_and_get_no_rank():
+    """With o_proj of layer 1 all zero, nothing q, k or v of that layer output reaches the loss: their outputs
+    have no gradient, so global-loss spends nothing on them (and o_proj, all zero, has nothing to approximate)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    adapter = get_adapter(model)
+    adapter.projection(1, "o_proj").weight.data.zero_()
+    windows = random_windows(4, 16)
+    stats = collect_statistics(model, adapter, windows, progress=False)
+    stats.sensitivity = collect_sensitivity(model, adapter, windows, PROJECTIONS, progress=False)
+    assert all(stats.sensitivity[(1, p)] == 0.0 for p in ("q_proj", "k_proj", "v_proj"))
+    assert stats.sensitivity[(0, "q_proj")] > 0.0
+    settings = CompressionSettings(sharing="none", allocation="global-loss")
+    outcome = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
+    assert outcome.seconds["sensitivity"] == stats.sensitivity.seconds  # measured once, by the test above
+    for p in PROJECTIONS:
+        assert outcome.plan.get(1, p).rank == 0
+    kept = outcome.plan.get(0, "q_proj")
+    assert kept.mode == "dense" or kept.rank > 0  # the budget went to what the loss sees
+
+
+def test_global_loss_needs_the_sensitivity():
+    model = tiny_model("llama", num_hidden_layers=2)
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, random_windows(2, 16), progress=False)
+    with pytest.raises(ValueError, match="global-loss needs the calibration windows"):
+        compress_model(
+            model, adapter, stats, CompressionSettings(sharing="none", allocation="global-loss"), 0.3,
+            progress=False,
+        )  # fmt: skip
