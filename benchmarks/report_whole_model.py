@@ -4,6 +4,7 @@ rendered from the committed runs in `benchmarks/whole-model/`, with its curve (p
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from benchmarks.markdown import _ci, _difference, _link
@@ -74,13 +75,16 @@ def whole_model_section(doc: Path) -> list[str]:
         "perplexity rise over the original divided by SVD-LLM's at the same ratio. Difference: the default minus "
         f"SVD-LLM, paired over the same windows. Size: the whole model's float32 weights ({_mib(before):.1f} MiB "
         f"before). The row at {model_ratio:g} is `--ratio 0.2 --ratio-of model`: 20% of all the model's "
-        "parameters, taken from the projections.",
+        "parameters, taken from the projections. Last column: the closed-loop check of the allocation's "
+        "objective, `½ Σ s·‖(W − Ŵ)S‖²` per calibration token (a second-order, one-matrix-at-a-time estimate), "
+        "against the measured `ln(ppl / original)`. The quality, headline, compression and latency sections "
+        "above were measured before `global-loss` became the default (with `global-relative`).",
         "",
         f"![perplexity vs model size]({_rel(curve, doc)})",
         "",
         "| attn+mlp ratio | default: model MiB | default: perplexity | SVD-LLM: model MiB | SVD-LLM: perplexity | "
-        "rise ratio | default − SVD-LLM |",
-        "|---|---|---|---|---|---|---|",
+        "rise ratio | default − SVD-LLM | default's loss rise, predicted / measured (nats/token) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for ratio in ratios:
         mine, theirs = rows[(DEFAULT, ratio)], rows[(BASELINE, ratio)]
@@ -89,7 +93,8 @@ def whole_model_section(doc: Path) -> list[str]:
             f"| {label} | {_mib(mine['model_params_after']):.1f} "
             f"({1 - mine['model_params_after'] / before:.1%} smaller) | {mine['ppl']:.3f}{_ci(mine['ppl_ci95'])} | "
             f"{_mib(theirs['model_params_after']):.1f} | {theirs['ppl']:.3f}{_ci(theirs['ppl_ci95'])} | "
-            f"{mine['rise_ratio_vs_svd_llm']:.3f} | {_difference(mine.get(f'minus_{BASELINE}'))} |"
+            f"{mine['rise_ratio_vs_svd_llm']:.3f} | {_difference(mine.get(f'minus_{BASELINE}'))} | "
+            f"{_loss_rise(mine, result)} |"
         )
     attention = [r for r in result["quality"] if r["method"] in ("masa", "masa-relative", "sharing-none")]
     if attention:
@@ -115,6 +120,16 @@ _ATTENTION_LABELS = {
     "masa-relative": "former default allocation (`global-relative`)",
     "sharing-none": "`--sharing none` (`global-loss`)",
 }
+
+
+def _loss_rise(row: dict, result: dict) -> str:
+    """The allocation's second-order prediction of the loss rise, ½ Σ s·‖(W − Ŵ)S‖² over the calibration tokens
+    (its objective, in the row's report), beside the measured ln(ppl / original ppl)."""
+    objective = (row.get("report", {}).get("sharing") or {}).get("objective")
+    if objective is None:
+        return "—"
+    tokens = result["calibration"]["samples"] * result["calibration"]["seq_len"]
+    return f"{0.5 * objective / tokens:.3f} / {math.log(row['ppl'] / result['original_ppl']):.3f}"
 
 
 def _validation_lines(folder: Path, doc: Path) -> list[str]:
