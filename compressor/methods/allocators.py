@@ -100,8 +100,9 @@ class GlobalAllocator:
     matrices', each matrix's times its weight (from the run: `MethodContext.error_weight`). `global` weighs every
     error alike; `global-relative` divides it by the matrix's output energy ‖W S‖², so that errors of projections
     read from different inputs (V vs O) share one scale; `global-loss` multiplies it by the matrix's loss
-    sensitivity (`compressor.sensitivity`), so that errors are compared by what they cost the loss. With `dense_when_cheaper`, a unit whose factors would
-    cost at least its weights is kept whole and the numbers saved go to the others. Shared atoms whose every
+    sensitivity (`compressor.sensitivity`), so that errors are compared by what they cost the loss. With
+    `dense_when_cheaper`, a unit whose factors would cost at least its weights is kept whole and the numbers
+    saved go to the others. Shared atoms whose every
     reader ends up kept whole are dropped and their numbers allocated again (nobody would use them).
     """
 
