@@ -75,8 +75,14 @@ def test_compress_cli_end_to_end_on_the_bundled_model(capsys, tmp_path):
     assert {p for b in sharing["bases"] for p in b["projections"]} <= {"k_proj", "v_proj"}
     assert all(len(b["layers"]) == 4 or b["layers"][-1] == 29 for b in sharing["bases"])
     projections = json.loads((out / "report.json").read_text())["plan"]["projections"]
-    assert {pp["mode"] for pp in projections if pp["projection"] in ("k_proj", "v_proj")} <= {"basis", "dense"}
-    assert {pp["mode"] for pp in projections if pp["projection"] in ("q_proj", "o_proj")} <= {"lowrank", "dense"}
+    assert {pp["mode"] for pp in projections if pp["projection"] in ("k_proj", "v_proj")} <= {
+        "basis",
+        "dense",
+    }
+    assert {pp["mode"] for pp in projections if pp["projection"] in ("q_proj", "o_proj")} <= {
+        "lowrank",
+        "dense",
+    }
     assert (out / "masa_config.json").is_file()
 
 
