@@ -298,6 +298,7 @@ def _summary(
     """What the run did, for the summary table, `--json` and the checkpoint's metadata."""
     plan = outcome.plan
     element = next(loaded.model.parameters()).element_size()
+    model_params_after = sum(p.numel() for p in loaded.model.parameters())
     return {
         "tool_version": __version__,
         "model": run.source.describe(),
@@ -311,10 +312,10 @@ def _summary(
         "attention_params_before": plan.attention_params_before,
         "attention_params_after": plan.attention_params_after(),
         "model_params_before": model_params_before,
-        "model_params_after": sum(p.numel() for p in loaded.model.parameters()),
+        "model_params_after": model_params_after,
         # What the weights take at the model's dtype (the written checkpoint's size is added once saved).
         "weights_bytes_before": model_params_before * element,
-        "weights_bytes_after": sum(p.numel() for p in loaded.model.parameters()) * element,
+        "weights_bytes_after": model_params_after * element,
         "ppl_before": quality.get("ppl_before"),
         "ppl_after": quality.get("ppl_after"),
         "split": run.evaluation.split if options.evaluate else None,

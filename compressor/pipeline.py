@@ -48,12 +48,16 @@ def compress_model(
     if settings.statistics == "sequential" and windows is None:
         raise ValueError("sequential statistics need the calibration windows: pass `windows`")
     device = compute_device or next(model.parameters()).device
-    if "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss":
+    # Only a method that reads the allocation weighs by the loss (a baseline keeps the recipe's value unread).
+    loss_weighted = (
+        "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss"
+    )
+    if loss_weighted:
         _measure_sensitivity(model, adapter, stats, windows, settings.sensitivity_samples, progress)
     shape = ModelShape.from_adapter(adapter, projections)
     ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress, shape, windows)
     ctx.report["effective_settings"] = settings.model_dump()
-    if stats.sensitivity is not None and settings.allocation == "global-loss":
+    if loss_weighted:
         ctx.seconds["sensitivity"] = stats.sensitivity.seconds
         ctx.report["sensitivity"] = {"windows": stats.sensitivity.windows, "tokens": stats.sensitivity.tokens}
     plan = method.apply(ctx)

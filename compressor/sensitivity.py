@@ -11,6 +11,7 @@ share of each matrix's own output energy.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ def collect_sensitivity(
     weights = {}
     for (layer, p), total in sums.items():
         value = float(total) / (tokens * adapter.projection(layer, p).weight.shape[0])
-        if not torch.isfinite(torch.tensor(value)):
+        if not math.isfinite(value):
             raise NumericalError(f"non-finite loss gradient at the output of layer {layer} {p}")
         weights[(layer, p)] = value
     return Sensitivity(weights, tokens, windows.shape[0], time.perf_counter() - start)

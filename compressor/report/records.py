@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,13 +70,8 @@ def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
     over its dense weight's: 1 kept whole; rank·(out + in) / (out·in) for own factors; for a reader of a shared
     input basis rank·out plus its share of the basis (rank·in over the readers); for shared atoms its
     coefficients, its share of the atoms and its residual factors. Biases are left out (never compressed)."""
-    readers: dict[tuple, int] = {}
-    sharers: dict[tuple, int] = {}
-    for pp in projections:
-        if pp["mode"] == "basis":
-            readers[(pp["group"], pp["basis"])] = readers.get((pp["group"], pp["basis"]), 0) + 1
-        elif pp["mode"] == "shared":
-            sharers[(pp["group"], pp["projection"])] = sharers.get((pp["group"], pp["projection"]), 0) + 1
+    readers = Counter((pp["group"], pp["basis"]) for pp in projections if pp["mode"] == "basis")
+    sharers = Counter((pp["group"], pp["projection"]) for pp in projections if pp["mode"] == "shared")
     out = {}
     for pp in projections:
         o, i, rank = pp["out_features"], pp["in_features"], pp.get("rank") or 0
