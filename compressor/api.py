@@ -6,12 +6,13 @@ texts, windows, output checks) is `session.py`'s; the methods are `methods/`'s. 
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from compressor import __version__
-from compressor.adapters import MLP_PROJECTIONS, get_adapter, target_projections
+from compressor.adapters import get_adapter
 from compressor.calibration.sources import TextSource, load_documents
 from compressor.capture import CalibrationStats, collect_statistics
 from compressor.checkpoint import read_masa_config, save_compressed
@@ -19,21 +20,20 @@ from compressor.config import CompressOptions, EvalSettings, resolve_eval_settin
 from compressor.errors import UserError
 from compressor.evaluate import Faithfulness, PerplexityResult, evaluate_against, evaluate_perplexity
 from compressor.intervals import paired_difference
-from compressor.methods import ModelShape
+from compressor.layerwise.run import compress_layerwise, stored_tensors
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.pipeline import CompressionOutcome, compress_model
-from compressor.plan import targets_ratio
 from compressor.progress import note
 from compressor.recipes.schema import EvaluationSettings
 from compressor.report import write_run_report
 from compressor.session import (
     RunSpec,
-    calibration_token_windows,
     check_free_disk,
     check_output_dir,
     default_output_dir,
     evaluation_token_windows,
     peak_rss_gb,
+    prepare_run,
     read_texts,
     resolve_run,
 )
@@ -160,6 +160,8 @@ def compress(
     out = options.out or default_output_dir(
         run.recipe_name or run.source.location, run.compression.method, options.ratio, options.ratio_of
     )
+    if options.layerwise:
+        return _compress_layerwise(run, options, out, device, dtype, progress, start_all)
     if options.save:
         check_output_dir(out, options.overwrite)
     calib_text, eval_text = read_texts(run, options.evaluate, options.allow_overlap)
@@ -168,22 +170,12 @@ def compress(
     loaded = load_model(run.source, device=device, dtype=dtype, progress=progress)
     seconds = {"load": time.perf_counter() - t}
     adapter = get_adapter(loaded.model)
-    shape = ModelShape.from_adapter(adapter, target_projections(run.compression.targets))
-    with_mlp = bool(set(shape.targets) & set(MLP_PROJECTIONS))
-    if with_mlp:
-        adapter.check_mlp()
-    model_params_before = sum(p.numel() for p in loaded.model.parameters())
-    ratio = targets_ratio(
-        options.ratio, options.ratio_of, model_params_before, shape.params_before, run.compression.targets
-    )
-    run.method.check_before_calibration(shape, run.compression, ratio)
-    calib_windows = calibration_token_windows(loaded.tokenizer, run.calibration, calib_text)
-    eval_windows, eval_name = (
-        evaluation_token_windows(loaded.tokenizer, run.evaluation, eval_text) if eval_text else (None, "")
-    )
+    prepared = prepare_run(run, options, loaded.model, adapter, loaded.tokenizer, calib_text, eval_text)
+    ratio, with_mlp, model_params_before = prepared.ratio, prepared.with_mlp, prepared.model_params_before
+    calib_windows, eval_windows, eval_name = prepared.calib_windows, prepared.eval_windows, prepared.eval_name
     if options.save:
-        element = next(loaded.model.parameters()).element_size()
-        check_free_disk(out, int((model_params_before - ratio * shape.params_before) * element))
+        removed = ratio * prepared.shape.params_before
+        check_free_disk(out, int((model_params_before - removed) * prepared.element_size))
     before = None
     if options.evaluate and not options.compare:
         before = evaluate_perplexity(
@@ -209,9 +201,15 @@ def compress(
         quality["evaluation_text"] = eval_name
     summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
     summary["calibration_cache"] = cache_note
+    _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress)
+    return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)
+
+
+def _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress, on_disk=None) -> None:
+    """Save the checkpoint (when asked), then the timings, peak memory and the run report into `summary`."""
     if options.save:
         t = time.perf_counter()
-        summary["out"] = _save(run, loaded, outcome, summary, out, options.overwrite)
+        summary["out"] = _save(run, loaded, outcome, summary, out, options.overwrite, on_disk)
         summary["checkpoint_bytes"] = sum(
             p.stat().st_size for p in Path(summary["out"]).glob("*.safetensors")
         )
@@ -223,7 +221,32 @@ def compress(
     if summary["out"]:
         # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
         summary["report_files"] = [str(p) for p in write_run_report(Path(summary["out"]), summary)]
-    return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)
+
+
+def _compress_layerwise(run, options, out, device, dtype, progress, start_all) -> CompressionRun:
+    """`compress` with `--layerwise` (`layerwise_run`): the same summary, report and checkpoint."""
+    loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before, spill = (
+        compress_layerwise(run, options, out, device, dtype, progress)
+    )
+    try:
+        summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
+        summary["calibration_cache"] = "not used with --layerwise"
+        summary["layerwise"] = True
+        _finish(
+            run,
+            options,
+            loaded,
+            outcome,
+            summary,
+            out,
+            seconds,
+            start_all,
+            progress,
+            stored_tensors(loaded, outcome),
+        )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    return CompressionRun(summary=summary, model=None, tokenizer=loaded.tokenizer, outcome=outcome)
 
 
 def _evaluate_after(loaded, source, before, windows, options, device, dtype, progress) -> dict:
@@ -339,7 +362,9 @@ def _summary(
     }
 
 
-def _save(run: RunSpec, loaded: LoadedModel, outcome, summary: dict, out: str, overwrite: bool) -> str:
+def _save(
+    run: RunSpec, loaded: LoadedModel, outcome, summary: dict, out: str, overwrite: bool, on_disk=None
+) -> str:
     """Write the checkpoint (atomically) with the summary as its metadata; returns its path."""
     metadata = {k: v for k, v in summary.items() if k != "plan"}
     source = run.source
@@ -350,6 +375,7 @@ def _save(run: RunSpec, loaded: LoadedModel, outcome, summary: dict, out: str, o
         "revision": source.revision,
     }
     path = save_compressed(
-        loaded.model, outcome.plan, out, tokenizer=loaded.tokenizer, metadata=metadata, overwrite=overwrite
-    )
+        loaded.model, outcome.plan, out, tokenizer=loaded.tokenizer, metadata=metadata, overwrite=overwrite,
+        on_disk=on_disk,
+    )  # fmt: skip
     return str(path)

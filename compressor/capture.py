@@ -1,8 +1,14 @@
 """Stage 1: calibration capture with hooks that reduce on the fly (never all activations in memory).
 
-Per layer: C_attn = Σ xᵀx over the q/k/v input (post input_layernorm), C_o = Σ zᵀz over the o_proj
-input, both accumulated in fp64; and the token-mean of each block's output per window (for grouping).
-With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the down_proj input.
+Per layer: C_attn = Σ xᵀx / T over the q/k/v input (post input_layernorm), C_o = Σ zᵀz / T over the o_proj
+input (T: the calibration tokens), both accumulated in fp64; and the token-mean of each block's output per window
+(for grouping). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
+down_proj input.
+
+The autocorrelations are means over the tokens, not sums: a sum grows with T, and so would every factor built on
+its Cholesky factor (|A| as √T: fp16 storage overflowed on long calibrations). Every consumer compares errors by
+ratios or minimises them, so the mean changes no choice; the whitened error ‖E S‖² is the mean output error per
+token.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 
 from compressor.adapters import DecoderAdapter
+from compressor.device import add_in_float64, float64_zeros, statistics_device
 from compressor.errors import NumericalError
 from compressor.progress import progress_bar
 from compressor.sensitivity import Sensitivity
@@ -21,10 +28,10 @@ from compressor.sensitivity import Sensitivity
 
 @dataclass
 class CalibrationStats:
-    attn_autocorr: list[torch.Tensor]  # L × (hidden, hidden) fp64: input of q/k/v
+    attn_autocorr: list[torch.Tensor]  # L × (hidden, hidden) fp64: input of q/k/v, the token mean of xᵀx
     o_autocorr: list[torch.Tensor]  # L × (heads*head_dim, same) fp64: input of o_proj
     block_output_means: torch.Tensor  # (L, N, hidden) fp32: token-mean of each block's output per window
-    tokens: int
+    tokens: int  # the calibration tokens each autocorrelation is the mean over
     windows: int
     seconds: float = 0.0
     mlp_autocorr: list[torch.Tensor] | None = None  # L × (hidden, hidden): input of gate/up (mlp=True)
@@ -32,6 +39,9 @@ class CalibrationStats:
     sensitivity: Sensitivity | None = None  # loss sensitivity per projection (--allocation global-loss)
 
     def to(self, device: torch.device) -> CalibrationStats:
+        """The statistics where the fp64 work for a model on `device` runs (the CPU for MPS: no fp64 there)."""
+        device = statistics_device(device)
+
         def moved(matrices):
             return None if matrices is None else [c.to(device) for c in matrices]
 
@@ -78,11 +88,10 @@ class _Accumulator:
         self.adapter = adapter
         self.autocorrelations = autocorrelations
         geometry = adapter.geometry
-        f64 = {"dtype": torch.float64, "device": device}
 
         def zeros(kind: str) -> list[torch.Tensor]:
             size = geometry.input_size(kind)
-            return [torch.zeros(size, size, **f64) for _ in adapter.layers]
+            return [float64_zeros(size, size, device=device) for _ in adapter.layers]
 
         self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
         self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
@@ -91,13 +100,11 @@ class _Accumulator:
         self.handles: list = []
 
     def _gram_into(self, target: torch.Tensor, x: torch.Tensor, where: str) -> None:
-        x = x.reshape(-1, x.shape[-1])
-        if not torch.isfinite(x).all():
-            raise NumericalError(f"non-finite activations at the input of {where} during calibration")
-        if x.device.type == "cpu":
-            target.addmm_(x.double().T, x.double())
-        else:  # fp32 on accelerators (fast), summed into the fp64 accumulator per batch
-            target.add_((x.float().T @ x.float()).double())
+        add_gram(target, x, where)
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """Every autocorrelation accumulator the hooks fill."""
+        return self.attn + self.o + (self.mlp or []) + (self.down or [])
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
@@ -127,6 +134,25 @@ class _Accumulator:
         self.handles.clear()
 
 
+def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
+    """`target += xᵀx` over the tokens of one batch of activations `x (..., d)`, in fp64 (`target`'s device: the
+    CPU for a model on MPS, see `device.float64_zeros`)."""
+    x = x.reshape(-1, x.shape[-1])
+    if not torch.isfinite(x).all():
+        raise NumericalError(f"non-finite activations at the input of {where} during calibration")
+    if x.device.type == "cpu":
+        target.addmm_(x.double().T, x.double())
+    else:  # fp32 on accelerators (fast), summed into the fp64 accumulator per batch
+        add_in_float64(target, x.float().T @ x.float())
+
+
+def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The autocorrelation as the statistics hold it: an accumulated `Σ xᵀx` divided, in place, by its tokens."""
+    if tokens <= 0:
+        raise ValueError(f"an autocorrelation needs calibration tokens, got {tokens}")
+    return gram.div_(tokens)
+
+
 @torch.no_grad()
 def collect_statistics(
     model: nn.Module,
@@ -152,11 +178,14 @@ def collect_statistics(
             acc.window_offset = first
             model(input_ids=batch, use_cache=False)
             bar.advance(len(batch))
+    tokens = int(windows.numel())  # every position of every window reaches every projection's input
+    for gram in acc.accumulators():
+        token_mean(gram, tokens)
     return CalibrationStats(
         attn_autocorr=acc.attn,
         o_autocorr=acc.o,
         block_output_means=acc.means,
-        tokens=int(windows.numel()),
+        tokens=tokens,
         windows=n,
         seconds=time.perf_counter() - start,
         mlp_autocorr=acc.mlp,

@@ -107,6 +107,23 @@ def compress_command(
             "in $MASA_CACHE/stats), so another ratio or method skips calibration.",
         ),
     ] = True,
+    layerwise: Annotated[
+        bool,
+        typer.Option(
+            "--layerwise",
+            help="For a model larger than memory: keep the decoder layers on disk and run every pass (calibration, "
+            "loss sensitivity, evaluation) one layer at a time, spilling statistics and finished layers to "
+            "--offload-dir; memory stays flat in depth and the checkpoint is the same as without it.",
+        ),
+    ] = False,
+    offload_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--offload-dir",
+            help="Where --layerwise writes its temporary files (statistics, finished layers; removed at the "
+            "end). Default: beside the output directory.",
+        ),
+    ] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     as_json: JsonOpt = False,

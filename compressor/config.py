@@ -62,6 +62,8 @@ class CompressOptions:
     recipe_file: str | None = None
     batch_size: int = 1
     stats_cache: bool = True
+    layerwise: bool = False  # decoder layers on disk, every pass layer by layer (models larger than memory)
+    offload_dir: str | None = None  # where --layerwise keeps its intermediate files (default: beside --out)
 
     @classmethod
     def from_values(cls, values: dict) -> CompressOptions:

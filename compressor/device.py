@@ -1,4 +1,4 @@
-"""Device and dtype selection, the same on CPU and GPU."""
+"""Device and dtype selection, the same on CPU and GPU; where float64 work goes on a device without float64."""
 
 from __future__ import annotations
 
@@ -53,3 +53,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}': use auto, float32, bfloat16 or float16")
     return DTYPES[name]
+
+
+def statistics_device(device: torch.device) -> torch.device:
+    """Where fp64 statistics and linear algebra live for a model on `device`: the device itself, except MPS,
+    which has no float64 (the CPU then accumulates what the device computes in float32)."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+def float64_zeros(*shape: int, device: torch.device | str) -> torch.Tensor:
+    """An fp64 accumulator of `shape` (none: a 0-d one) for statistics of a model on `device`, on
+    `statistics_device(device)`."""
+    return torch.zeros(shape, dtype=torch.float64, device=statistics_device(device))
+
+
+def add_in_float64(total: torch.Tensor, value: torch.Tensor) -> None:
+    """`total += value` into an fp64 accumulator: the value is moved to the accumulator's device first and only
+    then widened, since an MPS tensor cannot be made fp64 where it is."""
+    total.add_(value.to(total.device).double())

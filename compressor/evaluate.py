@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compressor.device import statistics_device
 from compressor.errors import NumericalError
 from compressor.intervals import perplexity_interval
 from compressor.progress import progress_bar
@@ -77,7 +78,7 @@ def _window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     """Summed NLL per window (fp64), ``(B,)``."""
     targets = input_ids[:, 1:].to(log_probs.device)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-    return -picked.double().sum(dim=1)
+    return -picked.to(statistics_device(picked.device)).double().sum(dim=1)  # MPS has no fp64
 
 
 def _check_finite(values: torch.Tensor, first: int, what: str) -> None:
@@ -142,7 +143,7 @@ def kl_and_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[
     """
     kl = (reference.exp() * (reference - candidate)).sum(dim=-1)  # (B, T)
     agree = (reference.argmax(dim=-1) == candidate.argmax(dim=-1)).sum(dim=1)
-    return kl.double().sum(dim=1), agree
+    return kl.to(statistics_device(kl.device)).double().sum(dim=1), agree
 
 
 @torch.no_grad()

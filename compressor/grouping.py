@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compressor.device import statistics_device
 from compressor.errors import UserError
 
 
@@ -28,7 +29,7 @@ def logit_lens_distributions(
         h = layer_means.to(device=weight.device, dtype=weight.dtype)
         if apply_final_norm:
             h = final_norm(h)
-        logits = unembedding(h).double()  # (N, V)
+        logits = unembedding(h).to(statistics_device(h.device)).double()  # (N, V); MPS has no fp64
         probs.append(torch.softmax(logits, dim=-1).mean(dim=0))
     return torch.stack(probs).cpu()
 

@@ -88,7 +88,7 @@ def _group_eigenvalues(adapter: DecoderAdapter, groupings, progress: bool) -> di
         for layers in distinct:
             for proj in PROJECTIONS:
                 stacked = torch.stack(
-                    [adapter.projection(layer, proj).weight.detach().double() for layer in layers]
+                    [adapter.projection(layer, proj).weight.detach().cpu().double() for layer in layers]
                 )
                 _, _, eig = matrix_pca(stacked, 0)  # (|g|,) descending; no atoms needed
                 eigenvalues[(layers, proj)] = eig.cpu()

@@ -110,7 +110,7 @@ def whitened_matrix_pca(
     """Data-aware Matrix PCA: atoms that minimize the group's output error, not its weight error.
 
     With the group-summed input autocorrelation `C_g = Σ_l C_l = S_g S_gᵀ`, the output error of the
-    shared part over all the group's calibration tokens is `Σ_l ‖(W_l − Σ_s c_ls D_s) S_g‖_F²`
+    shared part per calibration token, summed over the group's layers, is `Σ_l ‖(W_l − Σ_s c_ls D_s) S_g‖_F²`
     (as Basis Sharing whitens). Matrix PCA of the whitened weights `W_l S_g` gives the optimal
     whitened atoms `D̃`; the atoms themselves are `D = D̃ S_g⁻¹` (triangular solve).
 

@@ -8,12 +8,15 @@ The methods live in `compressor/methods/` (one class each, registered once); the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, DecoderAdapter, target_projections
 from compressor.capture import CalibrationStats
+from compressor.layerwise.offload import OffloadedModel
+from compressor.layerwise.spill import CompressedLayers, OffloadedContext
 from compressor.methods import MethodContext, ModelShape, get_method
 from compressor.plan import CompressionPlan, check_ratio
 from compressor.recipes.schema import CompressionSettings
@@ -25,6 +28,8 @@ class CompressionOutcome:
     plan: CompressionPlan
     seconds: dict[str, float]
     report: dict
+    # `--layerwise`: the compressed layers' tensors on disk (the model holds meta tensors in their place)
+    compressed: CompressedLayers | None = None
 
 
 @torch.no_grad()
@@ -37,8 +42,13 @@ def compress_model(
     progress: bool = True,
     compute_device: torch.device | None = None,
     windows: torch.Tensor | None = None,
+    offloaded: OffloadedModel | None = None,
+    spill_dir: Path | None = None,
 ) -> CompressionOutcome:
-    """Replace the targeted projections of `model` in place; return the exact plan and a report."""
+    """Replace the targeted projections of `model` in place; return the exact plan and a report.
+
+    With `offloaded` (`--layerwise`: `model` is `offloaded.model`, its layers on disk), the original weights are
+    read from disk, and each finished layer is written to `spill_dir` (`outcome.compressed`)."""
     method = get_method(settings.method)
     check_ratio(ratio)
     settings = method.effective_settings(settings)
@@ -48,26 +58,38 @@ def compress_model(
     if settings.statistics == "sequential" and windows is None:
         raise ValueError("sequential statistics need the calibration windows: pass `windows`")
     device = compute_device or next(model.parameters()).device
-    # Only a method that reads the allocation weighs by the loss (a baseline keeps the recipe's value unread).
-    loss_weighted = (
-        "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss"
-    )
+    loss_weighted = reads_loss_sensitivity(settings)
     if loss_weighted:
         _measure_sensitivity(model, adapter, stats, windows, settings.sensitivity_samples, progress)
     shape = ModelShape.from_adapter(adapter, projections)
-    ctx = MethodContext(model, adapter, stats.to(device), settings, ratio, device, progress, shape, windows)
+    args = (model, adapter, stats.to(device), settings, ratio, device, progress, shape, windows)
+    if offloaded is None:
+        ctx = MethodContext(*args)
+    else:
+        compressed = CompressedLayers(spill_dir / "compressed", offloaded, projections)
+        ctx = OffloadedContext(*args, offloaded=offloaded, compressed=compressed)
     ctx.report["effective_settings"] = settings.model_dump()
     if loss_weighted:
         ctx.seconds["sensitivity"] = stats.sensitivity.seconds
         ctx.report["sensitivity"] = {"windows": stats.sensitivity.windows, "tokens": stats.sensitivity.tokens}
     plan = method.apply(ctx)
+    ctx.finished(range(adapter.num_layers))  # whatever a method did not finish itself
     plan.check_budget()
     counted = adapter.attention_parameter_count(projections)
     if counted != plan.attention_params_after():
         raise AssertionError(
             f"installed modules store {counted} numbers, the plan says {plan.attention_params_after()}"
         )
-    return CompressionOutcome(plan=plan, seconds=ctx.seconds, report=ctx.report)
+    compressed = ctx.compressed if isinstance(ctx, OffloadedContext) else None
+    return CompressionOutcome(plan=plan, seconds=ctx.seconds, report=ctx.report, compressed=compressed)
+
+
+def reads_loss_sensitivity(settings: CompressionSettings) -> bool:
+    """Whether a run weighs by the loss sensitivity: only a method that reads the allocation does (a baseline
+    keeps the recipe's `global-loss` unread)."""
+    method = get_method(settings.method)
+    settings = method.effective_settings(settings)
+    return "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss"
 
 
 def _measure_sensitivity(

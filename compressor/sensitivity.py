@@ -3,8 +3,9 @@ is updated): what `--allocation global-loss` weighs each matrix's whitened error
 
 A projection's output error e_t = (W − Ŵ) x_t raises the calibration loss by about ½ Σ_t e_tᵀ F_t e_t, F_t the
 (empirical) Fisher of the loss at that output, g_t g_tᵀ with g_t = ∂L/∂y_t. Taking F_t as isotropic on average,
-ḡ² · I with ḡ² = mean_t ‖g_t‖² / d_out, the rise is ½ ḡ² Σ_t ‖e_t‖² = ½ ḡ² ‖(W − Ŵ) S‖²: the whitened error the
-tails already measure (S Sᵀ = Σ_t x_t x_tᵀ), times one number per matrix. So the allocation compares a unit of
+ḡ² · I with ḡ² = mean_t ‖g_t‖² / d_out, the rise is ½ ḡ² Σ_t ‖e_t‖² = ½ T ḡ² ‖(W − Ŵ) S‖² over T tokens: the
+whitened error the tails already measure (S Sᵀ = Σ_t x_t x_tᵀ / T, the token mean `capture` stores), times one
+number per matrix (T is the same for every matrix, so it changes no choice). So the allocation compares a unit of
 error in k_proj with one in down_proj by what it costs the loss, where `global-relative` compares them by their
 share of each matrix's own output energy.
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.adapters import DecoderAdapter
+from compressor.device import add_in_float64, float64_zeros, statistics_device
 from compressor.errors import NumericalError
 from compressor.progress import progress_bar
 
@@ -38,6 +40,13 @@ class Sensitivity:
         return self.weights[key]
 
 
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """‖grad‖² as a 0-d tensor where `grad` lives: in fp64 where the device has it, else (MPS) in fp32, the
+    sum of one batch's squares, which the fp64 accumulator then adds (`device.add_in_float64`)."""
+    wide = grad.double() if statistics_device(grad.device) == grad.device else grad.float()
+    return wide.pow(2).sum()
+
+
 def collect_sensitivity(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -51,14 +60,12 @@ def collect_sensitivity(
     device = next(model.parameters()).device
     start = time.perf_counter()
     sums = {
-        (layer, p): torch.zeros((), dtype=torch.float64, device=device)
-        for layer in range(adapter.num_layers)
-        for p in projections
+        (layer, p): float64_zeros(device=device) for layer in range(adapter.num_layers) for p in projections
     }
 
     def output_hook(key):
         def on_gradient(grad: torch.Tensor) -> None:
-            sums[key].add_(grad.detach().double().pow(2).sum())
+            add_in_float64(sums[key], squared_norm(grad.detach()))
 
         def on_output(module, args, output):
             output.register_hook(on_gradient)

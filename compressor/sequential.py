@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from compressor.adapters import ATTN_INPUT_PROJECTIONS, PROJECTIONS
-from compressor.errors import NumericalError
+from compressor.adapters import ATTN_INPUT_PROJECTIONS, INPUT_OF, PROJECTIONS
+from compressor.capture import add_gram, token_mean
+from compressor.device import float64_zeros
 from compressor.progress import progress_bar
 from compressor.whitening import WhiteningFactor, whitening_factor
 
@@ -72,21 +73,18 @@ class LayerRunner:
 
     @torch.no_grad()
     def autocorr(self, layer_index: int, projection: str) -> torch.Tensor:
-        """Σ xᵀx (fp64) of a projection's input over all windows, with the layer as it is now."""
+        """Σ xᵀx / T (fp64, the token mean as `capture` stores it) of a projection's input over all windows, with
+        the layer as it is now."""
         module = self.adapter.projection(layer_index, projection)
-        total: list[torch.Tensor] = []
+        size = self.adapter.geometry.input_size(INPUT_OF[projection])
+        total = float64_zeros(size, size, device=self.hidden[0].device)
+        tokens = 0
 
         def hook(_, args):
-            x = args[0].reshape(-1, args[0].shape[-1])
-            if not torch.isfinite(x).all():
-                raise NumericalError(
-                    f"non-finite activations at the input of layer {layer_index} {projection}"
-                )
-            gram = x.double().T @ x.double() if x.device.type == "cpu" else (x.float().T @ x.float()).double()
-            if total:
-                total[0] += gram
-            else:
-                total.append(gram)
+            nonlocal tokens
+            x = args[0]
+            add_gram(total, x, f"layer {layer_index} {projection}")
+            tokens += x.numel() // x.shape[-1]
             raise _Stop
 
         handle = module.register_forward_pre_hook(hook)
@@ -98,7 +96,7 @@ class LayerRunner:
                     pass
         finally:
             handle.remove()
-        return total[0]
+        return token_mean(total, tokens)
 
     @torch.no_grad()
     def advance(self, layer_index: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from compressor.adapters import MLP_PROJECTIONS, target_projections
 from compressor.calibration.sources import TextSource, load_documents
 from compressor.calibration.windows import (
     bos_token_id_for,
@@ -24,9 +25,9 @@ from compressor.calibration.windows import (
 )
 from compressor.config import CompressOptions, resolve_run_settings
 from compressor.errors import UserError
-from compressor.methods import Method, get_method
+from compressor.methods import Method, ModelShape, get_method
 from compressor.models import ModelSource, resolve_model
-from compressor.plan import check_ratio
+from compressor.plan import check_ratio, targets_ratio
 from compressor.recipes.schema import (
     CalibrationSettings,
     CompressionSettings,
@@ -109,6 +110,44 @@ def evaluation_token_windows(
 
 # ------------------------------------------------------------------------------------------------------
 # the output directory
+
+
+@dataclass
+class Prepared:
+    """What a compression run knows once the model is loaded, before any calibration: the targets' shape, the
+    ratio of the targets to remove, and the token windows."""
+
+    shape: ModelShape
+    with_mlp: bool
+    model_params_before: int
+    ratio: float
+    calib_windows: torch.Tensor
+    eval_windows: torch.Tensor | None
+    eval_name: str
+    element_size: int  # bytes per weight in the model's dtype
+
+
+def prepare_run(
+    run: RunSpec, options: CompressOptions, model, adapter, tokenizer, calib_text, eval_text
+) -> Prepared:
+    """The checks and numbers every compression run derives from the loaded model (in memory or `--layerwise`,
+    whose layers are meta tensors: only shapes are read): the ratio converted (`--ratio-of`), the method's
+    feasibility check before calibration, the calibration and evaluation windows."""
+    shape = ModelShape.from_adapter(adapter, target_projections(run.compression.targets))
+    with_mlp = bool(set(shape.targets) & set(MLP_PROJECTIONS))
+    if with_mlp:
+        adapter.check_mlp()
+    params = sum(p.numel() for p in model.parameters())
+    ratio = targets_ratio(
+        options.ratio, options.ratio_of, params, shape.params_before, run.compression.targets
+    )
+    run.method.check_before_calibration(shape, run.compression, ratio)
+    calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
+    eval_windows, eval_name = (
+        evaluation_token_windows(tokenizer, run.evaluation, eval_text) if eval_text else (None, "")
+    )
+    element = next(model.parameters()).element_size()
+    return Prepared(shape, with_mlp, params, ratio, calib_windows, eval_windows, eval_name, element)
 
 
 def default_output_dir(source_name: str, method: str, ratio: float, ratio_of: str = "targets") -> str:

@@ -23,7 +23,9 @@ from compressor.adapters import DecoderAdapter
 from compressor.calibration.cache import cache_dir
 from compressor.capture import CalibrationStats
 
-STATS_FORMAT = 1
+#: What the cached numbers mean; part of the key, so a file of another format is never reused. 2: the
+#: autocorrelations are token means (format 1 held the sums Σ xᵀx).
+STATS_FORMAT = 2
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -1,9 +1,11 @@
 """Whitened low-rank residuals (method.md, stage 4), as in SVD-LLM.
 
-With the input autocorrelation of a projection `C = Σ xᵀx = S Sᵀ` (Cholesky, `S` lower), the output
-error of a weight error `E` over the calibration tokens `X` is `‖E Xᵀ‖_F = ‖E S‖_F`. So the best
+With the input autocorrelation of a projection `C = Σ xᵀx / T = S Sᵀ` over the T calibration tokens `X`
+(Cholesky, `S` lower), the mean output error of a weight error `E` is `‖E Xᵀ‖_F² / T = ‖E S‖_F²`. So the best
 rank-`r` approximation of a residual `ΔW` in output error comes from the SVD of `ΔW S`, and by
-Eckart–Young its error is the tail `Σ_{i≥r} σ_i²` of that SVD.
+Eckart–Young its error is the tail `Σ_{i≥r} σ_i²` of that SVD. (Every rule here is relative to C's own scale,
+so its normalisation, the mean rather than the sum, changes no choice; it keeps the factors' scale independent
+of how many tokens were seen.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ class WhiteningFactor:
 
     S: torch.Tensor  # (in, in), lower-triangular, float64
     damping: float  # absolute value added to the diagonal of C; 0.0 if none was needed
-    attempts: int  # Cholesky factorizations tried, the successful one included (1 = undamped)
+    attempts: int  # Cholesky factorizations tried, the successful one included (1: undamped; 0: zero input)
+
+    @property
+    def input_is_zero(self) -> bool:
+        """The input was exactly zero at every calibration token (e.g. o_proj's, behind an all-zero v_proj):
+        `S = 0`, so every weight error is invisible in the output and there is nothing to approximate."""
+        return self.attempts == 0
 
 
 def _check_finite(tensor: torch.Tensor, what: str) -> None:
@@ -49,11 +57,12 @@ def whitening_factor(
     Attempt 1 factors `C` itself. Each later attempt `k ≥ 2` factors `C + d_k·I` with
     `d_k = initial_damping · mean(diag C) · growth^(k-2)`. An attempt fails when Cholesky fails or
     a pivot is numerically zero (`p_i² ≤ PIVOT_RTOL·(C + d_k·I)_ii`). The damping used is
-    reported: nothing falls back silently.
+    reported: nothing falls back silently. An all-zero `C` (an input that is exactly zero at every
+    token) gives `S = 0` (`input_is_zero`): the factors built on it are zero, which is exact on that input.
 
     Raises:
         ValueError: `autocorr` is not square 2-D, or the damping settings are invalid.
-        NumericalError: non-finite `C`, an all-dead `C` (`mean(diag C) ≤ 0`), or all
+        NumericalError: non-finite `C`, a `C` with `mean(diag C) ≤ 0` that is not all zero, or all
             `max_attempts` attempts failed (the message lists the damping values tried).
     """
     if autocorr.ndim != 2 or autocorr.shape[0] != autocorr.shape[1]:
@@ -68,6 +77,8 @@ def whitening_factor(
     # Accumulated sums are symmetric only up to rounding; cholesky reads one triangle only.
     c = 0.5 * (c + c.T)
     n = c.shape[0]
+    if not bool(c.any()):
+        return WhiteningFactor(S=torch.zeros_like(c), damping=0.0, attempts=0)
     diag = torch.diagonal(c)
     mean_diag = float(diag.mean())
     if not mean_diag > 0.0:
@@ -137,11 +148,18 @@ def plain_svd(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def _truncate(
     u: torch.Tensor, sigma: torch.Tensor, vh: torch.Tensor, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(U_r Σ_r, Vh_r)` for the top `rank` singular triplets."""
+    """`(U_r Σ_r^½, Σ_r^½ Vh_r)` for the top `rank` singular triplets: √σ_i on each side, so that neither factor
+    carries the whole scale of the matrix (as `U_r Σ_r` did, with `Vh_r` of unit rows) and both stay far from the
+    limits of half precision whatever that scale is."""
     if not 0 <= rank <= sigma.shape[0]:
         raise ValueError(f"rank must be in [0, {sigma.shape[0]}], got {rank}")
-    a = u[:, :rank] * sigma[:rank].unsqueeze(0)  # (out, r): scales column i of U by σ_i
-    return a, vh[:rank]  # (out, r), (r, in)
+    root = sigma[:rank].sqrt()
+    return u[:, :rank] * root.unsqueeze(0), root.unsqueeze(1) * vh[:rank]  # (out, r), (r, in)
+
+
+def _is_zero(S: torch.Tensor) -> bool:
+    """Whether a whitening factor is the zero one of an input that is zero at every token (`input_is_zero`)."""
+    return not bool(S.any())
 
 
 def low_rank_factors(
@@ -149,14 +167,34 @@ def low_rank_factors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual factors `A (out, r)`, `B (r, in)` with `A B S = U_r Σ_r Vh_r`.
 
-    `A = U_r Σ_r` and `B = Vh_r S⁻¹`, the latter by a triangular solve of `B S = Vh_r` (no explicit
-    inverse: it is both slower and less accurate). `rank = 0` gives `(out, 0)` and `(0, in)`.
+    `A = U_r Σ_r^½` and `B = Σ_r^½ Vh_r S⁻¹`, the latter by a triangular solve of `B S = Σ_r^½ Vh_r` (no
+    explicit inverse: it is both slower and less accurate). `rank = 0` gives `(out, 0)` and `(0, in)`.
     """
-    a, vh_r = _truncate(U, sigma, Vh, rank)
-    s64 = S.to(device=vh_r.device, dtype=torch.float64)
-    # left=False solves X S = Vh_r for X, with S lower-triangular.
-    b = torch.linalg.solve_triangular(s64, vh_r, upper=False, left=False)  # (r, in)
+    a, scaled_vh = _truncate(U, sigma, Vh, rank)
+    s64 = S.to(device=scaled_vh.device, dtype=torch.float64)
+    b = torch.zeros_like(scaled_vh)
+    # Rows with σ_i = 0 are zero on both sides and add nothing to A B; leaving them out of the solve means the
+    # zero factor of a dead input (every σ_i = 0 there) is never divided by.
+    live = 0 if _is_zero(s64) else int((sigma[:rank] > 0).sum())
+    # left=False solves X S = Σ_r^½ Vh_r for X, with S lower-triangular.
+    b[:live] = torch.linalg.solve_triangular(s64, scaled_vh[:live], upper=False, left=False)  # (r, in)
     return a, b
+
+
+def whitened_basis(Vh: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """The input basis `Vh S⁻¹ (k, in)` of a whitened SVD `M S = U Σ Vh`, most important row first, for readers
+    whose coefficients are refit on it (`refit_on_basis`, where their scale follows from the basis's).
+
+    Its rows have unit whitened norm (`B S = Vh`), not the `Σ^½` scale of `low_rank_factors`' B: a stack of
+    weights of lower rank than k (an all-zero reader) has σ_i = 0, whose row would be zero, and a reader's refit
+    would divide by its norm. The zero factor of an input that is zero for every reader gives `Vh` itself (their
+    coefficients are zero on any basis).
+    """
+    vh = Vh.detach().to(torch.float64)
+    s64 = S.to(device=vh.device, dtype=torch.float64)
+    if _is_zero(s64):
+        return vh
+    return torch.linalg.solve_triangular(s64, vh, upper=False, left=False)  # (k, in)
 
 
 def shared_basis_factors(
@@ -195,16 +233,16 @@ def refit_on_basis(weight: torch.Tensor, basis: torch.Tensor, S: torch.Tensor) -
     `‖(W − A B) S‖²`: with `(B S)ᵀ = Q R`, the optimum is `A B S = W S Q Qᵀ`, i.e. `A = W S Q R⁻ᵀ` (a triangular
     solve), float64. `refit_tail` gives its error at every r."""
     w = weight.detach().to(torch.float64)
-    if basis.shape[0] == 0:
-        return w.new_zeros(w.shape[0], 0)
     s = S.to(device=w.device, dtype=torch.float64)
+    if basis.shape[0] == 0 or _is_zero(s):  # a dead input: any A is exact there, the zero one is the least
+        return w.new_zeros(w.shape[0], basis.shape[0])
     q, r = _basis_qr(basis.to(w.device), s)
     # left=False solves X Rᵀ = W S Q for X, with Rᵀ lower-triangular.
     return torch.linalg.solve_triangular(r.T, w @ s @ q, upper=False, left=False)  # (out, r)
 
 
 def plain_svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unwhitened rank-`rank` factors of `W`: `A = U_r Σ_r` `(out, r)`, `B = Vh_r` `(r, in)`, float64."""
+    """Unwhitened rank-`rank` factors of `W`: `A = U_r Σ_r^½` `(out, r)`, `B = Σ_r^½ Vh_r` `(r, in)`, float64."""
     u, sigma, vh = plain_svd(W)
     return _truncate(u, sigma, vh, rank)
 

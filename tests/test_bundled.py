@@ -204,3 +204,28 @@ def test_attention_and_mlp_targets_end_to_end(tmp_path):
     assert sum(p.numel() for p in reloaded.parameters()) == summary["model_params_after"]
     mlp = reloaded.model.layers[15].mlp
     assert any(type(getattr(mlp, p)).__name__ != "Linear" for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+def test_layerwise_run_writes_the_same_checkpoint_and_measures_the_same(compressed_run, tmp_path):
+    """`--layerwise` on the real model and text: the bytes of the in-memory run's checkpoint, and its numbers."""
+    import hashlib
+
+    from compressor.api import CompressOptions, compress
+
+    out = tmp_path / "layerwise"
+    options = CompressOptions(
+        ratio=0.2, calib_samples=8, seq_len=128, eval_seq_len=256, eval_max_tokens=1024, out=str(out),
+        layerwise=True, offload_dir=str(tmp_path / "offload"),
+    )  # fmt: skip
+    run = compress("smollm2-135m", options, device="cpu", dtype="float32", progress=False)
+
+    def digest(path) -> str:
+        return hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()
+
+    assert digest(out) == digest(compressed_run.summary["out"])
+    expected = compressed_run.summary
+    for key in ("ppl_before", "ppl_after", "kl_to_original"):
+        assert run.summary[key] == pytest.approx(expected[key], rel=1e-5)
+    assert run.summary["top1_agreement"] == expected["top1_agreement"]
+    assert run.summary["model_params_after"] == expected["model_params_after"]
+    assert list((tmp_path / "offload").iterdir()) == []

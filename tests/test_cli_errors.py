@@ -135,6 +135,11 @@ CASES = [
         "tokens",
     ),
     (
+        "--layerwise with sequential statistics",
+        lambda t, mp: ["smollm2-135m", "--layerwise", "--statistics", "sequential", "--sharing", "atoms"],
+        "--layerwise collects the statistics of the original model",
+    ),
+    (
         "missing text file",
         lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"],
         "does not exist",

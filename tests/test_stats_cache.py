@@ -64,3 +64,29 @@ def test_mlp_statistics_round_trip_under_their_own_key(monkeypatch, tmp_path):
     for kind in ("attn", "o", "mlp", "down"):
         for layer in range(adapter.num_layers):
             assert torch.equal(stats.autocorr(kind, layer), loaded.autocorr(kind, layer))
+
+
+def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
+    """Format 1 held the summed autocorrelations Σ xᵀx, format 2 their token means: a format-1 file, read as
+    format 2, would scale every statistic by the token count, so the format is part of the key."""
+    import compressor.stats_cache as stats_cache
+
+    model, adapter, windows, stats, key = _setup(monkeypatch, tmp_path)
+    assert stats_cache.STATS_FORMAT == 2
+    monkeypatch.setattr(stats_cache, "STATS_FORMAT", 1)
+    stale = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32)
+    assert stale != key
+    save_stats(stats, stale)
+    assert load_stats(key, adapter)[0] is None
+
+
+def test_the_autocorrelations_are_token_means(monkeypatch, tmp_path):
+    model, adapter, windows, stats, _ = _setup(monkeypatch, tmp_path)
+    assert stats.tokens == windows.numel()
+    inputs = []
+    handle = adapter.projection(1, "q_proj").register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    with torch.no_grad():
+        model(input_ids=windows)
+    handle.remove()
+    x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+    torch.testing.assert_close(stats.autocorr("attn", 1), x.T @ x / windows.numel(), rtol=1e-10, atol=1e-12)

@@ -65,7 +65,10 @@ def test_whitening_beats_plain_svd_in_output_error() -> None:
     torch.testing.assert_close(
         (delta - a_p @ b_p).square().sum(), discarded_energy(sigma_p)[2], rtol=1e-10, atol=0
     )
-    torch.testing.assert_close(b_p @ b_p.T, torch.eye(2, dtype=torch.float64), rtol=0, atol=1e-12)
+    # √σ on each side: A = U_r Σ_r^½, B = Σ_r^½ Vh_r (orthogonal columns / rows of squared norm σ_i).
+    diag = torch.diag(sigma_p[:2])
+    torch.testing.assert_close(b_p @ b_p.T, diag, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a_p.T @ a_p, diag, rtol=0, atol=1e-12)
 
 
 def test_discarded_energy_values() -> None:
@@ -149,7 +152,7 @@ def test_numerical_errors() -> None:
     with pytest.raises(NumericalError):
         whitening_factor(bad)
     with pytest.raises(NumericalError, match="mean diagonal"):
-        whitening_factor(torch.zeros(4, 4))
+        whitening_factor(torch.diag(torch.tensor([1.0, -1.0, 0.0, 0.0])))  # not an autocorrelation
     s = whitening_factor(c).S
     bad_delta = delta.clone()
     bad_delta[3, 3] = float("inf")
@@ -176,3 +179,46 @@ def test_low_precision_inputs() -> None:
     a, b = low_rank_factors(u, sigma, vh, factor.S, 6)
     assert a.dtype == b.dtype == torch.float64
     torch.testing.assert_close(a @ b, delta.to(torch.bfloat16).double(), rtol=0, atol=1e-9)
+
+
+def test_the_factors_split_the_singular_values_evenly() -> None:
+    """A = U_r Σ_r^½ and B = Σ_r^½ Vh_r S⁻¹: A's columns and B S's rows both have squared norm σ_i, so neither
+    carries the whole scale (A = U_r Σ_r did: |A| grew with the autocorrelation's scale, B shrank)."""
+    x, delta = _setup(seed=7)
+    for scale in (1.0, 1e8):
+        factor = whitening_factor(scale * (x.T @ x))
+        u, sigma, vh = whitened_svd(delta, factor.S)
+        a, b = low_rank_factors(u, sigma, vh, factor.S, 4)
+        tolerance = {"rtol": 0, "atol": 1e-10 * float(sigma[0])}
+        torch.testing.assert_close(a.T @ a, torch.diag(sigma[:4]), **tolerance)
+        bs = b @ factor.S
+        torch.testing.assert_close(bs @ bs.T, torch.diag(sigma[:4]), **tolerance)
+        torch.testing.assert_close(a @ bs, (u[:, :4] * sigma[:4]) @ vh[:4], **tolerance)
+
+
+def test_an_input_that_is_zero_at_every_token_has_nothing_to_approximate() -> None:
+    """An all-zero autocorrelation (o_proj's input behind an all-zero v_proj) is not an error: its factor is S = 0,
+    every whitened error is 0, and the factors at any rank are zero (nothing divides by the zero S)."""
+    factor = whitening_factor(torch.zeros(8, 8, dtype=torch.float64))
+    assert factor.input_is_zero and factor.damping == 0.0
+    assert torch.equal(factor.S, torch.zeros(8, 8, dtype=torch.float64))
+    _, delta = _setup(seed=8)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    assert torch.equal(discarded_energy(sigma), torch.zeros(7, dtype=torch.float64))
+    for rank in (0, 3, 6):
+        a, b = low_rank_factors(u, sigma, vh, factor.S, rank)
+        assert torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))
+    x, _ = _setup(seed=8)
+    assert not whitening_factor(x.T @ x).input_is_zero
+
+
+def test_an_all_zero_weight_costs_nothing_and_its_factors_are_zero() -> None:
+    x, _ = _setup(seed=9)
+    factor = whitening_factor(x.T @ x)
+    u, sigma, vh = whitened_svd(torch.zeros(6, 8, dtype=torch.float64), factor.S)
+    tail = discarded_energy(sigma)
+    assert torch.equal(tail, torch.zeros(7, dtype=torch.float64))  # no rank step removes anything
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 4)
+    assert bool(torch.isfinite(b).all()) and torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))
+    a, b = plain_svd_factors(torch.zeros(6, 8), 4)
+    assert torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))

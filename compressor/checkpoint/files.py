@@ -9,8 +9,9 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,25 +22,42 @@ from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAM
 from compressor.errors import UserError
 
 
-def _stored_tensors(model: nn.Module, shared: dict[int, str]) -> dict[str, torch.Tensor]:
-    """{stored key: tensor}, each tensor once, still where the model keeps it (moved to the CPU shard by shard)."""
+@dataclass(frozen=True)
+class OnDisk:
+    """A tensor the model holds as a meta tensor (`--layerwise`), read from disk only when its bytes are written."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    read: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+def _stored_tensors(
+    model: nn.Module, shared: dict[int, str], on_disk: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor | OnDisk]:
+    """{stored key: tensor}, each tensor once, still where the model keeps it (moved to the CPU tensor by tensor);
+    a meta tensor is read from `on_disk` (full state-dict name -> tensor) when written."""
     state = model.state_dict(keep_vars=True)
-    return {name: state[key].detach() for key, name in _storage_names(model, shared).items()}
+    stored: dict[str, torch.Tensor | OnDisk] = {}
+    for key, name in _storage_names(model, shared).items():
+        tensor = state[key].detach()
+        if tensor.device.type == "meta":
+            if on_disk is None:
+                raise ValueError(f"{key} is a meta tensor and no store to read it from was given")
+            tensor = OnDisk(
+                tensor.dtype, tensor.shape, lambda key=key, dtype=tensor.dtype: on_disk[key].to(dtype)
+            )
+        stored[name] = tensor
+    return stored
 
 
-def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """On the CPU, contiguous, each owning its storage: safetensors refuses tensors that share memory (such as
-    views of one fused buffer), so those are copied."""
-    ready: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        tensor = tensor.to("cpu").contiguous()
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() != tensor.nbytes:
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        ready[name] = tensor
-    return ready
+def _for_writing(tensor: torch.Tensor | OnDisk) -> torch.Tensor:
+    """The tensor's bytes on the CPU, contiguous (read from disk first if it is `OnDisk`)."""
+    tensor = tensor.read() if isinstance(tensor, OnDisk) else tensor
+    return tensor.to("cpu").contiguous()
 
 
 def _write_weights(
@@ -63,9 +81,7 @@ def _write_weights(
     manifest: dict[str, dict] = {}
     for file_name, names in zip(file_names, shards, strict=True):
         path = directory / file_name
-        shard = _for_safetensors({k: tensors[k] for k in names})
-        _save_aligned(shard, path, metadata={"format": "pt"})
-        del shard
+        _save_aligned({k: tensors[k] for k in names}, path, metadata={"format": "pt"})
         files[file_name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         with safe_open(path, framework="pt") as f:  # the header's own dtype names, which loading compares
             for k in names:
@@ -91,10 +107,11 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def _save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def _save_aligned(tensors: dict[str, torch.Tensor | OnDisk], path: Path, metadata: dict[str, str]) -> None:
     """A standard safetensors file in which every tensor whose byte size is a multiple of 64 starts 64-byte
     aligned (header padded with spaces, as the format allows; those tensors first, the rest after, by name),
-    so that memory-mapped loading hands out aligned views. Same tensors, same bytes."""
+    so that memory-mapped loading hands out aligned views. Same tensors, same bytes. The tensors are moved to
+    the CPU (or read from disk) one at a time, so writing takes no more memory than the largest one."""
     order = sorted(tensors, key=lambda k: (tensors[k].nbytes % ALIGNMENT != 0, k))
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -109,8 +126,10 @@ def _save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[s
         fh.write(len(encoded).to_bytes(8, "little"))
         fh.write(encoded)
         for name in order:
-            if tensors[name].numel():
-                fh.write(tensors[name].reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+            if tensors[name].nbytes:
+                data = _for_writing(tensors[name])
+                fh.write(data.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+                del data
 
 
 def _sha256(path: Path) -> str:

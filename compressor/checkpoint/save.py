@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from compressor import __version__
@@ -36,12 +38,14 @@ def save_compressed(
     *,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    on_disk: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a compressed model as a checkpoint directory (layout in the module docstring); returns its path.
 
     `plan` supplies the groups and the counts; the installed modules supply the layout, and the two must agree
     (a disagreement is a bug upstream, raised as ValueError before anything is written). `metadata` is
-    stored as given (values JSON cannot hold are written as strings).
+    stored as given (values JSON cannot hold are written as strings). `on_disk` (full state-dict name -> tensor)
+    supplies the tensors the model holds as meta tensors (`--layerwise`), read one at a time while writing.
     """
     out_dir = Path(out_dir)
     adapter = get_adapter(model)
@@ -51,7 +55,7 @@ def save_compressed(
             f"supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     layout, shared = _layout(adapter, plan)
-    tensors = _stored_tensors(model, shared)
+    tensors = _stored_tensors(model, shared, on_disk)
     counts = _counts(model, adapter, plan)
     base_config = _base_config(model)
     metadata_json = json.loads(json.dumps(metadata or {}, default=str))

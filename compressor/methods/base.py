@@ -10,7 +10,7 @@ one file with such a class plus one `register(...)` line in `compressor/methods/
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -20,6 +20,7 @@ from torch import nn
 
 from compressor.adapters import INPUT_OF, PROJECTIONS, AttentionGeometry, DecoderAdapter, geometry_from_config
 from compressor.capture import CalibrationStats
+from compressor.device import statistics_device
 from compressor.errors import NumericalError, UserError
 from compressor.grouping import Grouping, consecutive_kl, group_layers, logit_lens_distributions
 from compressor.plan import CompressionPlan, layer_dense_params
@@ -107,6 +108,10 @@ class MethodContext:
     _whitening: dict[tuple[int, str], WhiteningFactor] = field(default_factory=dict)
     _output_energy: dict[tuple[int, str], float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The fp64 work (Cholesky, SVDs) runs where fp64 exists: a model on MPS is compressed on the CPU.
+        self.compute_device = statistics_device(self.compute_device)
+
     @property
     def projections(self) -> tuple[str, ...]:
         """The projection types compressed (`targets`): q/k/v/o by default."""
@@ -114,7 +119,9 @@ class MethodContext:
 
     def weight(self, layer: int, projection: str) -> torch.Tensor:
         """The original (out, in) weight in fp64 on the compute device; non-finite weights are an error."""
-        w = self.adapter.projection(layer, projection).weight.detach().to(self.compute_device, torch.float64)
+        weight = self.adapter.projection(layer, projection).weight.detach()
+        # Moved, then widened: an MPS weight cannot be made fp64 where it is (the compute device is the CPU then).
+        w = weight.to(self.compute_device).to(torch.float64)
         if not torch.isfinite(w).all():
             raise NumericalError(
                 f"non-finite weights in {self.adapter.projection_path(layer, projection)}: the model file is damaged"
@@ -143,7 +150,12 @@ class MethodContext:
         return self._whitening[key]
 
     def record_damping(self, factor: WhiteningFactor, **where) -> None:
-        """Report a Cholesky that needed damping (once per place): the whitening is then approximate."""
+        """Report a Cholesky that needed damping (once per place): the whitening is then approximate; and an input
+        that was zero at every calibration token (its readers get nothing to approximate)."""
+        if factor.input_is_zero:
+            if where not in self.report.setdefault("zero_inputs", []):
+                self.report["zero_inputs"].append(where)
+            return
         entry = {**where, "damping": factor.damping, "attempts": factor.attempts}
         if factor.damping > 0 and entry not in self.report.setdefault("damping", []):
             self.report["damping"].append(entry)
@@ -199,6 +211,10 @@ class MethodContext:
 
     def install(self, layer: int, projection: str, module: nn.Module) -> None:
         self.adapter.set_projection(layer, projection, module)
+
+    def finished(self, layers: Iterable[int]) -> None:
+        """A method says it will install nothing more into `layers` (and that no later module shares a tensor
+        with theirs): with `--layerwise` they are written to disk then (`layerwise.spill.OffloadedContext`)."""
 
     @property
     def model_dtype(self) -> torch.dtype:

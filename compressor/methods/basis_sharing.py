@@ -82,6 +82,7 @@ class BasisSharing(Method):
                         for pp in members:
                             install_lowrank(ctx, pp, True, dtype, device)
                     bar.advance(len(members))
+                ctx.finished(group.layers)
         ctx.seconds["residual_svd"] = time.perf_counter() - start
         return plan
 

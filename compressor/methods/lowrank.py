@@ -49,6 +49,8 @@ class LowRank(Method):
         with progress_bar(title, total=len(plan.projections), enabled=ctx.progress) as bar:
             for pp in plan.projections:
                 install_lowrank(ctx, pp, self.whitened, dtype, device)
+                if pp.projection == plan.targets[-1]:  # the plan lists each layer's projections together
+                    ctx.finished([pp.layer])
                 bar.advance()
         ctx.seconds["residual_svd"] = time.perf_counter() - start
         return plan

@@ -71,5 +71,6 @@ class SharedMean(Method):
                     if bias is not None:
                         module.bias.data.copy_(bias)
                     ctx.install(layer, p, module)
+            ctx.finished(group.layers)
         ctx.seconds["pca"] = time.perf_counter() - start
         return plan

@@ -32,7 +32,7 @@ from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
 from compressor.remote_code.masa_modules import SharedInputLinear
-from compressor.whitening import low_rank_factors, refit_on_basis, refit_tail, whitened_svd, whitening_factor
+from compressor.whitening import refit_on_basis, refit_tail, whitened_basis, whitened_svd, whitening_factor
 
 #: The input-basis forms (the other form, `atoms`, is `masa.stages`').
 BASIS_FORMS = ("basis", "qkv", "none", "auto")
@@ -141,8 +141,8 @@ def full_basis(ctx: MethodContext, layers: list[int], types: tuple[str, ...]) ->
     factor = group_whitening(ctx, layers, types[0])  # the types of one basis read the same input
     stacked = torch.cat([ctx.weight(layer, p) for layer in layers for p in types])  # (Σ out, in)
     with numerical_context(f"layers {layers} {'/'.join(types)}"):
-        u, sigma, vh = whitened_svd(stacked, factor.S)
-        return low_rank_factors(u, sigma, vh, factor.S, sigma.shape[0])[1]
+        _, _, vh = whitened_svd(stacked, factor.S)
+        return whitened_basis(vh, factor.S)
 
 
 def shared_tails(
@@ -205,12 +205,16 @@ def install_all(ctx: MethodContext, plan: CompressionPlan) -> None:
     """Pass 2: build each shared basis at its allocated size with its readers, and every other matrix's factors."""
     units = plan.allocation_units()
     with progress_bar("Factors", total=len(units), enabled=ctx.progress) as bar:
-        for key, members in units.items():
-            if members[0].mode == "basis":
-                install_shared_basis(ctx, plan, members)
-            else:
-                install_projection(ctx, plan, {}, {}, *key, ctx.whitening(*key))
-            bar.advance()
+        for group in plan.groups:  # run by run (the units of a run are listed together), then it is finished
+            for key, members in units.items():
+                if members[0].group != group.index:
+                    continue
+                if members[0].mode == "basis":
+                    install_shared_basis(ctx, plan, members)
+                else:
+                    install_projection(ctx, plan, {}, {}, *key, ctx.whitening(*key))
+                bar.advance()
+            ctx.finished(group.layers)
 
 
 def install_shared_basis(ctx: MethodContext, plan: CompressionPlan, members: list[ProjectionPlan]) -> None:

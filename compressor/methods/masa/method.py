@@ -142,9 +142,12 @@ class Masa(Method):
             install_sequentially(ctx, targets, install)
         else:
             with progress_bar("Residual factors", total=len(targets), enabled=ctx.progress) as bar:
-                for layer, p in targets:
-                    install(layer, p, ctx.whitening(layer, p))
-                    bar.advance()
+                for group in plan.groups:  # a group's layers share its atoms: finished together
+                    for layer, p in targets:
+                        if layer in group.layers:
+                            install(layer, p, ctx.whitening(layer, p))
+                            bar.advance()
+                    ctx.finished(group.layers)
         ctx.seconds["residual_svd"] += time.perf_counter() - start
         return plan
 

@@ -1,0 +1,233 @@
+"""`--layerwise`: the layer-sequential pipeline over a model whose decoder layers stay on disk gives the very
+checkpoint in-memory compression gives (same bytes), the same loss sensitivity and the same evaluation, and it
+leaves nothing behind; its pieces (onloading, spilling finished layers) keep the model as it was."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_windows, tiny_model, tiny_model_dir
+
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter
+from compressor.capture import collect_statistics
+from compressor.checkpoint import save_compressed
+from compressor.evaluate import evaluate_against
+from compressor.layerwise.offload import load_offloaded
+from compressor.layerwise.passes import (
+    collect_sensitivity_layerwise,
+    collect_statistics_layerwise,
+    evaluate_layerwise,
+    spill_original_outputs,
+)
+from compressor.pipeline import compress_model
+from compressor.recipes.schema import CompressionSettings
+from compressor.remote_code.masa_modules import LowRankLinear
+
+CPU = torch.device("cpu")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _offloaded(tmp_path: Path, family: str = "llama", **overrides):
+    source = tmp_path / "source"
+    tiny_model(family, num_hidden_layers=overrides.pop("layers", 6), **overrides).save_pretrained(source)
+    return source, load_offloaded(str(source), {}, CPU, torch.float32, tmp_path / "offload")
+
+
+def _both_ways(tmp_path: Path, settings: CompressionSettings, family: str = "llama", **overrides):
+    """The same compression in memory and layer by layer: (in-memory outcome, layerwise outcome, both paths)."""
+    source, om = _offloaded(tmp_path, family, **overrides)
+    windows = random_windows(8, 32)
+    mlp = settings.targets != "attn"
+    model = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=mlp)
+    in_memory = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
+    save_compressed(model, in_memory.plan, tmp_path / "in-memory")
+
+    sensitivity = settings.sensitivity_samples if settings.allocation == "global-loss" else 0
+    spilled, tail = collect_statistics_layerwise(
+        om, windows, tmp_path / "spill" / "stats", progress=False, mlp=mlp, sensitivity_windows=sensitivity
+    )
+    if tail is not None:
+        projections = PROJECTIONS + (MLP_PROJECTIONS if mlp else ())
+        spilled.sensitivity = collect_sensitivity_layerwise(
+            om, tail, tmp_path / "spill" / "stats", projections, progress=False
+        )
+    layerwise = compress_model(
+        om.model, om.adapter, spilled, settings, 0.3, progress=False, windows=windows, offloaded=om,
+        spill_dir=tmp_path / "spill",
+    )  # fmt: skip
+    on_disk = collections.ChainMap(layerwise.compressed, om.weights)
+    save_compressed(om.model, layerwise.plan, tmp_path / "layerwise", on_disk=on_disk)
+    return stats, spilled, om
+
+
+@pytest.mark.parametrize(
+    "family, update",
+    [
+        ("llama", {}),  # the default: k/v input bases over runs of 4 layers, loss-aware allocation
+        ("llama", {"sharing": "atoms", "allocation": "global-relative"}),
+        ("llama", {"sharing": "none", "targets": "attn,mlp"}),
+        ("qwen2", {"method": "svd-llm"}),  # q/k/v biases, read from the original files
+        ("mistral", {"method": "basis-sharing"}),
+        ("gemma", {"method": "shared-mean", "groups": 2}),
+    ],
+)
+def test_layerwise_checkpoint_is_byte_for_byte_the_in_memory_one(tmp_path, family, update):
+    settings = CompressionSettings().model_copy(update=update)
+    stats, spilled, _ = _both_ways(tmp_path, settings, family)
+    for layer in range(spilled.num_layers):
+        for kind in ("attn", "o"):
+            assert torch.equal(stats.autocorr(kind, layer), spilled.autocorr(kind, layer))
+    assert torch.equal(stats.block_output_means, spilled.block_output_means)
+    assert _sha(tmp_path / "in-memory") == _sha(tmp_path / "layerwise")
+    in_memory = json.loads((tmp_path / "in-memory" / "masa_config.json").read_text())
+    layerwise = json.loads((tmp_path / "layerwise" / "masa_config.json").read_text())
+    assert in_memory["layout"] == layerwise["layout"] and in_memory["counts"] == layerwise["counts"]
+
+
+def test_layerwise_loss_sensitivity_equals_one_backward_pass(tmp_path):
+    stats, spilled, om = _both_ways(tmp_path, CompressionSettings(sensitivity_samples=4))
+    # No weight took a gradient (the tied embeddings would have), and the flags are as they were.
+    assert all(p.grad is None and p.requires_grad for p in om.model.parameters() if p.device.type != "meta")
+    assert spilled.sensitivity.weights.keys() == stats.sensitivity.weights.keys()
+    for key, value in stats.sensitivity.weights.items():
+        assert spilled.sensitivity[key] == pytest.approx(value, rel=1e-9)
+    assert (spilled.sensitivity.windows, spilled.sensitivity.tokens) == (4, 4 * 32)
+    # The spilled layer inputs are consumed (deleted) by the backward pass.
+    assert not list((tmp_path / "spill" / "stats").glob("inputs-*"))
+
+
+def test_onloaded_materialises_a_layer_and_gives_back_the_same_meta_tensors(tmp_path):
+    source, om = _offloaded(tmp_path)
+    reference = type(om.model).from_pretrained(source, dtype=torch.float32)
+    layer = om.adapter.layers[2]
+    before = {name: p for name, p in layer.named_parameters()}
+    assert all(p.device.type == "meta" for p in before.values())
+    with om.onloaded(2) as onloaded:
+        q = onloaded.self_attn.q_proj.weight
+        assert q.device == CPU and torch.equal(q, reference.model.layers[2].self_attn.q_proj.weight)
+    after = {name: p for name, p in layer.named_parameters()}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def test_a_shared_tensor_stays_one_tensor_through_spilling_and_onloading(tmp_path):
+    from compressor.layerwise.spill import CompressedLayers
+
+    _, om = _offloaded(tmp_path, layers=2)
+    shared = torch.nn.Parameter(torch.randn(3, 64), requires_grad=False)
+    for layer in (0, 1):
+        module = LowRankLinear.from_factors(torch.randn(64, 3), shared, None, torch.float32, CPU)
+        module.lowrank_b = shared  # both layers' q_proj read the same tensor
+        om.adapter.set_projection(layer, "q_proj", module)
+    store = CompressedLayers(tmp_path / "compressed", om, ("q_proj",))
+    store.spill([0, 1])
+    b0, b1 = (om.adapter.projection(i, "q_proj").lowrank_b for i in (0, 1))
+    assert b0 is b1 and b0.device.type == "meta"  # one (meta) Parameter: the checkpoint still sees the tie
+    assert torch.equal(store["model.layers.1.self_attn.q_proj.lowrank_b"], shared)
+    with om.onloaded(1, store) as layer:
+        assert torch.equal(layer.self_attn.q_proj.lowrank_b, shared)
+    assert om.adapter.projection(1, "q_proj").lowrank_b is b0
+    with pytest.raises(AssertionError, match="already written to disk"):
+        store.check_open(0)
+
+
+def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
+    source, om = _offloaded(tmp_path)
+    calibration, windows, settings = (
+        random_windows(8, 32),
+        random_windows(5, 24, seed=3),
+        CompressionSettings(),
+    )
+    reference = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
+    model = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, calibration, progress=False)
+    compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=calibration)
+    ref, scored = evaluate_against(reference, {"compressed": model}, windows, progress=False)
+    after, faith = scored["compressed"]
+
+    spill_original_outputs(om, windows, tmp_path / "eval", chunk_windows=2, progress=False)
+    spilled, tail = collect_statistics_layerwise(
+        om, calibration, tmp_path / "stats", progress=False, sensitivity_windows=settings.sensitivity_samples
+    )
+    spilled.sensitivity = collect_sensitivity_layerwise(om, tail, tmp_path / "stats", PROJECTIONS, False)
+    outcome = compress_model(
+        om.model, om.adapter, spilled, settings, 0.3, progress=False, windows=calibration, offloaded=om,
+        spill_dir=tmp_path,
+    )  # fmt: skip
+    before2, after2, faith2 = evaluate_layerwise(
+        om, windows, outcome.compressed, tmp_path / "eval", chunk_windows=2, progress=False
+    )
+    assert before2.window_nll == pytest.approx(ref.window_nll, rel=1e-6)
+    assert after2.window_nll == pytest.approx(after.window_nll, rel=1e-6)
+    assert (before2.ppl, after2.ppl) == (pytest.approx(ref.ppl, rel=1e-6), pytest.approx(after.ppl, rel=1e-6))
+    assert faith2.kl_to_original == pytest.approx(faith.kl_to_original, rel=1e-5, abs=1e-9)
+    assert faith2.top1_agreement == faith.top1_agreement
+
+
+def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys):
+    from compressor.cli import main
+
+    model = str(tiny_model_dir(tmp_path / "tiny"))
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    common = [
+        model,
+        "--ratio",
+        "0.3",
+        "--calib",
+        str(text),
+        "--calib-samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--no-eval",
+    ]
+    main([*common, "--out", str(tmp_path / "in-memory"), "--json", "--no-stats-cache"])
+    capsys.readouterr()
+    offload = tmp_path / "offload"
+    main(
+        [
+            *common,
+            "--out",
+            str(tmp_path / "layerwise"),
+            "--json",
+            "--layerwise",
+            "--offload-dir",
+            str(offload),
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layerwise"] is True
+    assert _sha(tmp_path / "in-memory") == _sha(tmp_path / "layerwise")
+    assert summary["model_params_before"] - summary["model_params_after"] == (
+        summary["attention_params_before"] - summary["attention_params_after"]
+    )
+    assert list(offload.iterdir()) == []  # the run's temporary folder is gone
+
+
+def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from compressor.errors import UserError
+    from compressor.layerwise.run import check_spill_disk
+    from compressor.methods import ModelShape
+
+    _, om = _offloaded(tmp_path)
+    shape = ModelShape.from_adapter(om.adapter, PROJECTIONS)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
+    with pytest.raises(UserError, match="pass --offload-dir on a larger disk"):
+        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
