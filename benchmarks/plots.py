@@ -6,10 +6,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: Acceptance targets (issues 4 and 7): key in results.json -> (bound, what it bounds).
+#: Acceptance targets (issues 4 and 7, and the layer-sequential pipeline's): key in results.json -> (bound, what it bounds).
 TARGETS = {
     "compress_over_forward": (5.0, "compression time / one plain forward pass over the calibration tokens"),
-    "depth_memory_ratio": (1.2, "peak RSS of the compression run at 2x depth / at 1x depth"),
+    "depth_memory_ratio": (1.15, "peak RSS of the `--layerwise` compression at 2x depth / at 1x depth"),
+    "depth_overhead_growth": (1.10, "its overhead (peak RSS − loaded state) at 4x depth / at 1x depth"),
     "prefill_latency_ratio": (1.15, "prefill latency, reloaded compressed checkpoint / original"),
 }
 PLOTS = {
@@ -24,6 +25,14 @@ STAGE_LABELS = {
     "pca": "Matrix PCA",
     "residual_svd": "residual SVDs + allocation",
     "save": "writing the checkpoint",
+}
+#: The stages of a `--layerwise` scaling run (`benchmarks.scaling`), as they are stacked in the time panel.
+SCALING_STAGES = {
+    "load": "tab:gray",
+    "calibration": "tab:blue",
+    "sensitivity": "tab:purple",
+    "compress": "tab:orange",
+    "save": "tab:green",
 }
 METHOD_STYLE = {
     "masa": ("tab:blue", "o"),
@@ -121,33 +130,68 @@ def plot_latency(results: dict, path: Path) -> None:
 
 def plot_scaling(results: dict, path: Path) -> None:
     plt = _pyplot()
+    if results["scaling"].get("mode") != "layerwise":  # measured before the layer-sequential pipeline
+        fig, ax = plt.subplots(figsize=(6, 1.5))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "re-run: python -m benchmarks.run --sections scaling", ha="center", va="center")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
     runs = results["scaling"]["runs"]
-    labels = [f"{r['layers']} layers" for r in runs]
-    fig, (mem, tim) = plt.subplots(1, 2, figsize=(8, 3.8))
-    loaded = [r["rss_after_model_gib"] for r in runs]
-    overhead = [r["overhead_gib"] for r in runs]
-    mem.bar(labels, loaded, color="tab:gray", label="RSS with the model loaded")
-    mem.bar(labels, overhead, bottom=loaded, color="tab:blue", label="added by the compression run")
-    for i, r in enumerate(runs):
-        mem.text(i, r["peak_rss_gib"], f"{r['peak_rss_gib']:.2f}", ha="center", va="bottom")
-    mem.set_ylabel("peak RSS (GiB)")
-    mem.set_ylim(0, max(r["peak_rss_gib"] for r in runs) * 1.5)
-    mem.set_title(f"peak memory: x{results['scaling']['peak_ratio']:.2f}", fontsize=10)
-    mem.legend(fontsize=8, loc="upper left")
-    bottom = [0.0] * len(runs)
-    for stage, color in (("calibration", "tab:blue"), ("compress", "tab:orange"), ("save", "tab:green")):
-        values = [r["seconds"][stage] for r in runs]
-        tim.bar(labels, values, bottom=bottom, color=color, label=stage)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    tim.set_ylabel("seconds")
-    tim.set_ylim(0, max(bottom) * 1.35)
-    tim.set_title(f"compression time: x{results['scaling']['time_ratio']:.2f}", fontsize=10)
-    tim.legend(fontsize=8)
-    depths = " and ".join(str(r["layers"]) for r in runs)
-    fig.suptitle(f"Random models of {_width_name(runs[0]['width'])}, {depths} layers", fontsize=10)
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(9, 3.9))
+    _plot_scaling_memory(mem, results)
+    _plot_scaling_time(tim, runs)
+    fig.suptitle(f"--layerwise on random models of {_width_name(runs[0]['width'])}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_scaling_memory(ax, results: dict) -> None:
+    """Peak RSS, the loaded state and the overhead against the weights' size on disk, per depth (log-log: the
+    deep model of `larger_than_memory` on the same axes), and the in-memory path's peak at the first depth."""
+    runs = list(results["scaling"]["runs"])
+    deep = results.get("larger_than_memory")
+    if deep and deep["layers"] not in {r["layers"] for r in runs}:
+        runs.append(deep["run"])
+    runs.sort(key=lambda r: r["layers"])
+    layers = [r["layers"] for r in runs]
+    series = [
+        ("peak RSS", [r["peak_rss_gib"] for r in runs], "tab:blue", "o"),
+        ("RSS loaded (layers on disk)", [r["rss_loaded_gib"] for r in runs], "tab:gray", "s"),
+        ("overhead (peak − loaded)", [r["overhead_gib"] for r in runs], "tab:orange", "^"),
+        ("weights on disk", [r["weights_bytes"] / 1024**3 for r in runs], "black", "x"),
+    ]
+    for label, values, color, marker in series:  # the weights dashed: a reference, not a measurement
+        style = "--" if color == "black" else "-"
+        ax.plot(layers, values, marker=marker, color=color, label=label, linestyle=style)
+    first = results["scaling"]["runs"][0]
+    memory = first.get("in_memory")
+    if memory:
+        ax.plot([first["layers"]], [memory["peak_rss_gib"]], marker="*", markersize=11, color="tab:red", linestyle="",
+                label="peak RSS in memory (no --layerwise)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(layers, [str(n) for n in layers])
+    ax.set_xlabel("decoder layers")
+    ax.set_ylabel("GiB (log scale)")
+    ax.set_title(f"peak RSS x{results['scaling']['peak_ratio']:.2f} at 2x depth", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _plot_scaling_time(ax, runs: list[dict]) -> None:
+    labels = [str(r["layers"]) for r in runs]
+    bottom = [0.0] * len(runs)
+    for stage, color in SCALING_STAGES.items():
+        values = [r["seconds"].get(stage, 0.0) for r in runs]
+        ax.bar(labels, values, bottom=bottom, color=color, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("decoder layers")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(0, max(bottom) * 1.35)
+    ax.set_title("time per stage", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def _width_name(width: dict) -> str:

@@ -12,6 +12,11 @@ import os
 from pathlib import Path
 
 from benchmarks.markdown import _ci, _difference, _f, _mib
+from benchmarks.memory_projection import (
+    LARGER_THAN_MEMORY_BOUND,
+    larger_than_memory_section,
+    projection_section,
+)
 from benchmarks.plots import REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
 from benchmarks.report_committed import (
     _ablation_section,
@@ -28,26 +33,21 @@ __all__ = ["REPO", "TARGETS", "render"]
 
 
 def _verdict(key: str, results: dict) -> str:
-    bound, _ = TARGETS[key]
-    return "met" if results[key] <= bound else "**missed**"
+    if not isinstance(results.get(key), (int, float)):
+        return "not measured"
+    return "met" if results[key] <= TARGETS[key][0] else "**missed**"
 
 
 def _summary(results: dict) -> list[str]:
-    scaling = results["scaling"]
-    rows = [
-        "| measure | value | target | |",
-        "|---|---|---|---|",
-    ]
+    rows = ["| measure | value | target | |", "|---|---|---|---|"]
     for key, (bound, what) in TARGETS.items():
-        rows.append(f"| {what} (`{key}`) | {results[key]:.3f}x | ≤ {bound:g}x | {_verdict(key, results)} |")
-    rows += [
-        f"| compression *overhead* at 2x depth / at 1x depth: peak RSS minus RSS with the model loaded "
-        f"(`depth_memory_overhead_ratio`) | {results['depth_memory_overhead_ratio']:.3f}x | (information) | |",
-        f"| compression time at 2x depth / at 1x depth (`depth_time_ratio`) | {scaling['time_ratio']:.3f}x "
-        "| (information) | |",
+        value = f"{results[key]:.3f}x" if key in results else "—"
+        rows.append(f"| {what} (`{key}`) | {value} | ≤ {bound:g}x | {_verdict(key, results)} |")
+    rows += _scaling_summary(results)
+    rows.append(
         f"| decode latency, compressed / original (`decode_latency_ratio`) | "
-        f"{results['decode_latency_ratio']:.3f}x | (information) | |",
-    ]
+        f"{results['decode_latency_ratio']:.3f}x | (information) | |"
+    )
     latency = results.get("latency", {})
     if "prefill_ratio_to_previous" in latency:  # today's default vs the former one, same ratio, one process
         for phase in ("prefill", "decode"):
@@ -56,6 +56,26 @@ def _summary(results: dict) -> list[str]:
                 f"| {phase} latency, default checkpoint / the former default's (`{phase}_ratio_to_previous`) | "
                 f"{value:.3f}x | ≤ 1x (no slower) | {'met' if value <= 1.0 else '**missed**'} |"
             )
+    return rows
+
+
+def _scaling_summary(results: dict) -> list[str]:
+    """The layer-sequential pipeline's other targets: the deep model's peak, the same checkpoint."""
+    s, deep = results.get("scaling", {}), results.get("larger_than_memory")
+    rows = []
+    if deep:
+        ratio = deep["peak_rss_bytes"] / deep["weights_bytes"]
+        verdict = "met" if ratio < LARGER_THAN_MEMORY_BOUND else "**missed**"
+        rows.append(
+            f"| peak RSS of the {deep['layers']}-layer model's `--layerwise` run / its weights "
+            f"(`larger_than_memory`) | {ratio:.3f}x | < {LARGER_THAN_MEMORY_BOUND:g}x | {verdict} |"
+        )
+    if "same_checkpoint" in s:
+        same = s["same_checkpoint"]["identical"]
+        rows.append(
+            f"| `--layerwise` checkpoint = the in-memory one ({s['same_checkpoint']['layers']} layers) | "
+            f"{'identical' if same else 'different'} | identical | {'met' if same else '**missed**'} |"
+        )
     return rows
 
 
@@ -171,7 +191,6 @@ def _latency_section(results: dict, rel) -> list[str]:
     lat = results["latency"]
     o, k = lat["original"], lat["compressed"]
     mem = results.get("inference_memory", {})
-    mo, mk = mem.get("original", {}), mem.get("compressed", {})
 
     def row(label, a, b, digits=1):
         ratio = "—" if not a or b is None else f"{b / a:.3f}x"
@@ -190,26 +209,7 @@ def _latency_section(results: dict, rel) -> list[str]:
         "",
         "| | original | compressed | ratio |",
         "|---|---|---|---|",
-        row(f"prefill of {lat['prefill_tokens']} tokens (ms)", o["prefill_ms"], k["prefill_ms"]),
-        row(
-            "… of which inside q/k/v/o projections (ms)",
-            o["prefill_projection_ms"],
-            k["prefill_projection_ms"],
-        ),
-        row(f"decode of {lat['decode_tokens']} tokens (ms)", o["decode_ms"], k["decode_ms"]),
-        row(
-            "… of which inside q/k/v/o projections (ms)", o["decode_projection_ms"], k["decode_projection_ms"]
-        ),
-        row("decode per token (ms)", o["decode_ms_per_token"], k["decode_ms_per_token"], 2),
-        row("parameters (millions, shared tensors once)", o["params"] / 1e6, k["params"] / 1e6, 2),
-        row("parameter memory (MiB)", o["param_gib"] * 1024, k["param_gib"] * 1024),
-        row(
-            "weights on disk (MiB, safetensors)", mem.get("original_file_mib"), mem.get("compressed_file_mib")
-        ),
-        row("RSS after loading (MiB)", _mib(mo, "rss_after_load_gib"), _mib(mk, "rss_after_load_gib")),
-        row(
-            "peak RSS over load + prefill + decode (MiB)", _mib(mo, "peak_rss_gib"), _mib(mk, "peak_rss_gib")
-        ),
+        *[row(*spec) for spec in _latency_rows(lat, mem)],
         "",
         f"- **Prefill ratio {results['prefill_latency_ratio']:.3f}x** (target ≤ 1.15x: "
         f"{_verdict('prefill_latency_ratio', results)}); **decode ratio {results['decode_latency_ratio']:.3f}x**.",
@@ -248,84 +248,106 @@ def _latency_section(results: dict, rel) -> list[str]:
     return lines
 
 
+def _latency_rows(lat: dict, mem: dict) -> list[tuple]:
+    """(label, original, compressed[, digits]) of the latency table."""
+    o, k = lat["original"], lat["compressed"]
+    mo, mk = mem.get("original", {}), mem.get("compressed", {})
+    projections = "… of which inside q/k/v/o projections (ms)"
+    return [
+        (f"prefill of {lat['prefill_tokens']} tokens (ms)", o["prefill_ms"], k["prefill_ms"]),
+        (projections, o["prefill_projection_ms"], k["prefill_projection_ms"]),
+        (f"decode of {lat['decode_tokens']} tokens (ms)", o["decode_ms"], k["decode_ms"]),
+        (projections, o["decode_projection_ms"], k["decode_projection_ms"]),
+        ("decode per token (ms)", o["decode_ms_per_token"], k["decode_ms_per_token"], 2),
+        ("parameters (millions, shared tensors once)", o["params"] / 1e6, k["params"] / 1e6, 2),
+        ("parameter memory (MiB)", o["param_gib"] * 1024, k["param_gib"] * 1024),
+        ("weights on disk (MiB, safetensors)", mem.get("original_file_mib"), mem.get("compressed_file_mib")),
+        ("RSS after loading (MiB)", _mib(mo, "rss_after_load_gib"), _mib(mk, "rss_after_load_gib")),
+        ("peak RSS over load + prefill + decode (MiB)", _mib(mo, "peak_rss_gib"), _mib(mk, "peak_rss_gib")),
+    ]
+
+
 def _scaling_section(results: dict, rel) -> list[str]:
     s = results["scaling"]
-    runs = s["runs"]
-    width = runs[0]["width"]
-    cal = runs[0]["calibration"]
+    if s.get("mode") != "layerwise":  # measured before the layer-sequential pipeline: nothing to show
+        return ["## 4. Scaling with depth", "", "Re-run `python -m benchmarks.run --sections scaling`.", ""]
+    runs, first = s["runs"], s["runs"][0]
+    width, cal = first["width"], first["calibration"]
     lines = [
-        "## 4. Scaling with depth",
+        "## 4. Scaling with depth: the layer-sequential pipeline",
         "",
-        f"Random Llama models of {_width_name(width)}: hidden {width['hidden_size']}, "
+        f"Random Llama models of {_width_name(width)} (hidden {width['hidden_size']}, "
         f"{width['num_attention_heads']} heads, {width['num_key_value_heads']} KV heads, MLP "
-        f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings; with "
-        + " and ".join(str(r["layers"]) for r in runs)
-        + f" layers; the same {cal['samples']}×{cal['seq_len']} random calibration tokens; the real "
-        f"`collect_statistics` + `compress_model` (masa with the smollm2-135m recipe settings, ratio "
-        f"{runs[0]['ratio']:g}) + `save_compressed`, "
-        "each depth in a fresh process. *Peak RSS* is the process's high-water mark (`VmHWM`); *with the model "
-        "loaded* is "
-        "its RSS once the model is built (Python, torch and the weights); *overhead* is the difference, "
-        "what the compression run adds on top of the model.",
+        f"{width['intermediate_size']}, vocabulary {width['vocab_size']}, tied embeddings) with "
+        + ", ".join(str(r["layers"]) for r in runs)
+        + f" layers, compressed with `--layerwise` (masa with the smollm2-135m recipe settings, ratio "
+        f"{first['ratio']:g}; {cal['samples']}×{cal['seq_len']} random calibration tokens, "
+        f"{first['sensitivity_windows']} loss-sensitivity windows). Each depth runs in a fresh process that "
+        "loads the model with its decoder layers left in their safetensors files, runs every calibration and "
+        "sensitivity pass one layer at a time (the fp64 statistics spilled per layer), spills each finished "
+        "layer and writes the checkpoint tensor by tensor. *Loaded* is the RSS once the model is loaded that "
+        "way; *peak* is the process's high-water mark (`VmHWM`); *overhead* = peak − loaded.",
         "",
-        "| layers | parameters (M) | weights (MiB) | autocorrelation stats (MiB) | RSS with the model "
-        "loaded (MiB) | peak RSS (MiB) | overhead (MiB) | compression time (s) |",
+        "| layers | parameters (M) | weights on disk (MiB) | RSS loaded (MiB) | peak RSS (MiB) | overhead (MiB) "
+        "| spilled statistics (MiB) | load / calibration / sensitivity / compress / save (s) |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in runs:
-        lines.append(
-            f"| {r['layers']} | {r['model_params'] / 1e6:.1f} | {r['model_gib'] * 1024:.0f} | "
-            f"{r['stats_gib'] * 1024:.0f} | {r['rss_after_model_gib'] * 1024:.0f} | "
-            f"{r['peak_rss_gib'] * 1024:.0f} | {r['overhead_gib'] * 1024:.0f} | {r['compress_seconds']:.1f} |"
-        )
-    peak_stage = _peak_stage(runs[-1])
-    lines += [
+        *[_scaling_row(r) for r in runs],
         "",
-        f"- **Raw peak RSS ratio ({s['depth_factor']:g}x depth): {s['peak_ratio']:.3f}x** (target ≤ 1.2x: "
-        f"{_verdict('depth_memory_ratio', results)}). The model itself grows {s['model_ratio']:.2f}x "
-        "(its weights are part of every peak).",
-        f"- **Compression overhead ratio (peak minus the loaded model): {s['overhead_ratio']:.3f}x**; the "
-        f"overhead at {runs[0]['layers']} → {runs[-1]['layers']} layers grows {runs[0]['overhead_gib'] * 1024:.0f} "
-        f"→ {runs[-1]['overhead_gib'] * 1024:.0f} MiB. What grows with depth: the fp64 autocorrelations "
-        f"collected for all layers at once ({runs[0]['stats_gib'] * 1024:.0f} → {runs[-1]['stats_gib'] * 1024:.0f}"
-        " MiB, 2 matrices per layer, needed until the allocation has seen every layer) and the fp64 stack of the "
-        "largest group's weights that Matrix PCA decomposes (transient, about 2·L_g·out·in·8 bytes for one "
-        f"projection type: {_pca_stack_pair(runs)} MiB); the Cholesky factors are freed layer by layer. "
-        "Streaming the Gram matrix and the atoms layer by layer (and offloading the statistics) would flatten "
-        "both; the model's own weights grow "
-        f"{s['model_ratio']:.2f}x. The peak is reached during the stage: {peak_stage}.",
-        f"- Compression time ratio: {s['time_ratio']:.2f}x for {s['depth_factor']:g}x the layers.",
+        *_scaling_verdicts(results),
         "",
         f"![scaling]({rel('scaling')})",
         "",
     ]
-    return lines
+    deep = results.get("larger_than_memory")
+    lines += larger_than_memory_section(deep) if deep else []
+    return lines + projection_section(runs, deep["run"] if deep else None)
 
 
-def _pca_stack_pair(runs: list[dict]) -> str:
-    """Size of Matrix PCA's fp64 input for the largest group (q_proj, the widest square projection), per run:
-    the stacked weights and matrix_pca's flattened copy of them."""
-    sizes = []
-    for run in runs:
-        hidden = run["width"]["hidden_size"]
-        largest = max(len(g) for g in run.get("groups") or [[0] * (run["layers"] - 2)])
-        sizes.append(2 * largest * hidden * hidden * 8 / 2**20)
-    return " → ".join(f"{v:.0f}" for v in sizes)
+def _scaling_row(r: dict) -> str:
+    stages = " / ".join(
+        f"{r['seconds'][k]:.1f}" for k in ("load", "calibration", "sensitivity", "compress", "save")
+    )
+    return (
+        f"| {r['layers']} | {r['model_params'] / 1e6:.1f} | {r['weights_bytes'] / 2**20:,.0f} | "
+        f"{r['rss_loaded_gib'] * 1024:,.0f} | {r['peak_rss_gib'] * 1024:,.0f} | {r['overhead_gib'] * 1024:,.0f} | "
+        f"{r['spilled_stats_bytes'] / 2**20:,.0f} | {stages} |"
+    )
 
 
-def _gib_pair(runs: list[dict], key: str) -> str:
-    if not all(key in r for r in runs):
-        return "?"
-    return f"{runs[0][key] * 1024:.0f} → {runs[-1][key] * 1024:.0f}"
+def _scaling_verdicts(results: dict) -> list[str]:
+    """The targets' lines, each verdict from the numbers."""
+    s = results["scaling"]
+    runs = {r["layers"]: r for r in s["runs"]}
+    (a, b), (c, e) = s["peak_ratio_depths"], s["overhead_growth_depths"]
+    weights = runs[b]["weights_bytes"] / runs[a]["weights_bytes"]
+    return [
+        f"- **Peak RSS at {b} / {a} layers: {s['peak_ratio']:.3f}x** (target ≤ "
+        f"{TARGETS['depth_memory_ratio'][0]:g}x: {_verdict('depth_memory_ratio', results)}), while the weights on "
+        f"disk grow {weights:.2f}x.",
+        f"- **Overhead at {e} / {c} layers: {s['overhead_growth']:.3f}x** (target ≤ "
+        f"{TARGETS['depth_overhead_growth'][0]:g}x: {_verdict('depth_overhead_growth', results)}): "
+        f"{runs[c]['overhead_gib'] * 1024:,.0f} → {runs[e]['overhead_gib'] * 1024:,.0f} MiB.",
+        _same_checkpoint(s),
+        f"- Compression time (calibration to save) at {e} / {c} layers: {s['time_ratio']:.2f}x.",
+    ]
 
 
-def _peak_stage(run: dict) -> str:
-    """The first stage after which the process had reached its final peak RSS."""
-    final = run["peak_rss_gib"]
-    for stage, peak in run["peak_gib_after"].items():
-        if peak >= final - 1e-9:
-            return stage
-    return "?"
+def _same_checkpoint(s: dict) -> str:
+    same, first = s["same_checkpoint"], s["runs"][0]
+    memory = first.get("in_memory") or {}
+    verdict = "met" if same["identical"] else "**missed**"
+    line = (
+        f"- **The layer-sequential checkpoint at {same['layers']} layers is "
+        f"{'byte-for-byte identical to' if same['identical'] else 'not identical to'} the in-memory path's** "
+        f"(SHA-256 of the safetensors; target identical: {verdict})."
+    )
+    if memory:
+        line += (
+            f" The in-memory path (no `--layerwise`) peaked at {memory['peak_rss_gib'] * 1024:,.0f} MiB (overhead "
+            f"{memory['overhead_gib'] * 1024:,.0f} MiB, {memory['seconds']:.1f} s) against the layer-sequential "
+            f"run's {first['peak_rss_gib'] * 1024:,.0f} MiB (overhead {first['overhead_gib'] * 1024:,.0f} MiB)."
+        )
+    return line
 
 
 def _merged_note(results: dict) -> list[str]:

@@ -11,7 +11,10 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
    process: their ratio is `compress_over_forward`;
 3. latency: the checkpoint of (2) reloaded with `load_compressed` vs the original, prefill and decode, and
    each model's memory in a fresh process;
-4. scaling: the compression run on random models of the bundled width with 1x and 2x the layers.
+4. scaling: the layer-sequential compression (`--layerwise`) of random models of the bundled width with 15, 30
+   and 60 layers (peak RSS, overhead over the loaded state, the checkpoint compared byte for byte with the
+   in-memory path's), then of one 256-layer model whose weights are larger than its run's peak RSS, reloaded and
+   evaluated.
 
 Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/`) and the page --doc (default
 `BENCHMARKS.md`). `--quick` (CI) runs tiny settings into a temporary directory (never the committed files)
@@ -64,9 +67,13 @@ FULL = {
     "decode_tokens": 64,
     "latency_repeats": 7,
     "scaling_width": BUNDLED_WIDTH,
-    "scaling_layers": [15, 30],
-    "scaling_samples": 64,
+    # Layer-sequential (`--layerwise`) compression at half, once and twice the bundled model's 30 layers...
+    "scaling_layers": [15, 30, 60],
+    "scaling_samples": 32,
     "scaling_seq_len": 512,
+    "scaling_sensitivity": 16,
+    # ...and one model of 256 layers (3.5 GiB of fp32 weights), its checkpoint loaded and evaluated.
+    "deep": {"layers": 256, "samples": 16, "seq_len": 256, "sensitivity": 4, "eval_samples": 4},
 }
 QUICK = {
     "methods": ["masa", "svd"],
@@ -84,21 +91,27 @@ QUICK = {
     "decode_tokens": 8,
     "latency_repeats": 3,
     "scaling_width": NARROW_WIDTH,
-    "scaling_layers": [4, 8],
+    "scaling_layers": [4, 8, 16],
     "scaling_samples": 4,
-    "scaling_seq_len": 128,
+    "scaling_seq_len": 64,
+    "scaling_sensitivity": 2,
+    "deep": {"layers": 32, "samples": 2, "seq_len": 64, "sensitivity": 1, "eval_samples": 2},
 }
 REQUIRED_KEYS = (
     "quality",
     "original_ppl",
     "compress_over_forward",
     "depth_memory_ratio",
+    "depth_overhead_growth",
+    "larger_than_memory",
     "prefill_latency_ratio",
     "decode_latency_ratio",
     "machine",
     "date",
     "command",
 )
+#: What the issue's checks read of the deep model's run.
+LARGER_THAN_MEMORY_KEYS = ("layers", "weights_bytes", "peak_rss_bytes", "ppl")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -119,6 +132,10 @@ def check(results: dict, files: list[Path]) -> list[str]:
     for key in TARGETS:
         if not isinstance(results.get(key), (int, float)) or results.get(key, 0) <= 0:
             problems.append(f"{key} is not a positive number: {results.get(key)!r}")
+    deep = results.get("larger_than_memory")
+    for key in LARGER_THAN_MEMORY_KEYS if isinstance(deep, dict) else ():
+        if not isinstance(deep.get(key), (int, float)) or deep.get(key, 0) <= 0:
+            problems.append(f"larger_than_memory.{key} is not a positive number: {deep.get(key)!r}")
     problems += [f"file missing or empty: {f}" for f in files if not f.is_file() or f.stat().st_size == 0]
     return problems
 
@@ -310,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         k: results.get(k)
         for k in ("original_ppl", *TARGETS, "depth_memory_overhead_ratio", "decode_latency_ratio")
     }
+    deep = results.get("larger_than_memory") or {}
+    summary["larger_than_memory_peak_over_weights"] = deep.get("peak_over_weights")
     log(f"key numbers: {json.dumps(summary)}")
     if problems:
         for problem in problems:

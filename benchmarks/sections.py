@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.common import log, run_json_child, run_module_measured
-from benchmarks.scaling import run_scaling
+from benchmarks.scaling import run_larger_than_memory, run_scaling
 
 MODEL = "smollm2-135m"
 
@@ -207,12 +207,25 @@ def section_latency(s: dict, checkpoint: Path) -> dict:
 
 
 def section_scaling(s: dict) -> dict:
+    """The layer-sequential pipeline at several depths (memory flat with depth, the checkpoint identical to the
+    in-memory one), then one deep model whose weights exceed what the run may hold (`benchmarks.scaling`)."""
     scaling = run_scaling(
-        s["scaling_width"], s["scaling_layers"], s["scaling_samples"], s["scaling_seq_len"], s["stage_ratio"]
-    )
+        s["scaling_width"], s["scaling_layers"], s["scaling_samples"], s["scaling_seq_len"], s["stage_ratio"],
+        s["scaling_sensitivity"],
+    )  # fmt: skip
+    deep = s["deep"]
+    larger = run_larger_than_memory(
+        s["scaling_width"], deep["layers"], deep["samples"], deep["seq_len"], s["stage_ratio"],
+        deep["sensitivity"], deep["eval_samples"],
+    )  # fmt: skip
+    runs = {r["layers"]: r for r in scaling["runs"]}
+    first, depths = scaling["runs"][0], scaling["peak_ratio_depths"]
     return {
         "scaling": scaling,
         "depth_memory_ratio": scaling["peak_ratio"],
-        "depth_memory_overhead_ratio": scaling["overhead_ratio"],
+        "depth_overhead_growth": scaling["overhead_growth"],
+        # The overhead at 2x the first depth (the older key, beside depth_memory_ratio's depths).
+        "depth_memory_overhead_ratio": runs[depths[1]]["overhead_gib"] / first["overhead_gib"],
         "depth_time_ratio": scaling["time_ratio"],
+        "larger_than_memory": larger,
     }

@@ -32,6 +32,8 @@ def test_quick_benchmark_writes_finite_results(tmp_path):
         "original_ppl",
         "compress_over_forward",
         "depth_memory_ratio",
+        "depth_overhead_growth",
+        "larger_than_memory",
         "prefill_latency_ratio",
         "decode_latency_ratio",
         "machine",
@@ -41,8 +43,17 @@ def test_quick_benchmark_writes_finite_results(tmp_path):
         assert key in results, key
     assert results["quick"] is True
     assert results["quality"] and all({"method", "ratio", "ppl"} <= set(row) for row in results["quality"])
-    for key in ("original_ppl", "compress_over_forward", "depth_memory_ratio", "prefill_latency_ratio"):
+    for key in (
+        "original_ppl",
+        "compress_over_forward",
+        "depth_memory_ratio",
+        "depth_overhead_growth",
+        "prefill_latency_ratio",
+    ):
         assert math.isfinite(results[key]) and results[key] > 0, key
+    deep = results["larger_than_memory"]
+    assert all(deep[k] > 0 for k in ("layers", "weights_bytes", "peak_rss_bytes", "ppl"))
+    assert results["scaling"]["same_checkpoint"]["identical"] is True
     assert results["machine"]["torch_threads"] >= 1 and results["machine"]["cpu"]
 
     doc = (out / "BENCHMARKS.md").read_text()
@@ -67,6 +78,93 @@ def test_report_renders_from_results_json(tmp_path):
     assert "| `svd` | 0.2 | 0.2000 | 90.000 | — | — | -65.000 [-70.000, -60.000] |" in doc
     assert "+0.100 [-0.100, +0.300] (tie)" in doc  # a difference whose interval holds 0 is called a tie
     assert "**missed**" in doc  # the fake prefill ratio 1.3 is over the 1.15 target
+    assert "| ≤ 1.15x | met |" in doc  # depth_memory_ratio 1.05
+    assert "(`depth_overhead_growth`) | 1.050x | ≤ 1.1x | met |" in doc
+    assert "| 0.250x | < 0.5x | met |" in doc  # the deep model's peak is a quarter of its weights
+    assert "byte-for-byte identical to the in-memory path's" in doc
+    assert "### Projected memory for larger models" in doc and "| Llama-3.1-70B | attn,mlp |" in doc
+    # The narrow fake runs' overheads (~20 MiB of runtime buffers) are far from the formula's: said, not hidden.
+    assert "**off by up to" in doc and "From 4 to 16 layers the formula's overhead grows" in doc
+
+
+def test_scaling_verdicts_come_from_the_numbers(tmp_path):
+    """An overhead that grows 1.3x, a deep model peaking above half its weights and checkpoints that differ are
+    reported as missed targets."""
+    from benchmarks.report import render
+
+    results = _fake_results()
+    scaling = results["scaling"]
+    scaling["overhead_growth"] = results["depth_overhead_growth"] = 1.3
+    scaling["same_checkpoint"]["identical"] = False
+    results["larger_than_memory"]["peak_rss_bytes"] = results["larger_than_memory"]["weights_bytes"]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    doc = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+    assert "(`depth_overhead_growth`) | 1.300x | ≤ 1.1x | **missed** |" in doc
+    assert "**Overhead at 16 / 4 layers: 1.300x** (target ≤ 1.1x: **missed**)" in doc
+    assert "| 1.000x | < 0.5x | **missed** |" in doc
+    assert "not identical to the in-memory path's" in doc and "target identical: **missed**" in doc
+
+
+def test_report_renders_scaling_results_of_the_former_schema(tmp_path):
+    """results.json measured before `--layerwise` (no `mode`) still renders: the section asks for a re-run."""
+    from benchmarks.report import render
+
+    results = _fake_results()
+    results["scaling"] = {"runs": [], "peak_ratio": 1.2, "time_ratio": 2.0}
+    del results["larger_than_memory"], results["depth_overhead_growth"]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    doc = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+    assert "--sections scaling" in doc
+    assert "(`depth_overhead_growth`) | — | ≤ 1.1x | not measured |" in doc
+
+
+def test_memory_projection_terms():
+    from benchmarks.memory_projection import (
+        LLAMA,
+        Shape,
+        Workload,
+        device_peak,
+        overhead,
+        phase_calibration,
+        svd_bytes,
+    )
+
+    tiny = Shape(
+        "tiny", hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, layers=4, vocab=10, tied=True
+    )
+    w = Workload(windows=2, seq_len=3, sensitivity=1)
+    # Calibration, by hand: the stream 2·3·4·4 = 96; the fp64 autocorrelations 8·(4² + 4²) = 256; one window's
+    # activations 3·4·(3·4 + 2·4 + 2·2 + 3·8) = 576; the hook's two fp64 copies of the widest input 16·3·4 = 192.
+    assert phase_calibration(tiny, w) == 96 + 256 + 576 + 192
+    assert svd_bytes(6, 4) == 8 * (3 * 24 + 10 * 4 + 4 * 16)
+    # Wider models and more calibration tokens need more; depth adds only the block-output means (4·L·N·H).
+    wider = Shape("wider", 8, 2, 1, 4, 16, 4, 10, True)
+    assert overhead(wider, w) > overhead(tiny, w)
+    deeper = Shape("deeper", 4, 2, 1, 2, 8, 8, 10, True)  # the same runs of 4 layers sharing a basis
+    assert overhead(deeper, w) - overhead(tiny, w) == 4 * 4 * 2 * 4
+    assert overhead(tiny, Workload(4, 3, 1)) > overhead(tiny, w)
+    # The Llama projection grows with the model, and attn,mlp needs at least what attention alone does.
+    peaks = [
+        device_peak(shape, Workload(128, 2048, 16, mlp=True, dtype_bytes=2, gpu=True)) for shape, _ in LLAMA
+    ]
+    assert peaks == sorted(peaks)
+    for shape, _ in LLAMA:
+        attn = Workload(128, 2048, 16, dtype_bytes=2, gpu=True)
+        assert device_peak(shape, attn) <= device_peak(shape, Workload(128, 2048, 16, True, 2, True))
+
+
+def test_memory_projection_validation_against_a_measured_run():
+    """The formula next to a measured run: R0 is the run's loaded RSS, so the predicted peak is R0 + overhead."""
+    from benchmarks.memory_projection import GIB, Shape, measured_workload, overhead, validation_rows
+
+    run = _fake_results()["scaling"]["runs"][0]
+    (row,) = validation_rows([run], runtime=run["rss_loaded_gib"] * GIB)
+    predicted = overhead(Shape.from_width(run["width"], run["layers"]), measured_workload(run))
+    assert row["predicted_overhead"] == predicted
+    assert row["predicted_peak"] == run["rss_loaded_gib"] * GIB + predicted
+    assert row["measured_overhead"] == run["overhead_gib"] * GIB
 
 
 def test_non_finite_paths():
@@ -78,28 +176,81 @@ def test_non_finite_paths():
     ]
 
 
-def _fake_results() -> dict:
-    run = {
-        "layers": 2,
+def _scaling_run(layers: int, overhead: float, **extra) -> dict:
+    """One depth of `benchmarks.scaling.run_scaling` (the narrow width, tiny numbers)."""
+    loaded = 0.38
+    return {
+        "layers": layers,
         "width": {
-            "hidden_size": 8,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "intermediate_size": 16,
-            "vocab_size": 32,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": 256,
         },
-        "calibration": {"samples": 2, "seq_len": 8, "tokens": 16},
+        "calibration": {"samples": 4, "seq_len": 64, "tokens": 256},
+        "sensitivity_windows": 2,
+        "compression_settings": {"method": "masa", "targets": "attn", "sharing": "basis", "basis_layers": 4},
         "ratio": 0.2,
-        "model_params": 1000,
-        "model_gib": 1e-5,
-        "stats_gib": 1e-6,
-        "seconds": {"build": 0.1, "calibration": 1.0, "compress": 2.0, "save": 0.1},
-        "compress_seconds": 3.1,
-        "rss_after_model_gib": 0.3,
-        "peak_rss_gib": 0.32,
-        "overhead_gib": 0.02,
-        "peak_gib_after": {"start": 0.2, "build": 0.3, "calibration": 0.31, "compress": 0.32, "save": 0.32},
+        "achieved_ratio": 0.2,
+        "model_params": 40_000 * layers,
+        "spilled_stats_bytes": 65_000 * layers,
+        "seconds": {
+            "load": 3.9,
+            "calibration": 0.4 * layers,
+            "sensitivity": 0.2,
+            "compress": 0.1 * layers,
+            "save": 0.1,
+        },
+        "compress_seconds": 0.5 * layers + 0.3,
+        "stage_seconds": {"sensitivity": 0.2, "residual_svd": 0.1 * layers},
+        "rss_gib": {
+            "start": 0.23,
+            "load": loaded,
+            "calibration": 0.39,
+            "sensitivity": 0.395,
+            "compress": 0.4,
+            "save": 0.4,
+        },
+        "rss_loaded_gib": loaded,
+        "peak_rss_gib": loaded + overhead,
+        "overhead_gib": overhead,
+        "checkpoint_sha256": "ab" * 32,
+        "checkpoint_bytes": 150_000 * layers,
+        "weights_bytes": 160_000 * layers,
+        **extra,
     }
+
+
+def _fake_scaling() -> dict:
+    in_memory = {"checkpoint_sha256": "ab" * 32, "rss_loaded_gib": 0.38, "peak_rss_gib": 0.41, "overhead_gib": 0.03,
+                 "seconds": 7.0}  # fmt: skip
+    runs = [_scaling_run(4, 0.020, in_memory=in_memory), _scaling_run(8, 0.020), _scaling_run(16, 0.021)]
+    scaling = {
+        "mode": "layerwise",
+        "runs": runs,
+        "depths": [4, 8, 16],
+        "peak_ratio": 1.05,
+        "peak_ratio_depths": [4, 8],
+        "overhead_growth": 1.05,
+        "overhead_growth_depths": [4, 16],
+        "time_ratio": 3.5,
+        "same_checkpoint": {"layers": 4, "identical": True},
+    }
+    deep_run = _scaling_run(32, 0.02, weights_bytes=8 * 2**30)
+    deep = {
+        "layers": 32,
+        "weights_bytes": 8 * 2**30,
+        "peak_rss_bytes": 2 * 2**30,
+        "peak_over_weights": 0.25,
+        "ppl": 262.7,
+        "evaluation": {"ppl": 262.7, "tokens": 126, "load_seconds": 2.5, "eval_seconds": 0.7},
+        "run": deep_run,
+    }
+    return {"scaling": scaling, "larger_than_memory": deep}
+
+
+def _fake_results() -> dict:
     side = {
         "prefill_ms": 100.0,
         "prefill_projection_ms": 30.0,
@@ -179,14 +330,9 @@ def _fake_results() -> dict:
         },
         "prefill_latency_ratio": 1.3,
         "decode_latency_ratio": 1.0,
-        "scaling": {
-            "runs": [run, {**run, "layers": 4, "peak_rss_gib": 0.36, "rss_after_model_gib": 0.33}],
-            "depth_factor": 2.0,
-            "time_ratio": 2.0,
-            "peak_ratio": 1.125,
-            "overhead_ratio": 1.5,
-            "model_ratio": 1.6,
-        },
-        "depth_memory_ratio": 1.125,
-        "depth_memory_overhead_ratio": 1.5,
+        **_fake_scaling(),
+        "depth_memory_ratio": 1.05,
+        "depth_overhead_growth": 1.05,
+        "depth_memory_overhead_ratio": 1.0,
+        "depth_time_ratio": 3.5,
     }
