@@ -18,8 +18,13 @@ from compressor.capture import CalibrationStats, collect_statistics
 from compressor.checkpoint import read_masa_config, save_compressed
 from compressor.config import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.errors import UserError
-from compressor.evaluate import Faithfulness, PerplexityResult, evaluate_against, evaluate_perplexity
-from compressor.intervals import paired_difference
+from compressor.evaluate import (
+    Faithfulness,
+    PerplexityResult,
+    evaluate_against,
+    evaluate_perplexity,
+    quality_summary,
+)
 from compressor.layerwise.run import compress_layerwise, stored_tensors
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.pipeline import CompressionOutcome, compress_model
@@ -268,21 +273,7 @@ def _evaluate_after(loaded, source, before, windows, options, device, dtype, pro
             loaded.model, windows, options.batch_size, progress, "Perplexity (compressed)"
         )
         faith = None
-    quality = {
-        "ppl_before": before.ppl,
-        "ppl_before_ci95": before.ppl_ci95,
-        "ppl_after": after.ppl,
-        "ppl_after_ci95": after.ppl_ci95,
-        "tokens": after.tokens,
-        "windows": after.windows,
-        "seq_len": after.seq_len,
-    }
-    if faith is not None:
-        quality.update(faith.to_dict())
-        quality["ppl_rise_ci95"] = list(
-            paired_difference(after.window_nll, before.window_nll, after.window_tokens).ci95
-        )
-    return quality
+    return quality_summary(before, after, faith)
 
 
 def _calibration_statistics(

@@ -19,7 +19,7 @@ from torch import nn
 
 from compressor.device import statistics_device
 from compressor.errors import NumericalError
-from compressor.intervals import perplexity_interval
+from compressor.intervals import paired_difference, perplexity_interval
 from compressor.progress import progress_bar
 
 
@@ -200,3 +200,23 @@ def evaluate_against(
         )
         scored[name] = (result, faith)
     return ref, scored
+
+
+def quality_summary(before: PerplexityResult, after: PerplexityResult, faith: Faithfulness | None) -> dict:
+    """A compression run's quality entries (summary, `--json`, report): both perplexities with their intervals,
+    and, when the models were compared on the same windows, the faithfulness and the paired interval of the rise."""
+    quality = {
+        "ppl_before": before.ppl,
+        "ppl_before_ci95": before.ppl_ci95,
+        "ppl_after": after.ppl,
+        "ppl_after_ci95": after.ppl_ci95,
+        "tokens": after.tokens,
+        "windows": after.windows,
+        "seq_len": after.seq_len,
+    }
+    if faith is not None:
+        quality.update(faith.to_dict())
+        quality["ppl_rise_ci95"] = list(
+            paired_difference(after.window_nll, before.window_nll, after.window_tokens).ci95
+        )
+    return quality

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from compressor.capture import add_gram, token_mean
-from compressor.device import add_in_float64, statistics_device
+from compressor.device import add_in_float64, float64_zeros, statistics_device
 from compressor.errors import NumericalError
 from compressor.evaluate import (
     Faithfulness,
@@ -191,20 +191,16 @@ def collect_statistics_layerwise(
         tail = stream if batch_size == 1 else LayerStream(om, windows[:sensitivity_windows], 1)
     num_layers = om.adapter.num_layers
     means = torch.zeros(num_layers, len(windows), om.adapter.geometry.hidden_size, dtype=torch.float32)
-    acc_device = statistics_device(om.device)  # fp64 accumulators: not on MPS
     with progress_bar("Calibration (layer by layer)", total=num_layers, enabled=progress) as bar:
         for index in range(num_layers):
-            grams = {
-                kind: torch.zeros(size, size, dtype=torch.float64, device=acc_device)
-                for kind in inputs
-                for size in [om.adapter.geometry.input_size(kind)]
-            }
+            sizes = {kind: om.adapter.geometry.input_size(kind) for kind in inputs}
+            grams = {kind: float64_zeros(size, size, device=om.device) for kind, size in sizes.items()}
             with om.onloaded(index) as layer:
                 if tail is not None:
-                    hidden = {
+                    layer_inputs = {
                         f"w{w}": h.contiguous().cpu() for w, h in enumerate(tail.hidden[:sensitivity_windows])
                     }
-                    save_file(hidden, str(_input_path(directory, index)))
+                    save_file(layer_inputs, str(_input_path(directory, index)))
                     if tail is not stream:
                         tail.hidden = [tail.run(layer, index, h) for h in tail.hidden]
                 handles = _gram_hooks(om, index, inputs, grams)

@@ -16,6 +16,7 @@ from pathlib import Path
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.config import CompressOptions
 from compressor.errors import UserError
+from compressor.evaluate import quality_summary
 from compressor.layerwise.offload import OffloadedModel, load_offloaded
 from compressor.layerwise.passes import (
     collect_sensitivity_layerwise,
@@ -95,12 +96,8 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     om: OffloadedModel = loaded.offloaded
     seconds = {"load": loaded.seconds}
     prepared = prepare_run(run, options, om.model, om.adapter, loaded.tokenizer, calib_text, eval_text)
-    shape, ratio, with_mlp, model_params_before = (
-        prepared.shape,
-        prepared.ratio,
-        prepared.with_mlp,
-        prepared.model_params_before,
-    )
+    shape, ratio, with_mlp = prepared.shape, prepared.ratio, prepared.with_mlp
+    model_params_before = prepared.model_params_before
     calib_windows, eval_windows, eval_name = prepared.calib_windows, prepared.eval_windows, prepared.eval_name
     element = prepared.element_size
     if options.save:
@@ -108,9 +105,8 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     samples = run.compression.sensitivity_samples if reads_loss_sensitivity(run.compression) else 0
     samples = min(samples, len(calib_windows))
     per_layer_tokens = samples * calib_windows.shape[1]  # the sensitivity windows' inputs, at every layer
-    final_tokens = (
-        eval_windows.numel() if eval_windows is not None else 0
-    )  # the original's last hidden states
+    # ...and the original's last hidden states on the evaluation windows, once.
+    final_tokens = eval_windows.numel() if eval_windows is not None else 0
     check_spill_disk(spill, om, shape, element, per_layer_tokens, final_tokens, with_mlp)
     if options.evaluate:  # the original's outputs, before its layers hold the compressed modules
         t = time.perf_counter()
@@ -144,7 +140,7 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
         before, after, faith = evaluate_layerwise(
             om, eval_windows, outcome.compressed, spill / "eval", options.batch_size, progress=progress
         )
-        quality = quality_of(before, after, faith if options.compare else None)
+        quality = quality_summary(before, after, faith if options.compare else None)
         quality["evaluation_text"] = eval_name
         seconds["eval"] = time.perf_counter() - t
     return loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before
@@ -167,22 +163,6 @@ def check_spill_disk(
             f"not enough free disk for --layerwise's temporary files in {spill.parent}: about "
             f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free: pass --offload-dir on a larger disk"
         )
-
-
-def quality_of(before, after, faith) -> dict:
-    """The summary's quality entries, as `api._evaluate_after` reports them."""
-    from compressor.intervals import paired_difference
-
-    quality = {
-        "ppl_before": before.ppl, "ppl_before_ci95": before.ppl_ci95, "ppl_after": after.ppl,
-        "ppl_after_ci95": after.ppl_ci95, "tokens": after.tokens, "windows": after.windows, "seq_len": after.seq_len,
-    }  # fmt: skip
-    if faith is not None:
-        quality.update(faith.to_dict())
-        quality["ppl_rise_ci95"] = list(
-            paired_difference(after.window_nll, before.window_nll, after.window_tokens).ci95
-        )
-    return quality
 
 
 def stored_tensors(loaded: LoadedModel, outcome) -> collections.ChainMap:
