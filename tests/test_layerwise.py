@@ -231,3 +231,21 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
         check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
     check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+
+
+def test_device_map_puts_every_decoder_layer_on_disk_and_the_rest_on_the_device():
+    from accelerate import init_empty_weights
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from compressor.layerwise.offload import layer_device_map
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=3))
+    device_map = layer_device_map(skeleton, CPU)
+    assert {k: v for k, v in device_map.items() if v == "disk"} == {
+        f"model.layers.{i}": "disk" for i in range(3)
+    }
+    assert {k for k, v in device_map.items() if v == "cpu"} == {
+        "model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head",
+    }  # fmt: skip

@@ -123,6 +123,10 @@ def layer_device_map(skeleton: nn.Module, device: torch.device) -> dict[str, str
     """Every decoder layer on "disk", every other top-level part of the model on `device`."""
     adapter = get_adapter(skeleton)
     names = _module_names(skeleton)
+    # accelerate's device maps name a CUDA device with its index ("cuda:0"), not as bare "cuda".
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    placed = str(device)
     layers_name = names[id(adapter.layers)]
     device_map: dict[str, str] = {}
 
@@ -134,9 +138,9 @@ def layer_device_map(skeleton: nn.Module, device: torch.device) -> dict[str, str
             elif layers_name.startswith(name + "."):
                 place(name + ".", child)
             else:
-                device_map[name] = str(device)
+                device_map[name] = placed
         for param_name, _ in module.named_parameters(recurse=False):
-            device_map[f"{prefix}{param_name}"] = str(device)
+            device_map[f"{prefix}{param_name}"] = placed
 
     place("", skeleton)
     return device_map
