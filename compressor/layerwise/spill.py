@@ -43,6 +43,9 @@ class CompressedLayers(Mapping[str, torch.Tensor]):
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(stored)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor to find out
+        return name in self.index
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.index)
 
