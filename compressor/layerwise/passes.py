@@ -360,6 +360,12 @@ def spill_original_outputs(
         )
 
 
+def _checked_nll(log_probs: torch.Tensor, batch: torch.Tensor, first: int, what: str) -> list[float]:
+    window_nll = _window_nll(log_probs, batch)
+    _check_finite(window_nll, first, what)
+    return window_nll.tolist()
+
+
 def evaluate_layerwise(
     om: OffloadedModel,
     windows: torch.Tensor,
@@ -374,26 +380,31 @@ def evaluate_layerwise(
     `chunk_windows` windows, the original's last hidden states read from `spill_original_outputs`' files."""
     n, seq_len = windows.shape
     nll: dict[str, list[float]] = {"original": [], "compressed": []}
+    # Each model's own time, as `evaluate_against` splits it (the KL counts as the compressed model's); the
+    # original's layers ran in `spill_original_outputs`, so here only its head.
+    seconds = {"original": 0.0, "compressed": 0.0}
     kl_sum, agree_sum = 0.0, 0
-    start = time.perf_counter()
     for first, chunk in _chunks(windows, chunk_windows):
+        t = time.perf_counter()
         stream = LayerStream(om, chunk, batch_size)
         where = f"windows {first + 1}-{first + len(chunk)} of {n}"
         candidate = final_hidden_states(om, stream, compressed, progress, f"Perplexity, compressed ({where})")
+        seconds["compressed"] += time.perf_counter() - t
         with torch.no_grad(), safe_open(directory / f"{first:07d}.safetensors", framework="pt") as f:
             for b, batch in enumerate(stream.batches):
                 batch = batch.to(om.device)
+                t = time.perf_counter()
                 reference = stream.log_probs(b, f.get_tensor(f"b{b}").to(om.device))
+                nll["original"].extend(_checked_nll(reference, batch, first, "the original model"))
+                seconds["original"] += time.perf_counter() - t
+                t = time.perf_counter()
                 log_probs = stream.log_probs(b, candidate[b])
-                for name, lp in (("original", reference), ("compressed", log_probs)):
-                    window_nll = _window_nll(lp, batch)
-                    _check_finite(window_nll, first, f"the {name} model")
-                    nll[name].extend(window_nll.tolist())
+                nll["compressed"].extend(_checked_nll(log_probs, batch, first, "the compressed model"))
                 kl, agree = kl_and_agreement(reference, log_probs)
                 kl_sum, agree_sum = kl_sum + float(kl.sum()), agree_sum + int(agree.sum())
+                seconds["compressed"] += time.perf_counter() - t
     tokens = [seq_len - 1] * n
-    seconds = time.perf_counter() - start
-    before = _result(nll["original"], tokens, seq_len, seconds / 2)
-    after = _result(nll["compressed"], tokens, seq_len, seconds / 2)
+    before = _result(nll["original"], tokens, seq_len, seconds["original"])
+    after = _result(nll["compressed"], tokens, seq_len, seconds["compressed"])
     faith = Faithfulness(kl_sum / after.tokens, agree_sum / after.tokens, after.ppl / before.ppl)
     return before, after, faith
