@@ -85,10 +85,10 @@ def compress_model(
 
 
 def reads_loss_sensitivity(settings: CompressionSettings) -> bool:
-    """Whether a run weighs by the loss sensitivity: only a method that reads the allocation does (a baseline
-    keeps the recipe's `global-loss` unread)."""
+    """Whether a run with these effective settings (its method's preset applied: `compress_model`'s, a
+    `RunSpec`'s) weighs by the loss sensitivity: only a method that reads the allocation does (a baseline keeps
+    the recipe's `global-loss` unread)."""
     method = get_method(settings.method)
-    settings = method.effective_settings(settings)
     return "allocation" in method.settings_read_for(settings) and settings.allocation == "global-loss"
 
 
