@@ -250,17 +250,34 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except Exception as exc:  # click usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
+    except Exception as exc:  # click's usage errors arrive here with standalone_mode=False
+        kind = _click_kind(exc)
+        if kind == "Abort":
             err_console.print("[bold red]aborted[/]")
             sys.exit(130)
+        if kind == "ClickException":
+            _print_usage_error(exc)
+            sys.exit(getattr(exc, "exit_code", 2) or 2)
         raise
 
+
+def _click_kind(exc: BaseException) -> str | None:
+    """'ClickException' or 'Abort' when `exc` is one of click's own, else None.
+
+    Judged by class name, not by identity: typer ≥ 0.25 raises the classes of its vendored copy of click
+    (`typer._click.exceptions`), older releases those of `click` itself; both have these names."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return next((kind for kind in ("ClickException", "Abort") if kind in names), None)
+
+
+def _print_usage_error(exc: Exception) -> None:
+    """A usage error in two lines: what is wrong, and which `--help` to read (no usage block, no traceback)."""
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    message = " ".join(message.split())  # click's messages may hold newlines ("Did you mean ...")
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command_path", None) or "masa-compress"
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+    err_console.print(f"  see: {command} --help", highlight=False, soft_wrap=True, markup=False)
 
 if __name__ == "__main__":
     main()

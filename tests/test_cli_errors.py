@@ -294,3 +294,34 @@ def test_bad_input_table_is_up_to_date(tmp_path, capsys, monkeypatch):
     text = DOC.read_text()
     for description, _, _ in CASES:
         assert f"| {description} |" in text, f"docs/bad-inputs.md lacks '{description}': regenerate it"
+
+
+# Usage errors, caught by the command-line parser before any of our code runs: whatever typer/click version
+# is installed (typer ≥ 0.25 raises its vendored click's classes), each ends in at most 3 lines, exit code 2.
+USAGE_CASES = [
+    ["compress", "smollm2-135m", "--groups", "0"],
+    ["compress", "smollm2-135m", "--ratio", "abc"],
+    ["smollm2-135m", "--ratio"],
+    ["--bogus-flag"],
+    ["compress", "smollm2-135m", "--bogus-flag"],
+    ["compress"],
+    ["eval"],
+    ["plan", "--ratio", "0.2"],
+    ["show"],
+    ["recipes", "--no-such-option"],
+    ["eval", "smollm2-135m", "--seq-len", "4"],
+    ["export-dense", "only-one-argument"],
+]
+
+
+@pytest.mark.parametrize("argv", USAGE_CASES, ids=[" ".join(a) for a in USAGE_CASES])
+def test_usage_error_is_short(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert 1 <= len(lines) <= 3, err
+    assert lines[0].startswith("error: "), err
+    assert "--help" in lines[-1], err
