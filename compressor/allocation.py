@@ -18,6 +18,32 @@ Shape = tuple[int, int]  # (out, in)
 Tail = torch.Tensor | Sequence[float]
 
 
+@dataclass(frozen=True)
+class Steps:
+    """What one step of an allocation unit that is not a matrix's rank costs: e.g. one more neuron of an MLP
+    (a row of gate and up, a column of down). `limit`: the most steps; `convex`: whether its tail's gains never
+    grow (a rank's do, by Eckart–Young; a neuron order's need not, so the greedy reads its convex hull)."""
+
+    cost: int
+    limit: int
+    convex: bool = False
+
+
+#: A unit of the global allocation: a matrix shape (a rank step costs out + in, at most min(out, in) of them)
+#: or explicit `Steps`.
+Unit = Shape | Steps
+
+
+def step_cost(unit: Unit) -> int:
+    """Numbers one step of the unit stores."""
+    return unit.cost if isinstance(unit, Steps) else sum(unit)
+
+
+def step_limit(unit: Unit) -> int:
+    """The most steps the unit takes (its tail has that many + 1 entries)."""
+    return unit.limit if isinstance(unit, Steps) else min(unit)
+
+
 def lowrank_params(out: int, in_: int, rank: int) -> int:
     """Numbers stored by rank-`rank` factors `A (out, r)`, `B (r, in)` of an `out×in` matrix."""
     if min(out, in_, rank) < 0:
@@ -43,20 +69,37 @@ class PairSplit:
     initial: tuple[int, int]  # the equal-fraction starting ranks (r_a0, r_b0)
 
 
-def _as_list(tail: Tail, shape: Shape, name: str) -> list[float]:
-    """The tail as Python floats (the walk is scalar work), checked against the matrix shape."""
+def _as_list(tail: Tail, unit: Unit, name: str) -> list[float]:
+    """The tail as Python floats (the walk is scalar work), checked against the unit's shape or steps."""
     values = tail.detach().to(torch.float64).tolist() if isinstance(tail, torch.Tensor) else list(tail)
-    out, in_ = shape
-    if out <= 0 or in_ <= 0:
-        raise ValueError(f"{name}: matrix sizes must be positive, got {shape}")
-    if len(values) != min(out, in_) + 1:
-        raise ValueError(
-            f"{name}: a tail for a {out}x{in_} matrix has min(out, in) + 1 = {min(out, in_) + 1} entries, "
-            f"got {len(values)}"
-        )
+    if isinstance(unit, Steps):
+        if unit.cost <= 0 or unit.limit < 0:
+            raise ValueError(f"{name}: a step must cost > 0 numbers and the limit be >= 0, got {unit}")
+    elif unit[0] <= 0 or unit[1] <= 0:
+        raise ValueError(f"{name}: matrix sizes must be positive, got {unit}")
+    if len(values) != step_limit(unit) + 1:
+        what = f"{unit.limit} steps" if isinstance(unit, Steps) else f"a {unit[0]}x{unit[1]} matrix"
+        raise ValueError(f"{name}: a tail for {what} has {step_limit(unit) + 1} entries, got {len(values)}")
     if not all(math.isfinite(v) for v in values):
         raise ValueError(f"{name}: non-finite discarded energy")
     return [float(v) for v in values]
+
+
+def convex_moves(tail: list[float]) -> list[int]:
+    """The steps at which the lower convex hull of `tail` (points (r, tail[r])) has its vertices, 0 and the last
+    included: moving from one vertex to the next buys the largest mean gain per step available there, so a
+    greedy over these moves is not stopped by a small gain that a larger one follows (Andrew's monotone chain)."""
+    hull: list[int] = []
+    for r, value in enumerate(tail):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b lies on or above the segment a -> r: not a vertex of the lower hull.
+            if (tail[b] - tail[a]) * (r - a) >= (value - tail[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(r)
+    return hull
 
 
 def _initial_ranks(shape_a: Shape, shape_b: Shape, pair_budget: int) -> tuple[int, int]:
@@ -139,7 +182,7 @@ def balance_pair_bruteforce(
     return PairSplit(r_a, r_b, error, r_a * cost_a + r_b * cost_b, (r_a0, r_b0))
 
 
-def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], budget: int) -> dict[str, int]:
+def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Unit], budget: int) -> dict[str, int]:
     """Greedy ranks for many matrices under one budget: a candidate improvement over Algorithm 1.
 
     Repeatedly raises by one the rank with the largest discarded-energy reduction per parameter,
@@ -151,40 +194,58 @@ def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], budg
     Tails from an SVD are convex (σ sorted), so each matrix's gains per step decrease and the
     greedy order is optimal when all matrices cost the same per rank; with different costs it is
     optimal for the budget it has spent before its first skipped step (a knapsack bound).
+
+    A unit given as `Steps(convex=False)` (an MLP's neurons) moves from one vertex of its tail's lower convex
+    hull to the next (`convex_moves`), at the mean gain per step of that move; a move that no longer fits
+    whole takes the steps that fit, and the unit stops there.
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if set(tails) != set(shapes):
         raise ValueError(f"tails and shapes name different matrices: {sorted(tails)} vs {sorted(shapes)}")
     lists = {name: _as_list(tail, shapes[name], name) for name, tail in tails.items()}
-    costs = {name: sum(shapes[name]) for name in lists}
+    costs = {name: step_cost(shapes[name]) for name in lists}
+    hulls = {
+        name: convex_moves(values)
+        for name, values in lists.items()
+        if isinstance(shapes[name], Steps) and not shapes[name].convex
+    }
     order = {name: i for i, name in enumerate(lists)}
     ranks = dict.fromkeys(lists, 0)
     remaining = budget
 
-    def push(heap: list[tuple[float, int, str]], name: str) -> None:
+    def next_rank(name: str) -> int:
         r = ranks[name]
-        tail = lists[name]
-        if r + 1 < len(tail) and tail[r] - tail[r + 1] > 0.0:
+        if name not in hulls:
+            return r + 1
+        return next((v for v in hulls[name] if v > r), r + 1)
+
+    def push(heap: list[tuple[float, int, str]], name: str) -> None:
+        r, tail = ranks[name], lists[name]
+        to = next_rank(name)
+        if to < len(tail) and tail[r] - tail[to] > 0.0:
             # heapq is a min-heap: negate the gain per parameter.
-            heapq.heappush(heap, (-(tail[r] - tail[r + 1]) / costs[name], order[name], name))
+            heapq.heappush(heap, (-(tail[r] - tail[to]) / (costs[name] * (to - r)), order[name], name))
 
     heap: list[tuple[float, int, str]] = []
     for name in lists:
         push(heap, name)
     while heap:
         _, _, name = heapq.heappop(heap)
-        if costs[name] > remaining:
-            continue  # this matrix can never grow again: drop it
-        ranks[name] += 1
-        remaining -= costs[name]
-        push(heap, name)
+        to = next_rank(name)
+        steps = min(to - ranks[name], remaining // costs[name])
+        if steps <= 0:
+            continue  # this unit can never grow again: drop it
+        ranks[name] += steps
+        remaining -= steps * costs[name]
+        if ranks[name] == to:  # a move cut short by the budget ends the unit
+            push(heap, name)
     return ranks
 
 
 def allocate_global_with_dense(
     tails: Mapping[str, Tail],
-    shapes: Mapping[str, Shape],
+    shapes: Mapping[str, Unit],
     budget: int,
     dense_costs: Mapping[str, int],
 ) -> tuple[dict[str, int], set[str]]:
@@ -202,18 +263,18 @@ def allocate_global_with_dense(
         free = {name: tail for name, tail in tails.items() if name not in dense}
         remaining = budget - sum(dense_costs[name] for name in dense)
         ranks = allocate_global(free, {name: shapes[name] for name in free}, remaining)
-        crossing = {name for name, r in ranks.items() if r * sum(shapes[name]) >= dense_costs[name]}
+        crossing = {name for name, r in ranks.items() if r * step_cost(shapes[name]) >= dense_costs[name]}
         if not crossing:
             return ranks, dense
         dense |= crossing
 
 
-def marginal_price(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], ranks: Mapping[str, int]) -> float:
+def marginal_price(tails: Mapping[str, Tail], shapes: Mapping[str, Unit], ranks: Mapping[str, int]) -> float:
     """The discarded energy per parameter of the last rank step the greedy bought: the smallest
     `(tail[r−1] − tail[r]) / (out + in)` over the matrices given rank `r > 0` (the greedy buys steps in
     decreasing order of this gain, so it is the price the budget ended at). 0.0 when nothing got rank."""
     gains = [
-        (float(tails[name][r - 1]) - float(tails[name][r])) / sum(shapes[name])
+        (float(tails[name][r - 1]) - float(tails[name][r])) / step_cost(shapes[name])
         for name, r in ranks.items()
         if r > 0
     ]
@@ -221,14 +282,14 @@ def marginal_price(tails: Mapping[str, Tail], shapes: Mapping[str, Shape], ranks
 
 
 def cost_at_price(
-    tail: Tail, shape: Shape, price: float, dense_cost: int | None = None
+    tail: Tail, shape: Unit, price: float, dense_cost: int | None = None
 ) -> tuple[float, int | None]:
     """The Lagrangian cost of one matrix at `price` (energy per parameter): `min_r tail[r] + price·r·(out+in)`,
     or `price·dense_cost` for storing it whole (no error) when `dense_cost` is given. Returns the cost and the
     rank that reaches it (None: whole). Under one price, comparing two ways of storing the same weights by this
     cost compares them as the global allocation would trade their error against the budget."""
     values = _as_list(tail, shape, "tail")
-    step = sum(shape)
+    step = step_cost(shape)
     cost, rank = min((v + price * r * step, r) for r, v in enumerate(values))
     if dense_cost is not None and price * dense_cost < cost:
         return price * dense_cost, None

@@ -279,5 +279,6 @@ def _print_usage_error(exc: Exception) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
     err_console.print(f"  see: {command} --help", highlight=False, soft_wrap=True, markup=False)
 
+
 if __name__ == "__main__":
     main()

@@ -10,9 +10,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.checkpoint import export_dense
 from compressor.cli import JsonOpt
 from compressor.inspection import describe_checkpoint
+from compressor.plan import NEURON_READER
 from compressor.report import basis_label, group_label
 
 console = Console()
@@ -141,26 +143,35 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
 
 
 def _ranks_table(info: dict) -> Table:
+    """Per layer: the rank of every compressed projection (atoms in brackets, ◇ a shared basis's readers), and an
+    MLP in `neurons` mode as its one width."""
+    named = [p for p in (*PROJECTIONS, *MLP_PROJECTIONS) if any(p in row for row in info["ranks"])]
+    neurons = any(row.get(f"{p}_mode") == "neurons" for row in info["ranks"] for p in MLP_PROJECTIONS)
+    columns = [p for p in named if not (neurons and p in MLP_PROJECTIONS)] + (
+        ["mlp width"] if neurons else []
+    )
     ranks = Table(
         title="per layer: rank of each projection · (B) B atoms · ◇ reads a shared input basis of this size"
+        + (" · mlp width: neurons kept" if neurons else "")
     )
-    for col in ("layer", "mode", "group", "q_proj", "k_proj", "v_proj", "o_proj"):
+    for col in ("layer", "mode", "group", *(c.removesuffix("_proj") for c in columns)):
         ranks.add_column(col, justify="right" if col != "mode" else "left")
     for row in info["ranks"]:
-        cells = []
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            mode = row.get(f"{p}_mode", row["mode"])  # checkpoints read before per-projection modes
-            if mode == "dense":
-                cells.append("whole")
-            elif mode == "basis":
-                cells.append(f"{row.get(p)} ◇")
-            else:
-                atoms = row.get(f"{p}_atoms", 0)
-                cells.append(f"{row.get(p)}" + (f" ({atoms})" if atoms else ""))
+        cells = [_rank_cell(row, NEURON_READER if c == "mlp width" else c) for c in columns]
         ranks.add_row(
             str(row["layer"]), row["mode"], "—" if row["group"] is None else str(row["group"]), *cells
         )
     return ranks
+
+
+def _rank_cell(row: dict, p: str) -> str:
+    mode = row.get(f"{p}_mode", row["mode"])  # checkpoints read before per-projection modes
+    if mode == "dense":
+        return "whole"
+    if mode == "basis":
+        return f"{row.get(p)} ◇"
+    atoms = row.get(f"{p}_atoms", 0)
+    return f"{row.get(p)}" + (f" ({atoms})" if atoms else "")
 
 
 def register(app: typer.Typer) -> None:

@@ -34,6 +34,8 @@ def compress_command(
     singletons: o.Singletons = None,
     statistics: o.Statistics = None,
     targets: o.Targets = None,
+    mlp: o.Mlp = None,
+    uniform_mlp: o.UniformMlp = None,
     auto_groups: o.AutoGroups = None,
     sharing: o.Sharing = None,
     basis_layers: o.BasisLayers = None,
@@ -240,6 +242,8 @@ def print_sharing(report: dict) -> None:
     sharing = report.get("sharing")
     if not sharing:
         return
+    if report.get("sharing_note"):
+        console.print(f"[bold]Sharing[/]: {report['sharing_note']}")
     bases = sharing["bases"]
     console.print(
         f"[bold]Shared input bases[/] ({len(bases)}; run: readers size (mean relative whitened error)): "

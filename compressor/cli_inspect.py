@@ -152,6 +152,8 @@ def plan_command(
     singletons: o.Singletons = None,
     statistics: o.Statistics = None,
     targets: o.Targets = None,
+    mlp: o.Mlp = None,
+    uniform_mlp: o.UniformMlp = None,
     sharing: o.Sharing = None,
     basis_layers: o.BasisLayers = None,
     sensitivity_samples: o.SensitivitySamples = None,

@@ -102,6 +102,23 @@ Targets = Annotated[
         "attn,mlp (every linear projection of the layers, as Basis Sharing does).",
     ),
 ]
+Mlp = Annotated[
+    Opt[str],
+    typer.Option(
+        "--mlp",
+        help="How --method masa compresses the MLP (with --targets mlp or attn,mlp): neurons (default: each layer "
+        "keeps some of its neurons, down_proj refit by least squares; a smaller plain MLP) or lowrank (whitened "
+        "low-rank factors).",
+    ),
+]
+UniformMlp = Annotated[
+    Opt[bool],
+    typer.Option(
+        "--uniform-mlp/--per-layer-mlp",
+        help="--mlp neurons: the same width in every layer (a standard architecture with a smaller "
+        "intermediate_size, for export-dense) or, by default, a width per layer chosen by the allocation.",
+    ),
+]
 AutoGroups = Annotated[
     Opt[bool],
     typer.Option(

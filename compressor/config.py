@@ -40,6 +40,8 @@ class CompressOptions:
     statistics: str | None = None
     targets: str | None = None
     auto_groups: bool | None = None
+    mlp: str | None = None
+    uniform_mlp: bool | None = None
     sharing: str | None = None
     basis_layers: int | None = None
     sensitivity_samples: int | None = None

@@ -14,7 +14,10 @@ from typing import Literal
 from compressor.adapters import PROJECTIONS, AttentionGeometry
 from compressor.errors import UserError
 
-Mode = Literal["dense", "shared", "lowrank", "basis"]
+Mode = Literal["dense", "shared", "lowrank", "basis", "neurons"]
+#: `neurons` mode: the projection that reads the MLP's neurons (its *input* side is cut); gate/up are cut on
+#: their output side. Every projection of one layer's MLP in this mode keeps the same `rank` neurons.
+NEURON_READER = "down_proj"
 
 
 @dataclass
@@ -38,10 +41,34 @@ class ProjectionPlan:
         """Numbers stored for this projection, excluding shared atoms and input bases (counted once per group)."""
         if self.mode == "dense":
             return self.dense_params + self.bias
+        return self.width_params() + self.fixed_bias()
+
+    def fixed_bias(self) -> int:
+        """The bias numbers that do not depend on the rank (a kept neuron keeps its own gate/up bias entries)."""
+        return 0 if self.mode == "neurons" and self.projection != NEURON_READER else self.bias
+
+    def width_params(self) -> int:
+        """The numbers that grow with the rank: low-rank factors, a basis reader's coefficients, or the rows
+        (gate/up, with their bias entries) or columns (down) of the neurons kept."""
         rank = self.rank or 0
         if self.mode == "basis":
-            return rank * self.out_features + self.bias
-        return self.n_atoms + rank * (self.out_features + self.in_features) + self.bias
+            return rank * self.out_features
+        if self.mode == "neurons":
+            if self.projection == NEURON_READER:
+                return self.out_features * rank
+            return rank * self.in_features + (rank if self.bias else 0)
+        return self.n_atoms + rank * (self.out_features + self.in_features)
+
+    def carries_error(self) -> bool:
+        """Whether the allocation's tails hold an error of this projection's own: not when kept whole, nor for
+        gate/up in `neurons` mode (their MLP's error is measured once, at down_proj's output)."""
+        return self.mode != "dense" and (self.mode != "neurons" or self.projection == NEURON_READER)
+
+    def neuron_step(self) -> int:
+        """`neurons` mode: numbers one more kept neuron adds to this projection."""
+        if self.projection == NEURON_READER:
+            return self.out_features
+        return self.in_features + (1 if self.bias else 0)
 
 
 @dataclass
@@ -66,6 +93,8 @@ class CompressionPlan:
     # The projection types compressed. "attention" in the counts below means these targets: with
     # `--targets attn,mlp` the budget and the counts cover the MLP projections too.
     targets: tuple[str, ...] = PROJECTIONS
+    # `neurons` mode: every layer's MLP keeps the same number of neurons (one allocation unit for all layers)
+    uniform_mlp: bool = False
 
     # -- budget --------------------------------------------------------------------------------------
     @property
@@ -98,7 +127,7 @@ class CompressionPlan:
         return sum(pp.params() for pp in self.projections if pp.mode == "dense")
 
     def bias_params(self) -> int:
-        return sum(pp.bias for pp in self.projections if pp.mode != "dense")
+        return sum(pp.fixed_bias() for pp in self.projections if pp.mode != "dense")
 
     def fixed_params(self) -> int:
         """Everything but the residual / low-rank factors."""
@@ -109,11 +138,7 @@ class CompressionPlan:
 
     def factor_params(self) -> int:
         """Low-rank factors: per-projection A and B, and the shared input bases with their per-layer A."""
-        per_projection = sum(
-            (pp.rank or 0) * (pp.out_features + (0 if pp.mode == "basis" else pp.in_features))
-            for pp in self.projections
-            if pp.mode != "dense"
-        )
+        per_projection = sum(pp.width_params() - pp.n_atoms for pp in self.projections if pp.mode != "dense")
         return per_projection + self.basis_params()
 
     def attention_params_after(self) -> int:
@@ -135,11 +160,15 @@ class CompressionPlan:
     def allocation_units(self) -> dict[tuple, list[ProjectionPlan]]:
         """What the allocation gives one rank each, with the projections that rank applies to: every matrix
         not kept whole, keyed (layer, projection), except the projections reading one shared input basis, which
-        share its rank and are keyed ("basis", group, basis name); in the order of the projections."""
+        share its rank and are keyed ("basis", group, basis name), and the MLP projections in `neurons` mode,
+        which share one width per layer, keyed ("mlp", layer), or one for all layers, keyed ("mlp", "all"),
+        when `uniform_mlp`; in the order of the projections."""
         units: dict[tuple, list[ProjectionPlan]] = {}
         for pp in self.projections:
             if pp.mode == "basis":
                 units.setdefault(("basis", pp.group, pp.basis), []).append(pp)
+            elif pp.mode == "neurons":
+                units.setdefault(("mlp", "all" if self.uniform_mlp else pp.layer), []).append(pp)
             elif pp.mode != "dense":
                 units[(pp.layer, pp.projection)] = [pp]
         return units
@@ -199,10 +228,13 @@ def shared_plan(
     compress_singletons: bool = False,
     projections_compressed: tuple[str, ...] = PROJECTIONS,
     check_feasible: bool = True,
+    neuron_projections: tuple[str, ...] = (),
+    uniform_mlp: bool = False,
 ) -> CompressionPlan:
     """MASA layout: singleton groups dense (or low rank); other groups share B atoms per projection type
-    plus per-layer residuals. Refuses a layout whose fixed part exceeds the budget unless `check_feasible` is
-    off (previews show such a layout with `infeasibility(plan, ...)` as the reason)."""
+    plus per-layer residuals; the `neuron_projections` (the MLP's) keep neurons in every layer, whatever its
+    group. Refuses a layout whose fixed part exceeds the budget unless `check_feasible` is off (previews show
+    such a layout with `infeasibility(plan, ...)` as the reason)."""
     group_plans = []
     projections = []
     for g, (layers, n_atoms) in enumerate(
@@ -216,8 +248,10 @@ def shared_plan(
         for layer in layers:
             for p in projections_compressed:
                 out, inp = geometry.shape(p)
-                if len(layers) == 1:
-                    mode: Mode = "lowrank" if compress_singletons else "dense"
+                if p in neuron_projections:
+                    mode: Mode = "neurons"
+                elif len(layers) == 1:
+                    mode = "lowrank" if compress_singletons else "dense"
                 elif n_atoms == 0:
                     mode = "lowrank"
                 else:
@@ -235,8 +269,9 @@ def shared_plan(
                     )
                 )
     plan = CompressionPlan(
-        method, ratio, attention_params_before, geometry, group_plans, projections, projections_compressed
-    )
+        method, ratio, attention_params_before, geometry, group_plans, projections, projections_compressed,
+        uniform_mlp=uniform_mlp and bool(neuron_projections),
+    )  # fmt: skip
     reason = infeasibility(plan, bases)
     if reason and check_feasible:
         raise UserError(reason)

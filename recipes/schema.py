@@ -80,6 +80,18 @@ class CompressionSettings(_Strict):
         description="projections compressed and counted by --ratio: attn (q/k/v/o, the paper), mlp (gate/up/down), "
         "or attn,mlp (every linear projection of the decoder layers, as Basis Sharing does)",
     )
+    mlp: Literal["neurons", "lowrank"] = Field(
+        "neurons",
+        description="how --method masa compresses the MLP (targets mlp, attn,mlp). neurons: each layer keeps a "
+        "subset of its intermediate neurons (their gate/up rows and down columns), down_proj refit by least "
+        "squares on the calibration statistics: a smaller, plain MLP, its width per layer decided by the global "
+        "allocation; lowrank: whitened low-rank factors of gate/up/down like any other projection",
+    )
+    uniform_mlp: bool = Field(
+        False,
+        description="mlp neurons: the same width in every layer, so that the MLP is the base architecture's with a "
+        "smaller intermediate_size (export-dense then writes a standard checkpoint)",
+    )
     auto_groups: bool = Field(
         False,
         description="choose groups G and atoms B (ignoring groups/bases) by a proxy computed before any module is "

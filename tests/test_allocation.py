@@ -10,12 +10,16 @@ import torch
 
 from compressor.allocation import (
     PairSplit,
+    Steps,
     allocate_global,
     allocate_global_with_dense,
     balance_pair_bruteforce,
     balance_pair_paper,
+    convex_moves,
     lowrank_params,
     max_rank_within,
+    step_cost,
+    step_limit,
 )
 from compressor.whitening import discarded_energy
 
@@ -208,3 +212,49 @@ def test_dense_when_cheaper_keeps_whole_what_factors_would_overpay_and_never_los
     # With room for everything, every matrix is kept whole (exact): full-rank factors would cost more.
     ranks, dense = allocate_global_with_dense(tails, shapes, 10_000, dense_costs)
     assert dense == set(shapes) and ranks == {}
+
+
+def test_convex_moves_are_the_lower_hull():
+    tail = [10.0, 9.5, 4.0, 3.9, 1.0, 0.9, 0.0]
+    hull = convex_moves(tail)
+    assert hull[0] == 0 and hull[-1] == len(tail) - 1
+    # every point lies on or above the segments between consecutive hull vertices
+    for a, b in zip(hull, hull[1:], strict=False):
+        for r in range(a, b + 1):
+            assert tail[r] >= tail[a] + (tail[b] - tail[a]) * (r - a) / (b - a) - 1e-12
+    assert 1 not in hull  # the small first gain is bridged: 0 -> 2 gains more per step than 0 -> 1
+
+
+def test_steps_units_with_non_convex_tails_stay_in_budget_and_near_the_optimum() -> None:
+    """An MLP's neuron tail need not be convex: a small gain may come before a large one. The greedy then moves
+    along the tail's convex hull, and is as good as the optimum of the budget it spent before its last move."""
+    rng = random.Random(4)
+    units = {"mlp0": Steps(5, 6), "mlp1": Steps(5, 6), "q": (3, 4)}
+    for _ in range(150):
+        tails = {}
+        for name, unit in units.items():
+            drops = [rng.random() ** 3 for _ in range(step_limit(unit))]  # any order: not convex
+            if name == "q":
+                drops.sort(reverse=True)  # a rank's gains never grow
+            tails[name] = [sum(drops[r:]) for r in range(len(drops) + 1)]
+        budget = rng.randrange(0, 70)
+        ranks = allocate_global(tails, units, budget)
+        assert sum(r * step_cost(units[n]) for n, r in ranks.items()) <= budget
+        error = _error(tails, ranks)
+        best = min(
+            _error(tails, dict(zip(units, rs, strict=True)))
+            for rs in itertools.product(*(range(step_limit(u) + 1) for u in units.values()))
+            if sum(r * step_cost(u) for r, u in zip(rs, units.values(), strict=True)) <= budget
+        )
+        assert error >= best - 1e-12
+        bound = (
+            min(
+                _error(tails, dict(zip(units, rs, strict=True)))
+                for rs in itertools.product(*(range(step_limit(u) + 1) for u in units.values()))
+                if sum(r * step_cost(u) for r, u in zip(rs, units.values(), strict=True))
+                <= budget - 6 * 5 + 1
+            )
+            if budget >= 6 * 5
+            else _error(tails, dict.fromkeys(units, 0))
+        )
+        assert error <= bound + 1e-12

@@ -268,13 +268,24 @@ def test_compressed_model_shares_bases_and_saves_loads_identically(family, shari
         ({"allocation": "paper"}, "--allocation global-loss"),
         ({"statistics": "sequential"}, "--statistics original"),
         ({"auto_groups": True}, "--fixed-groups"),
-        ({"targets": "mlp"}, "--targets attn"),
-        ({"targets": "mlp", "sharing": "qkv"}, "--targets attn"),
     ],
 )
 def test_settings_without_a_rule_are_refused(update, message):
     with pytest.raises(UserError, match=message):
         get_method("masa").effective_settings(BASIS.model_copy(update=update))
+
+
+@pytest.mark.parametrize("sharing", ["basis", "qkv"])
+def test_a_form_sharing_attention_bases_works_on_the_mlp_alone_and_says_so(sharing):
+    """The default form shares k/v bases; with --targets mlp there are none to share: the run compresses every
+    projection on its own (the same as `none`) and its report says so, instead of refusing the default."""
+    model, windows = tiny_model("llama"), random_windows()
+    adapter = get_adapter(model)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    settings = BASIS.model_copy(update={"sharing": sharing, "targets": "mlp"})
+    outcome = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
+    assert not any(pp.mode == "basis" for pp in outcome.plan.projections)
+    assert "nothing is shared" in outcome.report["sharing_note"]
 
 
 def test_mlp_only_targets_work_with_auto_and_none():

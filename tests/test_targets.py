@@ -1,4 +1,5 @@
-"""`--targets mlp`: the same machinery on gate/up/down projections, on tiny random models."""
+"""`--targets mlp`: the same machinery on gate/up/down projections (`--mlp lowrank`), on tiny random models.
+The MLP's default form, `--mlp neurons`, is tested in `test_neurons.py`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def _compress(model, ratio=0.3, windows=None, **settings):
     stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
     if settings.get("method", "masa") == "masa":
         settings.setdefault("sharing", "atoms")
+        if "mlp" in settings.get("targets", "attn"):
+            settings.setdefault("mlp", "lowrank")  # the factor machinery; the neurons form: test_neurons.py
     return compress_model(
         model, adapter, stats, CompressionSettings(**settings), ratio, progress=False, windows=windows
     )
@@ -104,7 +107,7 @@ def test_mlp_errors_are_the_whitened_tails_the_allocation_saw():
     windows = random_windows()
     stats = collect_statistics(original, get_adapter(original), windows, progress=False, mlp=True)
     outcome = compress_model(
-        model, get_adapter(model), stats, CompressionSettings(sharing="atoms", targets="mlp", auto_groups=True, allocation="global-relative"), 0.3,
+        model, get_adapter(model), stats, CompressionSettings(sharing="atoms", targets="mlp", mlp="lowrank", auto_groups=True, allocation="global-relative"), 0.3,
         progress=False, windows=windows,
     )  # fmt: skip
     chosen = outcome.report["shape_search"]["chosen"]

@@ -1,5 +1,8 @@
 """`export_dense`: a standard dense Hugging Face checkpoint with each projection's effective weight, for
-runtimes that cannot run remote code (it is NOT smaller).
+runtimes that cannot run remote code. The attention is expanded to full matrices (not smaller); an MLP that kept
+some of its neurons stays narrow: with the same width in every layer (`--uniform-mlp`) the export is the base
+architecture with a smaller `intermediate_size`, so it IS smaller and faster; with widths per layer every MLP is
+padded to the widest with zero neurons (exact: a zero neuron adds nothing).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def export_dense(
     """Write a standard dense Hugging Face checkpoint holding each projection's effective weight.
 
     For tools that cannot run remote code: it loads with plain `AutoModelForCausalLM.from_pretrained` and
-    computes the same logits, but stores every projection at full size again.
+    computes the same logits, but stores every attention projection at full size again (the MLP at the width
+    of its widest layer).
     """
     path, out_dir = Path(path), Path(out_dir)
     if out_dir.resolve() == path.resolve():
@@ -53,6 +57,7 @@ def export_dense(
         module = adapter.projection(spec["layer"], spec["projection"])
         if not isinstance(module, nn.Linear):
             adapter.set_projection(spec["layer"], spec["projection"], _dense_linear(module))
+    _one_mlp_width(adapter)
     with _atomic_directory(out_dir, overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
         if config.get("tokenizer", False):
@@ -80,3 +85,34 @@ def _dense_linear(module: nn.Module) -> nn.Linear:
 
 def _weights_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+@torch.no_grad()
+def _one_mlp_width(adapter) -> None:
+    """Give every layer's MLP the width of the widest (zero neurons appended: gate/up rows and down columns of
+    zeros contribute nothing, whatever the activation), and write that width into the config."""
+    mlps = [getattr(layer, "mlp", None) for layer in adapter.layers]
+    if not all(isinstance(getattr(mlp, "down_proj", None), nn.Linear) for mlp in mlps):
+        return  # not a gated MLP of plain projections: nothing of it was compressed
+    widths = [mlp.down_proj.in_features for mlp in mlps]
+    width = max(widths)
+    for mlp, own in zip(mlps, widths, strict=True):
+        if own == width:
+            continue
+        mlp.gate_proj = _padded(mlp.gate_proj, width, rows=True)
+        mlp.up_proj = _padded(mlp.up_proj, width, rows=True)
+        mlp.down_proj = _padded(mlp.down_proj, width, rows=False)
+    adapter.config.intermediate_size = width
+
+
+def _padded(linear: nn.Linear, width: int, rows: bool) -> nn.Linear:
+    """`linear` with zero rows (outputs) or zero columns (inputs) appended up to `width`."""
+    weight = linear.weight
+    shape = (width, weight.shape[1]) if rows else (weight.shape[0], width)
+    padded = nn.Linear(shape[1], shape[0], bias=linear.bias is not None, dtype=weight.dtype, device=weight.device)
+    padded.weight.zero_()
+    padded.weight[: weight.shape[0], : weight.shape[1]] = weight
+    if linear.bias is not None:
+        padded.bias.zero_()
+        padded.bias[: linear.bias.shape[0]] = linear.bias
+    return padded

@@ -10,7 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from compressor.adapters import DecoderAdapter
-from compressor.plan import CompressionPlan
+from compressor.plan import NEURON_READER, CompressionPlan
 from compressor.remote_code.masa_modules import (
     ATOMS_KEY,
     BASIS_KEY,
@@ -62,20 +62,25 @@ def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[
 
 
 def _projection_spec(layer: int, name: str, module: nn.Module, plan: CompressionPlan) -> dict:
+    try:
+        planned = plan.get(layer, name)
+    except KeyError:
+        raise ValueError(f"layer {layer} {name}: missing from the compression plan") from None
     if isinstance(module, SharedBasisLinear):
         mode, n_atoms, rank = "shared", module.n_atoms, module.rank
     elif isinstance(module, SharedInputLinear):
         mode, n_atoms, rank = "basis", 0, module.rank
     elif isinstance(module, LowRankLinear):
         mode, n_atoms, rank = "lowrank", 0, module.rank
+    elif (
+        isinstance(module, nn.Linear) and planned.mode == "neurons"
+    ):  # a smaller plain Linear: its kept neurons
+        mode, n_atoms = "neurons", 0
+        rank = module.in_features if name == NEURON_READER else module.out_features
     elif isinstance(module, nn.Linear):
         mode, n_atoms, rank = "dense", 0, None
     else:
         raise ValueError(f"layer {layer} {name}: cannot save a {type(module).__name__} projection")
-    try:
-        planned = plan.get(layer, name)
-    except KeyError:
-        raise ValueError(f"layer {layer} {name}: missing from the compression plan") from None
     if planned.mode != mode or (mode in ("shared", "basis") and planned.group is None):
         raise ValueError(
             f"layer {layer} {name}: the plan says {planned.mode} but the model holds a {mode} projection"

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from compressor.allocation import (
+    Steps,
+    Unit,
     _initial_ranks,
     allocate_global,
     allocate_global_with_dense,
     balance_pair_paper,
 )
-from compressor.plan import CompressionPlan, layer_dense_params
+from compressor.plan import NEURON_READER, CompressionPlan, layer_dense_params
 
 #: Per matrix, (layer, projection) -> its whitened error at every rank of its allocation unit.
 Tails = dict[tuple[int, str], torch.Tensor]
@@ -86,7 +88,7 @@ class AllocationProblem:
 
     units: dict[str, list]  # name -> the ProjectionPlans sharing its rank
     tails: dict[str, torch.Tensor]
-    shapes: dict[str, tuple[int, int]]
+    shapes: dict[str, Unit]  # a matrix's (Σ out, in), or the Steps of an MLP's neurons
     dense_costs: dict[str, int]
 
 
@@ -115,12 +117,27 @@ class GlobalAllocator:
         def scaled(pp) -> torch.Tensor:
             return tails[(pp.layer, pp.projection)] * weight(pp.layer, pp.projection)
 
+        def unit_tail(members) -> torch.Tensor:
+            # An MLP's neurons: its error is measured once, at down_proj's output (gate/up carry none of their own).
+            readers = [pp for pp in members if pp.mode != "neurons" or pp.projection == NEURON_READER]
+            return functools.reduce(operator.add, map(scaled, readers))
+
+        def unit(members) -> Unit:
+            if members[0].mode == "neurons":  # one step: one more neuron in every MLP of the unit
+                neurons = next(pp.in_features for pp in members if pp.projection == NEURON_READER)
+                return Steps(sum(pp.neuron_step() for pp in members), neurons)
+            return (sum(pp.out_features for pp in members), members[0].in_features)
+
         return AllocationProblem(
             units,
-            {n: functools.reduce(operator.add, map(scaled, members)) for n, members in units.items()},
-            {n: (sum(pp.out_features for pp in m), m[0].in_features) for n, m in units.items()},
-            # Keeping a unit whole costs its weights and gives back its coefficients.
-            {n: sum(pp.dense_params - pp.n_atoms for pp in m) for n, m in units.items()},
+            {n: unit_tail(members) for n, members in units.items()},
+            {n: unit(members) for n, members in units.items()},
+            # Keeping a unit whole costs its weights (and the bias entries a width pays for) and gives back its
+            # coefficients.
+            {
+                n: sum(pp.dense_params + pp.bias - pp.fixed_bias() - pp.n_atoms for pp in m)
+                for n, m in units.items()
+            },
         )
 
     def allocate(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> dict:

@@ -8,6 +8,8 @@ not installed.
 - `LowRankLinear`: W ≈ A B (SVD-LLM and plain-SVD baselines, and compressed singleton layers).
 - `SharedInputLinear`: W_l ≈ A_l B, the input basis B (r, in) ONE `nn.Parameter` shared by a group's layers
   (and by several projection types when they read the same input), A_l per layer (Basis Sharing).
+- An MLP that keeps some of its neurons (`neurons` mode) needs no module of its own: its gate/up/down are plain
+  `nn.Linear`s of a smaller width, so the MLP stays a standard one.
 
 Both compute y = x Wᵀ + bias without storing a dense per-layer weight for the residual.
 `projection_module` builds either from one entry of a checkpoint layout (`config.masa["projections"]`).
@@ -187,6 +189,8 @@ def projection_module(spec: dict, group_shared, dtype=None, device=None) -> nn.M
     mode, shape = spec["mode"], (spec["out_features"], spec["in_features"])
     if mode == "dense":
         return None
+    if mode == "neurons":  # a plain, smaller nn.Linear: an MLP keeping some of its neurons
+        return nn.Linear(shape[1], shape[0], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "lowrank":
         return LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "shared":

@@ -11,6 +11,7 @@ import torch
 
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.pca import captured_energy_fraction
+from compressor.plan import NEURON_READER
 
 ENERGY_CURVE_MAX_ATOMS = 8
 
@@ -69,7 +70,8 @@ def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
     """Per (layer, projection) of a plan's `projections` (`CompressionPlan.to_dict()`), the numbers it stores
     over its dense weight's: 1 kept whole; rank·(out + in) / (out·in) for own factors; for a reader of a shared
     input basis rank·out plus its share of the basis (rank·in over the readers); for shared atoms its
-    coefficients, its share of the atoms and its residual factors. Biases are left out (never compressed)."""
+    coefficients, its share of the atoms and its residual factors; for an MLP keeping neurons, the kept share of
+    its neurons. Biases are left out."""
     readers = Counter((pp["group"], pp["basis"]) for pp in projections if pp["mode"] == "basis")
     sharers = Counter((pp["group"], pp["projection"]) for pp in projections if pp["mode"] == "shared")
     out = {}
@@ -79,6 +81,8 @@ def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
             stored = o * i
         elif pp["mode"] == "basis":
             stored = rank * o + rank * i / readers[(pp["group"], pp["basis"])]
+        elif pp["mode"] == "neurons":  # the kept neurons' columns of down, rows of gate/up
+            stored = rank * (o if pp["projection"] == NEURON_READER else i)
         elif pp["mode"] == "shared":
             atoms = pp["n_atoms"]
             stored = atoms + atoms * o * i / sharers[(pp["group"], pp["projection"])] + rank * (o + i)

@@ -22,13 +22,16 @@ import time
 
 import torch
 
+from compressor.adapters import MLP_PROJECTIONS
 from compressor.errors import UserError
 from compressor.grouping import consecutive_runs
 from compressor.methods.allocators import GlobalAllocator, allocator_for
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
 from compressor.methods.masa.choice import Shared, choose_shared
+from compressor.methods.masa.mlp import install_neurons, neuron_tails, tails_for_allocation
 from compressor.methods.masa.stages import install_projection, residual_tail
-from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.neurons import NeuronTail
+from compressor.plan import NEURON_READER, CompressionPlan, GroupPlan, ProjectionPlan
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
 from compressor.remote_code.masa_modules import SharedInputLinear
@@ -44,8 +47,21 @@ JOINT_TYPES, JOINT_NAME = ("q_proj", "k_proj", "v_proj"), "qkv"
 
 def settings_read(form: str) -> frozenset[str]:
     """The settings an input-basis form reads (besides method and targets)."""
-    read = {"sharing", "allocation", "dense_when_cheaper", "statistics", "sensitivity_samples"}
+    read = {
+        "sharing",
+        "allocation",
+        "dense_when_cheaper",
+        "statistics",
+        "sensitivity_samples",
+        "mlp",
+        "uniform_mlp",
+    }
     return frozenset(read if form == "none" else read | {"basis_layers"})
+
+
+def neuron_projections(shape: ModelShape, settings: CompressionSettings) -> tuple[str, ...]:
+    """The targeted projections kept in `neurons` mode: the MLP's, unless `--mlp lowrank`."""
+    return tuple(p for p in shape.targets if p in MLP_PROJECTIONS) if settings.mlp == "neurons" else ()
 
 
 def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]) -> None:
@@ -64,12 +80,6 @@ def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]
     if settings.auto_groups:
         raise UserError(
             f"{flag}: --auto-groups chooses groups and atoms for --sharing atoms: use --fixed-groups"
-        )
-    needs = {"basis": BASIS_TYPES, "qkv": JOINT_TYPES}.get(settings.sharing, ())
-    if needs and not set(needs) & set(targets):
-        raise UserError(
-            f"{flag} shares the input bases of {'/'.join(p.split('_')[0] for p in needs)}, which --targets mlp "
-            "leaves alone: use --targets attn or attn,mlp, or --sharing auto"
         )
 
 
@@ -92,9 +102,11 @@ def fixed_shared(shape: ModelShape, settings: CompressionSettings) -> Shared:
 
 
 def candidates(shape: ModelShape, settings: CompressionSettings) -> Shared:
-    """What `auto` chooses from: a basis per projection type for every run of several layers."""
+    """What `auto` chooses from: a basis per projection type (but the MLP's in `neurons` mode) for every run of
+    several layers."""
     runs = runs_of(shape, settings)
-    return {i: {p: (p,) for p in shape.targets} for i, layers in enumerate(runs) if len(layers) > 1}
+    types = [p for p in shape.targets if p not in neuron_projections(shape, settings)]
+    return {i: {p: (p,) for p in types} for i, layers in enumerate(runs) if len(layers) > 1}
 
 
 def basis_layout(
@@ -103,6 +115,7 @@ def basis_layout(
     """The layout (ranks and basis sizes not yet allocated): projections reading a basis of `shared` (default:
     the fixed form's) in `basis` mode, every other one `lowrank`."""
     shared = fixed_shared(shape, settings) if shared is None else shared
+    neurons = neuron_projections(shape, settings)
     groups, projections = [], []
     for index, layers in enumerate(runs_of(shape, settings)):
         groups.append(GroupPlan(index, layers, 0))
@@ -110,12 +123,19 @@ def basis_layout(
         for layer in layers:
             for p in shape.targets:
                 out, inp = shape.geometry.shape(p)
+                mode = "basis" if p in reads else "neurons" if p in neurons else "lowrank"
                 projections.append(ProjectionPlan(
-                    layer, p, out, inp, "basis" if p in reads else "lowrank", group=index,
-                    bias=shape.biases.get((layer, p), 0), basis=reads.get(p),
+                    layer, p, out, inp, mode, group=index, bias=shape.biases.get((layer, p), 0), basis=reads.get(p),
                 ))  # fmt: skip
     plan = CompressionPlan(
-        settings.method, ratio, shape.params_before, shape.geometry, groups, projections, shape.targets
+        settings.method,
+        ratio,
+        shape.params_before,
+        shape.geometry,
+        groups,
+        projections,
+        shape.targets,
+        uniform_mlp=settings.uniform_mlp and bool(neurons),
     )
     if plan.residual_budget() < 0:
         raise UserError(
@@ -164,7 +184,10 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
     start = time.perf_counter()
     runs = runs_of(shape, settings)
     offered = candidates(shape, settings) if settings.sharing == "auto" else fixed_shared(shape, settings)
-    own_needed = [(layer, p) for layer in range(shape.num_layers) for p in shape.targets]
+    neuron_types = neuron_projections(shape, settings)
+    own_needed = [
+        (layer, p) for layer in range(shape.num_layers) for p in shape.targets if p not in neuron_types
+    ]
     if settings.sharing != "auto":  # a fixed form never factors a basis reader on its own
         read = {(layer, p) for i, b in offered.items() for t in b.values() for p in t for layer in runs[i]}
         own_needed = [key for key in own_needed if key not in read]
@@ -178,6 +201,8 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
             for name, types in bases.items():
                 as_reader[(index, name)] = shared_tails(ctx, runs[index], types)
                 bar.advance()
+    neurons = neuron_tails(ctx, list(range(shape.num_layers))) if neuron_types else {}
+    own.update(tails_for_allocation(neurons))
     allocator = allocator_for(settings.allocation, settings.dense_when_cheaper)
     assert isinstance(allocator, GlobalAllocator)  # check_basis_settings refuses the paper's
 
@@ -192,29 +217,41 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
         shared, ctx.report["sharing_choice"] = choose_shared(offered, layout, allocator, ctx.error_weight)
     else:
         shared = offered
+    shares = {"basis": BASIS_TYPES, "qkv": JOINT_TYPES}.get(settings.sharing, ())
+    if shares and not set(shares) & set(shape.targets):  # e.g. the default form with --targets mlp
+        ctx.report["sharing_note"] = (
+            f"--sharing {settings.sharing} shares the input bases of {'/'.join(shares)}, which --targets "
+            f"{settings.targets} leaves out: nothing is shared, every projection is compressed on its own"
+        )
     plan, tails = layout(shared)
     ctx.report.update(allocator.allocate(plan, tails, ctx.error_weight))
     plan.check_budget()
     ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy, ctx.error_weight)
-    install_all(ctx, plan)
+    install_all(ctx, plan, neurons)
     ctx.seconds["residual_svd"] = time.perf_counter() - start
     return plan
 
 
-def install_all(ctx: MethodContext, plan: CompressionPlan) -> None:
-    """Pass 2: build each shared basis at its allocated size with its readers, and every other matrix's factors."""
+def install_all(ctx: MethodContext, plan: CompressionPlan, neurons: dict[int, NeuronTail]) -> None:
+    """Pass 2: build each shared basis at its allocated size with its readers, every other matrix's factors, and
+    each MLP in `neurons` mode at its width."""
     units = plan.allocation_units()
-    with progress_bar("Factors", total=len(units), enabled=ctx.progress) as bar:
-        for group in plan.groups:  # run by run (the units of a run are listed together), then it is finished
-            for key, members in units.items():
-                if members[0].group != group.index:
-                    continue
-                if members[0].mode == "basis":
+    with progress_bar("Factors", total=len(plan.groups), enabled=ctx.progress) as bar:
+        for group in plan.groups:  # run by run, then it is finished
+            for members in units.values():
+                if members[0].mode == "basis" and members[0].group == group.index:
                     install_shared_basis(ctx, plan, members)
-                else:
-                    install_projection(ctx, plan, {}, {}, *key, ctx.whitening(*key))
-                bar.advance()
+            for pp in plan.projections:
+                if pp.group != group.index:
+                    continue
+                if pp.mode == "lowrank":
+                    install_projection(
+                        ctx, plan, {}, {}, pp.layer, pp.projection, ctx.whitening(pp.layer, pp.projection)
+                    )
+                elif pp.mode == "neurons" and pp.projection == NEURON_READER:
+                    install_neurons(ctx, plan, pp.layer, neurons[pp.layer])
             ctx.finished(group.layers)
+            bar.advance()
 
 
 def install_shared_basis(ctx: MethodContext, plan: CompressionPlan, members: list[ProjectionPlan]) -> None:
@@ -241,7 +278,7 @@ def sharing_report(plan: CompressionPlan, tails: dict, output_energy, weight) ->
     `global-loss`); and per shared basis, its readers, size and their mean relative error."""
 
     def relative(pp) -> float:
-        if pp.mode == "dense":
+        if not pp.carries_error():
             return 0.0
         return float(tails[(pp.layer, pp.projection)][pp.rank]) / (
             output_energy(pp.layer, pp.projection) or 1.0
@@ -262,7 +299,7 @@ def sharing_report(plan: CompressionPlan, tails: dict, output_energy, weight) ->
     objective = sum(
         float(tails[(pp.layer, pp.projection)][pp.rank]) * weight(pp.layer, pp.projection)
         for pp in plan.projections
-        if pp.mode != "dense"
+        if pp.carries_error()
     )
     return {
         "proxy_error": sum(errors), "proxy_error_mean": sum(errors) / len(errors), "objective": objective,

@@ -24,6 +24,7 @@ from compressor.methods.masa.basis import (
 from compressor.methods.masa.basis import (
     settings_read as basis_settings_read,
 )
+from compressor.methods.masa.mlp import install_neurons, neuron_layers, neuron_tails, tails_for_allocation
 from compressor.methods.masa.shapes import choose_groups_and_bases
 from compressor.methods.masa.stages import (
     all_group_atoms,
@@ -32,10 +33,13 @@ from compressor.methods.masa.stages import (
     residual,
     residual_tail,
 )
-from compressor.plan import CompressionPlan, check_feasible_before_calibration
+from compressor.plan import NEURON_READER, CompressionPlan, check_feasible_before_calibration
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
 from compressor.sequential import install_sequentially
+
+#: The settings of the MLP's form, read only when the targets hold the MLP.
+MLP_SETTINGS = frozenset({"mlp", "uniform_mlp"})
 
 
 class Masa(Method):
@@ -46,9 +50,12 @@ class Masa(Method):
     uses_groups = True
 
     def settings_read_for(self, settings: CompressionSettings) -> frozenset[str]:
-        if settings.sharing in BASIS_FORMS:
-            return basis_settings_read(settings.sharing)
-        return self.settings_read
+        read = (
+            basis_settings_read(settings.sharing) if settings.sharing in BASIS_FORMS else self.settings_read
+        )
+        if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
+            return read - MLP_SETTINGS
+        return read if settings.mlp == "neurons" else read - {"uniform_mlp"}
 
     def uses_groups_for(self, settings: CompressionSettings) -> bool:
         return settings.sharing == "atoms"
@@ -67,6 +74,10 @@ class Masa(Method):
         return f"--method {self.name} --sharing {settings.sharing}"
 
     def instead(self, settings: CompressionSettings, key: str) -> str:
+        if key in MLP_SETTINGS:
+            if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
+                return "it applies to the MLP: add --targets attn,mlp (or mlp)"
+            return "it applies to --mlp neurons: drop it or use --mlp neurons"
         forms = [
             f
             for f in ("atoms", *BASIS_FORMS)
@@ -127,7 +138,8 @@ class Masa(Method):
             ctx.report["effective_settings"] = settings.model_dump()
         plan = self.plan(ctx.shape, settings, ctx.ratio, ctx.groups_of)
         atoms = all_group_atoms(ctx, plan)
-        targets = self._allocate(ctx, plan, atoms)
+        neurons = neuron_tails(ctx, neuron_layers(plan))
+        targets = self._allocate(ctx, plan, atoms, neurons)
         start = time.perf_counter()
         dtype, device = ctx.model_dtype, ctx.model_device
         shared_atoms = {
@@ -137,6 +149,10 @@ class Masa(Method):
 
         def install(layer: int, p: str, factor) -> None:
             install_projection(ctx, plan, atoms, shared_atoms, layer, p, factor)
+
+        for layer in neuron_layers(plan):  # the MLPs first: they share nothing with a group
+            if plan.get(layer, NEURON_READER).mode == "neurons":
+                install_neurons(ctx, plan, layer, neurons[layer])
 
         if ctx.settings.statistics == "sequential":
             install_sequentially(ctx, targets, install)
@@ -152,12 +168,15 @@ class Masa(Method):
         return plan
 
     @staticmethod
-    def _allocate(ctx: MethodContext, plan: CompressionPlan, atoms) -> list[tuple[int, str]]:
+    def _allocate(ctx: MethodContext, plan: CompressionPlan, atoms, neurons) -> list[tuple[int, str]]:
         """Pass 1: the discarded-energy tail of every whitened residual (only the spectra are kept, so memory
-        does not grow with depth), then the ranks; returns the projections left to factor (pass 2)."""
+        does not grow with depth) and the MLPs' neuron tails (`neurons`), then the ranks and widths; returns the
+        projections left to factor (pass 2)."""
         start = time.perf_counter()
-        targets = [(pp.layer, pp.projection) for pp in plan.projections if pp.mode != "dense"]
-        tails = {}
+        targets = [
+            (pp.layer, pp.projection) for pp in plan.projections if pp.mode not in ("dense", "neurons")
+        ]
+        tails = tails_for_allocation(neurons)
         with progress_bar("Residual spectra", total=len(targets), enabled=ctx.progress) as bar:
             for layer, p in targets:
                 tails[(layer, p)] = residual_tail(ctx, layer, p, residual(ctx, plan, atoms, layer, p))
@@ -166,8 +185,11 @@ class Masa(Method):
         ctx.report.update(allocator.allocate(plan, tails, ctx.error_weight))
         plan.check_budget()
         targets = [k for k in targets if plan.get(*k).mode != "dense"]  # the allocation may keep some whole
-        # The whitened output error left by the residuals (Eckart–Young tails): the allocation's objective.
-        ctx.report["residual_error"] = float(sum(tails[k][plan.get(*k).rank] for k in targets))
+        # The whitened output error left by the residuals (Eckart–Young tails) and the MLPs: what the
+        # allocation weighed.
+        ctx.report["residual_error"] = float(
+            sum(tails[(pp.layer, pp.projection)][pp.rank] for pp in plan.projections if pp.carries_error())
+        )
         ctx.seconds["residual_svd"] = time.perf_counter() - start
         return targets
 

@@ -22,7 +22,9 @@ import torch
 from compressor.errors import UserError
 from compressor.methods.allocators import allocator_for
 from compressor.methods.base import MethodContext
+from compressor.methods.masa.mlp import neuron_layers, neuron_tails
 from compressor.methods.masa.stages import group_atoms, masa_layout, residual_tail, shared_part
+from compressor.plan import NEURON_READER
 from compressor.progress import progress_bar
 
 MAX_GROUPS = 8
@@ -88,7 +90,7 @@ def _proxy(ctx: MethodContext, groups: list[list[int]], bases: int, tails: Spect
         return None
     keyed = {}
     for pp in plan.projections:
-        if pp.mode != "dense":
+        if pp.mode not in ("dense", "neurons"):
             members = tuple(plan.groups[pp.group].layers) if pp.mode == "shared" else ()
             keyed[(pp.layer, pp.projection)] = (members, pp.n_atoms, pp.layer, pp.projection)
     _fill_spectra(ctx, keyed, tails)
@@ -97,13 +99,19 @@ def _proxy(ctx: MethodContext, groups: list[list[int]], bases: int, tails: Spect
             plan.get(*k).n_atoms = tails[key][1]
     if plan.residual_budget() < 0:
         return None
+    # The MLPs' neuron tails do not depend on the grouping: computed once, for the first candidate.
+    missing = [layer for layer in neuron_layers(plan) if ("neurons", layer) not in tails]
+    for layer, found in neuron_tails(ctx, missing).items():
+        tails[("neurons", layer)] = (found.tail, 0)
+    spectra = {k: tails[key][0] for k, key in keyed.items()}
+    spectra |= {(layer, NEURON_READER): tails[("neurons", layer)][0] for layer in neuron_layers(plan)}
     allocator = allocator_for(ctx.settings.allocation, ctx.settings.dense_when_cheaper)
-    allocator.allocate(plan, {k: tails[key][0] for k, key in keyed.items()}, ctx.error_weight)
+    allocator.allocate(plan, spectra, ctx.error_weight)
     plan.check_budget()
     return sum(
-        float(tails[key][0][plan.get(*k).rank]) * ctx.error_weight(*k)
-        for k, key in keyed.items()
-        if plan.get(*k).mode != "dense"  # kept whole by the allocation: exact
+        float(spectra[(pp.layer, pp.projection)][pp.rank]) * ctx.error_weight(pp.layer, pp.projection)
+        for pp in plan.projections
+        if pp.carries_error()  # kept whole by the allocation: exact
     )
 
 

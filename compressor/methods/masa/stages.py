@@ -8,6 +8,7 @@ import time
 import torch
 from torch import nn
 
+from compressor.adapters import MLP_PROJECTIONS
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
 from compressor.pca import captured_energy_fraction, matrix_pca, refit_coefficients, whitened_matrix_pca
 from compressor.plan import CompressionPlan, shared_plan
@@ -37,10 +38,11 @@ def masa_layout(
     check_feasible: bool = True,
 ) -> CompressionPlan:
     """The MASA layout of a grouping under the budget (ranks not yet allocated)."""
+    neurons = tuple(p for p in shape.targets if p in MLP_PROJECTIONS) if settings.mlp == "neurons" else ()
     return shared_plan(
         settings.method, ratio, shape.params_before, shape.geometry, groups, bases, largest_group_bases,
         shape.biases, compress_singletons=settings.singletons == "compress", projections_compressed=shape.targets,
-        check_feasible=check_feasible,
+        check_feasible=check_feasible, neuron_projections=neurons, uniform_mlp=settings.uniform_mlp,
     )  # fmt: skip
 
 
@@ -68,9 +70,14 @@ def all_group_atoms(ctx: MethodContext, plan: CompressionPlan) -> Atoms:
     atoms: Atoms = {}
     energy = []
     shared = [g for g in plan.groups if g.n_atoms > 0]
-    with progress_bar("Matrix PCA", total=len(shared) * len(ctx.projections), enabled=ctx.progress) as bar:
+    types = [
+        p
+        for p in ctx.projections
+        if any(pp.mode == "shared" for pp in plan.projections if pp.projection == p)
+    ]
+    with progress_bar("Matrix PCA", total=len(shared) * len(types), enabled=ctx.progress) as bar:
         for group in shared:
-            for p in ctx.projections:
+            for p in types:
                 d, c, eigenvalues = group_atoms(ctx, group.layers, group.n_atoms, p)
                 atoms[(group.index, p)] = (d, c)
                 # PCA returns fewer atoms when the group's weights have a lower numerical rank.

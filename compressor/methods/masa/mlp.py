@@ -1,0 +1,82 @@
+"""The MLP in `neurons` form (`--mlp neurons`, the default whenever the targets hold the MLP): every layer keeps
+a subset of its intermediate neurons, their gate/up rows unchanged and down_proj refit by least squares on the
+calibration statistics (`compressor.neurons`), so the MLP stays a plain one, only narrower.
+
+Per layer the neurons are put in one order (`ORDER`), and the output error at every width is exact for that
+order (`neurons.order_tail`); that tail, weighted by the loss sensitivity at down_proj's output, is one unit of
+the global allocation (`GlobalAllocator`: a step is one more neuron, costing its gate and up rows and its down
+column), so the same objective decides each layer's width and the split of the budget between attention and MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compressor.methods.base import MethodContext, numerical_context
+from compressor.neurons import NeuronTail, neuron_order, order_tail, refit_down
+from compressor.plan import NEURON_READER, CompressionPlan
+from compressor.progress import progress_bar
+
+#: The order neurons are kept in, and the ridge of the refit: chosen on the bundled model's validation split
+#: (`benchmarks/neuron_selection.py`, results in BENCHMARKS.md).
+ORDER = "energy"
+RIDGE = 0.0
+#: The projections of a layer's MLP, the one reading the neurons last.
+GATED = ("gate_proj", "up_proj")
+
+
+def neuron_layers(plan: CompressionPlan) -> list[int]:
+    """The layers whose MLP the plan keeps in `neurons` mode."""
+    return sorted({pp.layer for pp in plan.projections if pp.mode == "neurons"})
+
+
+def neuron_tails(ctx: MethodContext, layers: list[int]) -> dict[int, NeuronTail]:
+    """Per layer, its neurons in `ORDER` and the output error at every width (damping reported), on the CPU."""
+    tails = {}
+    with progress_bar("MLP neuron orders", total=len(layers), enabled=ctx.progress) as bar:
+        for layer in layers:
+            autocorr = ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device)
+            down = ctx.weight(layer, NEURON_READER)
+            with numerical_context(f"layer {layer} MLP neurons"):
+                order = neuron_order(ORDER, autocorr, down, RIDGE)
+                found = order_tail(autocorr, down, order, RIDGE)
+            ctx.record_damping(found, layer=layer, input="down (neuron selection)")
+            tails[layer] = NeuronTail(found.order.cpu(), found.tail.cpu(), found.damping, found.attempts)
+            bar.advance()
+    return tails
+
+
+def tails_for_allocation(neurons: dict[int, NeuronTail]) -> dict[tuple[int, str], torch.Tensor]:
+    """The allocation's tails of the neuron units: each layer's error, measured at down_proj's output."""
+    return {(layer, NEURON_READER): found.tail for layer, found in neurons.items()}
+
+
+def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neurons: NeuronTail) -> None:
+    """The layer's MLP at its allocated width: gate/up keep the rows of the kept neurons, down_proj is refit."""
+    width = plan.get(layer, NEURON_READER).rank
+    kept = neurons.kept(width).to(ctx.compute_device)
+    dtype, device = ctx.model_dtype, ctx.model_device
+    for p in GATED:
+        weight, bias = ctx.weight(layer, p), ctx.bias(layer, p)
+        ctx.install(
+            layer,
+            p,
+            _linear(weight[kept], None if bias is None else bias[kept.to(bias.device)], dtype, device),
+        )
+    with numerical_context(f"layer {layer} MLP neurons"):
+        refit = refit_down(ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device), ctx.weight(layer, NEURON_READER),
+                           NeuronTail(neurons.order.to(ctx.compute_device), neurons.tail, neurons.damping,
+                                      neurons.attempts), width, RIDGE)  # fmt: skip
+    ctx.install(layer, NEURON_READER, _linear(refit, ctx.bias(layer, NEURON_READER), dtype, device))
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
+    """A plain nn.Linear holding `weight` (out, in) and `bias`, in the model's dtype and device."""
+    out_features, in_features = weight.shape
+    module = nn.Linear(in_features, out_features, bias=bias is not None, dtype=dtype, device=device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module

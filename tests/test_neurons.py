@@ -1,0 +1,148 @@
+"""The MLP's `neurons` form: the pure math of `compressor.neurons` on planted data, then the form in the pipeline
+on tiny random models of every supported family (budget, exact accounting, save→load identical logits)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import random_windows, reloaded_identically, tiny_model
+
+from compressor.adapters import MLP_PROJECTIONS, get_adapter
+from compressor.capture import collect_statistics
+from compressor.checkpoint import save_compressed
+from compressor.methods.masa.mlp import ORDER, RIDGE
+from compressor.neurons import ORDERS, neuron_order, order_tail, output_error, refit_down
+from compressor.pipeline import compress_model
+from compressor.plan import NEURON_READER
+from compressor.recipes.schema import CompressionSettings
+
+
+def _activations(tokens=400, neurons=24, hidden=8, seed=0):
+    """Correlated activations z (tokens, I), their autocorrelation, and a down_proj D (hidden, I)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(neurons, neurons, generator=g, dtype=torch.float64)
+    z = torch.randn(tokens, neurons, generator=g, dtype=torch.float64) @ mix
+    down = torch.randn(hidden, neurons, generator=g, dtype=torch.float64)
+    return z, z.T @ z / tokens, down
+
+
+@pytest.mark.parametrize("rule", ORDERS)
+@pytest.mark.parametrize("ridge", [0.0, 0.05])
+def test_refit_is_the_least_squares_solution_and_the_tail_its_error(rule, ridge):
+    z, c, down = _activations()
+    found = order_tail(c, down, neuron_order(rule, c, down, ridge), ridge)
+    assert found.damping == 0.0
+    assert float(found.tail[0]) == pytest.approx(output_error(c, down, down[:, :0], torch.arange(0), ridge))
+    for width in (1, 5, 13, 24):
+        kept = found.kept(width)
+        refit = refit_down(c, down, found, width, ridge)
+        # The error at every width is the refit's (the allocation reads the tail; the model gets the refit).
+        assert float(found.tail[width]) == pytest.approx(
+            output_error(c, down, refit, kept, ridge), rel=1e-9, abs=1e-9
+        )
+        # Brute force on the activations themselves: min ‖Z Dᵀ − Z_S D'ᵀ‖² + λ m ‖D_S − D'‖² (rows appended).
+        scale = (ridge * float(torch.diagonal(c).mean()) * len(z)) ** 0.5
+        inputs = torch.cat([z[:, kept], scale * torch.eye(width, dtype=torch.float64)])
+        targets = torch.cat([z @ down.T, scale * down[:, kept].T])
+        expected = torch.linalg.lstsq(inputs, targets).solution.T
+        torch.testing.assert_close(refit, expected, rtol=1e-8, atol=1e-9)
+    assert float(found.tail[-1]) == pytest.approx(0.0, abs=1e-8 * float(found.tail[0]))
+
+
+def test_keeping_every_neuron_reproduces_down_proj():
+    _, c, down = _activations()
+    found = order_tail(c, down, neuron_order("energy", c, down, 0.0), 0.0)
+    torch.testing.assert_close(refit_down(c, down, found, down.shape[1], 0.0), down, rtol=1e-9, atol=1e-9)
+
+
+def test_greedy_adds_the_best_neuron_at_every_step():
+    _, c, down = _activations(neurons=12)
+    order = neuron_order("greedy", c, down, 0.0)
+    assert sorted(order.tolist()) == list(range(12))
+    for step in range(11):
+        prefix = order[:step].tolist()
+
+        def error_with(j, prefix=prefix, step=step):
+            candidate = torch.tensor(prefix + [j] + [i for i in range(12) if i not in prefix and i != j])
+            return float(order_tail(c, down, candidate, 0.0).tail[step + 1])
+
+        rest = [j for j in range(12) if j not in prefix]
+        assert error_with(int(order[step])) == pytest.approx(min(error_with(j) for j in rest), rel=1e-9)
+
+
+def test_planted_dead_neurons_go_last():
+    """Neurons that never fire (zero activations) explain nothing: every order keeps them last."""
+    z, _, down = _activations()
+    z[:, [3, 7]] = 0.0
+    c = z.T @ z / len(z) + 1e-9 * torch.eye(z.shape[1], dtype=torch.float64)  # damped: C itself is singular
+    for rule in ORDERS:
+        order = neuron_order(rule, c, down, 0.0)
+        assert set(order[-2:].tolist()) == {3, 7}, rule
+
+
+def _compress(model, ratio=0.3, **settings):
+    adapter = get_adapter(model)
+    windows = random_windows()
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    settings = CompressionSettings(**{"targets": "attn,mlp", **settings})
+    outcome = compress_model(model, adapter, stats, settings, ratio, progress=False, windows=windows)
+    return outcome, stats, windows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_neurons_form_meets_the_budget_and_reloads_exactly(family, uniform, tmp_path):
+    model = tiny_model(family)
+    outcome, _, _ = _compress(model, uniform_mlp=uniform)
+    plan, adapter = outcome.plan, get_adapter(model)
+    assert plan.attention_params_after() <= plan.budget
+    widths = []
+    for layer in range(adapter.num_layers):
+        gate, up, down = (adapter.projection(layer, p) for p in MLP_PROJECTIONS)
+        assert all(isinstance(m, torch.nn.Linear) for m in (gate, up, down))  # a plain, narrower MLP
+        assert gate.out_features == up.out_features == down.in_features == plan.get(layer, NEURON_READER).rank
+        widths.append(down.in_features)
+    assert min(widths) < 128  # the MLPs did shrink
+    if uniform:
+        assert len(set(widths)) == 1
+    reloaded_identically(model, save_compressed(model, plan, tmp_path / "ckpt"))
+
+
+def test_the_allocated_error_is_the_built_mlps():
+    """Each layer's MLP output, measured on the calibration windows, is off by exactly the tail the allocation
+    read at the width it chose (the sensitivity-weighted sum of those is the allocation's objective)."""
+    model = tiny_model("llama")
+    original = copy.deepcopy(model)
+    outcome, stats, windows = _compress(model, targets="mlp")
+    before, after = get_adapter(original), get_adapter(model)
+    for layer in range(before.num_layers):
+        inputs: list[torch.Tensor] = []
+        handle = before.layers[layer].mlp.register_forward_pre_hook(
+            lambda m, a, seen=inputs: seen.append(a[0])
+        )
+        with torch.no_grad():
+            for window in windows:
+                original(input_ids=window[None])
+        handle.remove()
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs])
+        with torch.no_grad():
+            error = (
+                (before.layers[layer].mlp(x).double() - after.layers[layer].mlp(x).double()).square().sum(-1)
+            )
+        width = outcome.plan.get(layer, NEURON_READER).rank
+        c = stats.autocorr("down", layer)
+        down = before.projection(layer, NEURON_READER).weight.detach().double()
+        tail = order_tail(c, down, neuron_order(ORDER, c, down, RIDGE), RIDGE).tail
+        # fp32 model against the fp64 tail: agreement to float32 rounding of the outputs.
+        assert float(error.mean()) == pytest.approx(float(tail[width]), rel=2e-3, abs=1e-7)
+
+
+def test_mlp_lowrank_keeps_the_former_form():
+    model = tiny_model("llama")
+    outcome, _, _ = _compress(model, mlp="lowrank")
+    assert {pp.mode for pp in outcome.plan.projections if pp.projection in MLP_PROJECTIONS} <= {
+        "lowrank",
+        "dense",
+    }
