@@ -40,6 +40,10 @@ VARIANTS: dict[str, dict] = {
     # Whole-model compression: every linear projection of the decoder layers.
     "masa-attn-mlp": {"method": "masa", "targets": "attn,mlp"},
     "masa-attn-mlp-relative": {"method": "masa", "targets": "attn,mlp", "allocation": "global-relative"},
+    # The MLP's forms: low-rank factors (the default before neuron selection), one width in every layer.
+    "masa-attn-mlp-lowrank": {"method": "masa", "targets": "attn,mlp", "mlp": "lowrank"},
+    "masa-attn-mlp-uniform": {"method": "masa", "targets": "attn,mlp", "uniform_mlp": True},
+    "masa-attn-mlp-none": {"method": "masa", "targets": "attn,mlp", "sharing": "none"},
     "svd-llm-attn-mlp": {"method": "svd-llm", "targets": "attn,mlp"},
     "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},

@@ -146,3 +146,26 @@ def test_mlp_lowrank_keeps_the_former_form():
         "lowrank",
         "dense",
     }
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_export_dense_of_a_neurons_checkpoint_is_a_standard_model(uniform, tmp_path):
+    """With one width in every layer, export-dense writes the base architecture with a smaller intermediate_size
+    (loads without remote code, same logits); with widths per layer, every MLP is padded to the widest."""
+    from transformers import AutoModelForCausalLM
+
+    from compressor.checkpoint import export_dense, load_compressed
+
+    model = tiny_model("llama")
+    outcome, _, _ = _compress(model, targets="mlp", ratio=0.3, uniform_mlp=uniform)
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt")
+    export = export_dense(path, tmp_path / "dense")
+    dense = AutoModelForCausalLM.from_pretrained(export.path)  # no trust_remote_code
+    widths = [outcome.plan.get(layer, NEURON_READER).rank for layer in range(get_adapter(model).num_layers)]
+    assert dense.config.intermediate_size == max(widths) < 128
+    assert len(set(widths)) == 1 if uniform else len(set(widths)) > 1
+    if uniform:  # nothing padded: the export stores exactly the compressed model's numbers
+        assert sum(p.numel() for p in dense.parameters()) == sum(p.numel() for p in model.parameters())
+    x = random_windows(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x).logits, load_compressed(path)(x).logits, rtol=0, atol=1e-5)

@@ -109,7 +109,9 @@ def _padded(linear: nn.Linear, width: int, rows: bool) -> nn.Linear:
     """`linear` with zero rows (outputs) or zero columns (inputs) appended up to `width`."""
     weight = linear.weight
     shape = (width, weight.shape[1]) if rows else (weight.shape[0], width)
-    padded = nn.Linear(shape[1], shape[0], bias=linear.bias is not None, dtype=weight.dtype, device=weight.device)
+    padded = nn.Linear(
+        shape[1], shape[0], bias=linear.bias is not None, dtype=weight.dtype, device=weight.device
+    )
     padded.weight.zero_()
     padded.weight[: weight.shape[0], : weight.shape[1]] = weight
     if linear.bias is not None:

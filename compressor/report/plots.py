@@ -13,7 +13,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from compressor.adapters import PROJECTIONS
+from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
+from compressor.plan import NEURON_READER
 from compressor.report.records import kept_fractions, pooled_energy, present_projections
 
 DPI = 100
@@ -262,15 +263,17 @@ def plot_allocation(path: Path, projections: Sequence[dict], title: str) -> Path
     row per projection type, one column per layer, with the type's mean over layers beside its name."""
     kept = kept_fractions(projections)
     types = present_projections(projections)
+    neurons = any(pp["mode"] == "neurons" for pp in projections)
+    if neurons:  # gate/up/down keep the same share of the MLP's neurons: one row
+        types = [p for p in types if p not in MLP_PROJECTIONS] + [NEURON_READER]
     n_layers = 1 + max(layer for layer, _ in kept)
     grid = [[kept.get((layer, p), float("nan")) for layer in range(n_layers)] for p in types]
     fig = _figure(RUN_FIGSIZE[0], ALLOCATION_EXTRA_INCHES + ALLOCATION_ROW_INCHES * len(types))
     ax = fig.add_subplot()
     image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     means = [sum(v for v in row if v == v) / max(1, sum(v == v for v in row)) for row in grid]
-    ax.set_yticks(
-        range(len(types)), [f"{p.removesuffix('_proj')} ({m:.0%})" for p, m in zip(types, means, strict=True)]
-    )
+    names = ["mlp neurons" if neurons and p == NEURON_READER else p.removesuffix("_proj") for p in types]
+    ax.set_yticks(range(len(types)), [f"{n} ({m:.0%})" for n, m in zip(names, means, strict=True)])
     ax.set_xticks(range(n_layers), [str(layer) if layer % 2 == 0 else "" for layer in range(n_layers)])
     ax.set_xlabel("layer")
     ax.set_title(title, fontsize=10)

@@ -11,8 +11,9 @@ from compressor.report.records import format_groups, write_json
 def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
     """Write `report.json` (the whole summary of `api.compress`) and the plots its report supports:
     `grouping.png` (KL per transition, boundaries, groups) when it has a grouping, `energy.png` when it has
-    `atom_energy`, `ranks.png` and `allocation.png` (the kept fraction per layer and projection type) when the
-    plan has allocated ranks. Returns the paths written."""
+    `atom_energy`, `ranks.png` when the plan has allocated ranks, and `allocation.png` (the kept fraction per layer
+    and projection type, an MLP keeping neurons as one row: its kept share of neurons) when it has ranks or MLP
+    widths. Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [write_json(out_dir / "report.json", summary)]
@@ -38,11 +39,12 @@ def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
             )
         )
     projections = (summary.get("plan") or {}).get("projections") or []
-    if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in projections):
+    # An MLP keeping neurons has a width, not a rank: allocation.png shows it (as the kept share of its neurons).
+    factored = [pp for pp in projections if pp["mode"] != "neurons"]
+    if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in factored):
         paths.append(
-            plot_ranks(
-                out_dir / "ranks.png", projections, f"{title} · residual ranks", _initial_ranks(report)
-            )
+            plot_ranks(out_dir / "ranks.png", factored, f"{title} · residual ranks", _initial_ranks(report))
         )
+    if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in projections):
         paths.append(plot_allocation(out_dir / "allocation.png", projections, f"{title} · kept fraction"))
     return paths
