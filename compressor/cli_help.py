@@ -30,7 +30,7 @@ TASKS = "lm-evaluation-harness tasks"
 OUTPUT = "Output"
 HARDWARE = "Hardware"
 OPTIONS = "Options"
-PANELS = (RUN, SHARING, MLP, ATOMS, CALIBRATION, EVALUATION, TASKS, OUTPUT, HARDWARE, OPTIONS)
+PANELS = (RUN, SHARING, MLP, ATOMS, CALIBRATION, EVALUATION, TASKS, OUTPUT, HARDWARE)
 MAX_WIDTH = 100  # wider terminals get this; the layout is made for 80
 OPTIONS_DOC = "docs/options.md"
 
