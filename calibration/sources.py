@@ -37,6 +37,7 @@ from pathlib import Path
 from compressor.calibration.shakespeare import shakespeare_plays
 from compressor.calibration.wikipedia import Article, wikipedia_articles
 from compressor.errors import UserError
+from compressor.hub import offline_by_env, unreachable
 
 #: The roles a text can play. They never share text (docs/method.md, evaluation protocol).
 SPLITS = ("calibration", "validation", "test")
@@ -269,7 +270,16 @@ def _load_hub_texts(
     max_docs: int | None = None,
     max_chars: int | None = None,
 ) -> list[str]:
-    """Read one text column of a ``datasets`` data set, turning every failure into a UserError."""
+    """Read one text column of a ``datasets`` data set, turning every failure into a UserError. Without the hub
+    it fails at once (`compressor.hub`: one probe, no retries), unless the environment says offline on purpose
+    (`HF_HUB_OFFLINE`), when `datasets` reads its cache."""
+    local = Path(path).exists()  # `hf:` on a local dataset folder needs no hub
+    reason = None if local or offline_by_env() else unreachable()
+    if reason is not None:
+        raise UserError(
+            f"could not load {what}: the Hugging Face hub cannot be reached ({reason}): pass a local text file or "
+            "directory, use the offline default 'wikipedia', or set HF_HUB_OFFLINE=1 to read a cached copy"
+        )
     try:
         # Lazy: `datasets` is slow to import and only these network sources need it.
         import datasets

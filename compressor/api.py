@@ -17,7 +17,7 @@ from compressor.calibration.sources import TextSource, load_documents
 from compressor.capture import CalibrationStats, collect_statistics
 from compressor.checkpoint import read_masa_config, save_compressed
 from compressor.config import CompressOptions, EvalSettings, resolve_eval_settings
-from compressor.errors import UserError
+from compressor.errors import UserError, wording
 from compressor.evaluate import (
     Faithfulness,
     PerplexityResult,
@@ -25,6 +25,7 @@ from compressor.evaluate import (
     evaluate_perplexity,
     quality_summary,
 )
+from compressor.hub import check_hub_model
 from compressor.layerwise.run import compress_layerwise, stored_tensors
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.pipeline import CompressionOutcome, compress_model
@@ -90,12 +91,14 @@ def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[Model
         if not spec:
             continue
         try:
-            return resolve_model(spec), f"the checkpoint's source {spec}"
+            found = resolve_model(spec)
+            check_hub_model(found)  # a hub model without network is not available here either
+            return found, f"the checkpoint's source {spec}"
         except UserError:
             continue
     return None, (
         f"the checkpoint's source model ({recorded.get('spec') or 'unrecorded'}) is not available here: "
-        "pass --against MODEL to compare"
+        + wording("pass --against MODEL to compare", "pass against=MODEL to compare")
     )
 
 
@@ -114,9 +117,12 @@ def evaluate(
     settings = settings or EvalSettings()
     source = resolve_model(model)
     evaluation = resolve_eval_settings(settings, source.recipe)
-    # Everything the user named is checked before any weights are read.
+    # Everything the user named is checked before any weights are read: the model first.
+    check_hub_model(source)
     documents = load_documents(evaluation.source, split=evaluation.split)
     reference, note = reference_source(source, settings)
+    if reference is not None:
+        check_hub_model(reference)
     loaded = load_model(source, device=device, dtype=dtype, progress=progress)
     windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation, documents)
     if reference is None:

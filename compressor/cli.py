@@ -14,15 +14,17 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor import __version__
-from compressor.errors import NumericalError, UserError
+from compressor import cli_options as o
+from compressor.cli_help import EVALUATION, TASKS, HelpCommand, HelpGroup
+from compressor.errors import NumericalError, UserError, cli_wording
 
 app = typer.Typer(
     name="masa-compress",
+    cls=HelpGroup,
     help=(
-        "Training-free compression of LLM attention by sharing weights across layers (MASA).\n\n"
-        "Main job: `masa-compress MODEL --ratio 0.2` removes 20% of the attention parameters, writes a "
-        "compressed safetensors checkpoint and reports perplexity before and after. MODEL is a recipe alias "
-        "(smollm2-135m is bundled and works offline), a local Hugging Face directory, a .gguf file, or a hub id."
+        "Training-free compression of LLM weights by sharing them across layers (MASA).\n\n"
+        "MODEL: a recipe alias (`masa-compress recipes`; smollm2-135m is bundled and works offline), a local "
+        "Hugging Face directory, a .gguf file, or a hub id (with network)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -30,22 +32,6 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
-
-ModelArg = Annotated[
-    str,
-    typer.Argument(
-        help="Recipe alias (smollm2-135m, llama-3.2-1b, ...), local HF directory, .gguf file, hub id, "
-        "or a masa-compress checkpoint directory."
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps.")]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")
-]
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON object on stdout (no bars, no tables).")
-]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 
 
 def _version_callback(value: bool) -> None:
@@ -63,82 +49,92 @@ def _root(
         ),
     ] = None,
 ) -> None:
-    """Training-free compression of LLM attention by cross-layer weight sharing (MASA)."""
+    """Training-free compression of LLM weights by sharing them across layers (MASA)."""
 
 
-SplitOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--split",
-        help="Part of the held-out text: test (default; for numbers you report) or validation (for choices: "
-        "tune on it, never on test). A file or directory of your own is used whole.",
-    ),
-]
-
-
-@app.command("eval")
+@app.command("eval", cls=HelpCommand)
 def eval_command(
-    model: ModelArg,
+    model: o.Model,
     text: Annotated[
         str | None,
         typer.Option(
             "--text",
-            help="Evaluation text: wikipedia (default: the held-out part of the bundled Wikipedia text), "
-            "shakespeare (a second offline domain: the plays), a file, a directory of .txt files, or a datasets "
-            "name (wikitext2, c4, hf:NAME[:CONFIG][:SPLIT][:FIELD]).",
+            metavar="TEXT",
+            rich_help_panel=EVALUATION,
+            help="Text (default: the recipe's), e.g. wikipedia, a file",
         ),
     ] = None,
-    split: SplitOpt = None,
+    split: Annotated[
+        str | None,
+        typer.Option(
+            "--split", metavar="SPLIT", rich_help_panel=EVALUATION, help="test (default) or validation."
+        ),
+    ] = None,
     seq_len: Annotated[
         int | None,
         typer.Option(
-            "--seq-len", min=8, help="Tokens per evaluation window (default: the recipe's, else 512)."
+            "--seq-len",
+            min=8,
+            metavar="T",
+            rich_help_panel=EVALUATION,
+            help="Tokens per window (default: the recipe's, else 512).",
         ),
     ] = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option("--max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 means all)."),
+        typer.Option(
+            "--max-tokens",
+            min=0,
+            metavar="N",
+            rich_help_panel=EVALUATION,
+            help="Cap on tokens (default: all).",
+        ),
     ] = None,
     against: Annotated[
         str | None,
         typer.Option(
             "--against",
-            help="Reference model for kl_to_original and top1_agreement (default for a checkpoint: the model "
-            "it was compressed from, when available here).",
+            metavar="MODEL",
+            rich_help_panel=EVALUATION,
+            help="Reference model (default: a checkpoint's source).",
         ),
     ] = None,
     compare: Annotated[
         bool,
         typer.Option(
             "--compare/--no-compare",
-            help="Score a compressed checkpoint against its source in the same pass (loads both models).",
+            rich_help_panel=EVALUATION,
+            help="KL and top-1 against the reference",
         ),
     ] = True,
     tasks: Annotated[
         str | None,
         typer.Option(
             "--tasks",
-            help="Comma-separated lm-evaluation-harness tasks, run through lm-eval's `hf` model instead of the "
-            "perplexity (needs `pip install masa-compress[eval]` and the tasks' data).",
+            metavar="LIST",
+            rich_help_panel=TASKS,
+            help="lm-eval tasks, comma-separated (needs [eval]).",
         ),
     ] = None,
     tasks_path: Annotated[
         str | None,
-        typer.Option(
-            "--tasks-path", help="A folder of your own lm-eval task YAMLs (e.g. built on local files)."
-        ),
+        typer.Option("--tasks-path", metavar="DIR", rich_help_panel=TASKS, help="A folder of task YAMLs."),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option("--limit", min=1, help="lm-eval: at most this many examples per task.")
+        int | None,
+        typer.Option(
+            "--limit", min=1, metavar="N", rich_help_panel=TASKS, help="At most N examples per task."
+        ),
     ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    batch_size: o.BatchSize = 1,
+    as_json: o.Json = False,
+    quiet: o.Quiet = False,
 ) -> None:
-    """Perplexity of MODEL on held-out text, with a 95% bootstrap interval; for a compressed checkpoint
-    also its KL divergence from the original and top-1 agreement, measured in the same pass."""
+    """Perplexity of MODEL on held-out text, with a 95% interval.
+
+    For a checkpoint also its KL divergence from the original and top-1 agreement, in the same pass."""
     if tasks:
         _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json)
         return
@@ -235,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         args.insert(0, "compress")
     _register_extensions()
     try:
-        code = app(args=args, prog_name="masa-compress", standalone_mode=False)
+        with cli_wording():  # errors name the fix as a flag (--overwrite), not as the API's argument
+            code = app(args=args, prog_name="masa-compress", standalone_mode=False)
         # With standalone_mode=False click returns (not raises) the code of a `typer.Exit(code)`.
         if isinstance(code, int) and code:
             sys.exit(code)

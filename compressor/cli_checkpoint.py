@@ -10,27 +10,31 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from compressor import cli_options as o
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.checkpoint import export_dense
-from compressor.cli import JsonOpt
+from compressor.cli_help import HelpCommand
+from compressor.errors import UserError
 from compressor.inspection import describe_checkpoint
+from compressor.methods import get_method
 from compressor.plan import NEURON_READER
+from compressor.recipes.schema import CompressionSettings
 from compressor.report import basis_label, group_label
 
 console = Console()
 
 
 def export_dense_command(
-    path: Annotated[str, typer.Argument(help="A checkpoint directory written by masa-compress.")],
-    out: Annotated[str, typer.Argument(help="Where to write the dense Hugging Face checkpoint.")],
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing output directory.")
-    ] = False,
-    as_json: JsonOpt = False,
+    path: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress.")],
+    out: Annotated[str, typer.Argument(metavar="OUT", help="Where to write the dense checkpoint.")],
+    overwrite: o.Overwrite = False,
+    as_json: o.Json = False,
 ) -> None:
-    """Write each projection's effective dense weight as a plain Hugging Face checkpoint (vLLM, llama.cpp
-    converters, any tool that takes a model directory). It loads without trust_remote_code and gives the same
-    logits, but it is NOT smaller: the savings exist only in the compressed format."""
+    """The checkpoint as a dense Hugging Face model, NOT smaller.
+
+    For runtimes that take only dense weights (vLLM, llama.cpp converters): it loads without trust_remote_code
+    and gives the same logits; the savings exist only in the compressed format.
+    """
     result = export_dense(path, out, overwrite=overwrite)
     payload = {
         "out": str(result.path),
@@ -51,10 +55,10 @@ def export_dense_command(
 
 
 def show_command(
-    path: Annotated[str, typer.Argument(help="A checkpoint directory written by masa-compress.")],
-    as_json: JsonOpt = False,
+    path: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress.")],
+    as_json: o.Json = False,
 ) -> None:
-    """What a compressed checkpoint holds: source model, when and how it was made, groups, ranks, ratio."""
+    """What a compressed checkpoint holds: settings, groups, ranks."""
     info = describe_checkpoint(path)
     if as_json:
         print(json.dumps(info))
@@ -128,7 +132,7 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
         )
     comp = info["compression"]
     if comp:
-        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in comp.items())))
+        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in _settings_read(comp).items())))
     bases = info.get("shared_bases") or []
     if bases:
         rows.append(("shared input bases", "  ".join(basis_label(b) for b in bases)))
@@ -138,8 +142,19 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
             for g in info["groups"]
         )
         rows.append(("groups", groups + (f"  ({info['grouping_rule']})" if info["grouping_rule"] else "")))
-    rows.append(("weights", f"{info['weights_bytes'] / 1e6:.1f} MB in {len(info['files'])} file(s)"))
+    rows.append(("weights", f"{info['weights_bytes'] / 2**20:.1f} MiB in {len(info['files'])} file(s)"))
     return rows
+
+
+def _settings_read(comp: dict) -> dict:
+    """The compression settings that the checkpoint's method read (the atoms form's G and B are not shown for a
+    shared basis), none that is unset; all that are set when the settings are not this version's."""
+    try:
+        settings = CompressionSettings.model_validate(comp)
+        read = get_method(settings.method).settings_read_for(settings) | {"method", "targets"}
+    except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
+        read = set(comp)
+    return {k: v for k, v in comp.items() if k in read and v is not None}
 
 
 def _ranks_table(info: dict) -> Table:
@@ -175,5 +190,5 @@ def _rank_cell(row: dict, p: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("show")(show_command)
-    app.command("export-dense")(export_dense_command)
+    app.command("show", cls=HelpCommand)(show_command)
+    app.command("export-dense", cls=HelpCommand)(export_dense_command)

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from compressor import cli_options as o
 from compressor.api import compress
-from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
+from compressor.cli_help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli_inspect import show_plan
 from compressor.config import CompressOptions
 from compressor.report import basis_label, group_label, kept_by_type
@@ -20,120 +20,137 @@ console = Console()
 
 
 def compress_command(
-    model: ModelArg,
+    model: o.Model,
     ratio: o.Ratio = 0.2,
     ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
+    targets: o.Targets = None,
+    recipe_file: o.RecipeFile = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", rich_help_panel=RUN, help="Only print the plan: no weights, no calibration."
+        ),
+    ] = False,
+    sharing: o.Sharing = None,
+    basis_layers: o.BasisLayers = None,
+    allocation: o.Allocation = None,
+    sensitivity_samples: o.SensitivitySamples = None,
+    statistics: o.Statistics = None,
+    mlp: o.Mlp = None,
+    uniform_mlp: o.UniformMlp = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
     largest_group_bases: o.LargestGroupBases = None,
     end_boundaries: o.EndBoundaries = None,
     logit_lens: o.LogitLens = None,
-    allocation: o.Allocation = None,
     atoms: o.Atoms = None,
     singletons: o.Singletons = None,
-    statistics: o.Statistics = None,
-    targets: o.Targets = None,
-    mlp: o.Mlp = None,
-    uniform_mlp: o.UniformMlp = None,
     auto_groups: o.AutoGroups = None,
-    sharing: o.Sharing = None,
-    basis_layers: o.BasisLayers = None,
-    sensitivity_samples: o.SensitivitySamples = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Only print the plan (`masa-compress plan` with the same options), no weights, no calibration.",
-        ),
-    ] = False,
     calib: o.Calib = None,
     calib_samples: o.CalibSamples = None,
     seq_len: o.SeqLen = None,
     seed: o.Seed = None,
+    stats_cache: Annotated[
+        bool,
+        typer.Option(
+            "--stats-cache/--no-stats-cache",
+            rich_help_panel=CALIBRATION,
+            help="Reuse cached calibration statistics.",
+        ),
+    ] = True,
     eval_text: Annotated[
         o.Opt[str],
         typer.Option(
             "--eval-text",
-            help="Evaluation text: wikipedia (default, held out), shakespeare, a file or folder, or a datasets name.",
+            metavar="TEXT",
+            rich_help_panel=CALIBRATION,
+            help="Evaluation text (default: the recipe's).",
         ),
     ] = None,
     eval_split: Annotated[
         o.Opt[str],
         typer.Option(
-            "--eval-split",
-            help="Held-out part the perplexity is measured on: test (default, for reporting) or validation "
-            "(for choices).",
+            "--eval-split", metavar="SPLIT", rich_help_panel=CALIBRATION, help="test (default) or validation."
         ),
     ] = None,
     eval_seq_len: Annotated[
-        o.Opt[int], typer.Option("--eval-seq-len", min=8, help="Evaluation window length (recipe: 512).")
+        o.Opt[int],
+        typer.Option(
+            "--eval-seq-len",
+            min=8,
+            metavar="T",
+            rich_help_panel=CALIBRATION,
+            help="Tokens per evaluation window (default: the recipe's).",
+        ),
     ] = None,
     eval_max_tokens: Annotated[
         o.Opt[int],
-        typer.Option("--eval-max-tokens", min=0, help="Cap on evaluated tokens (default: all; 0 = all)."),
-    ] = None,
-    no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the perplexity before/after.")] = False,
-    allow_overlap: Annotated[
-        bool,
         typer.Option(
-            "--allow-overlap",
-            help="Evaluate even when the evaluation text is the calibration text (refused by default: a leak).",
+            "--eval-max-tokens",
+            min=0,
+            metavar="N",
+            rich_help_panel=CALIBRATION,
+            help="Cap on evaluated tokens (default: all).",
         ),
+    ] = None,
+    no_eval: Annotated[
+        bool,
+        typer.Option("--no-eval", rich_help_panel=CALIBRATION, help="Skip the perplexity before and after."),
     ] = False,
     compare: Annotated[
         bool,
         typer.Option(
-            "--compare/--no-compare",
-            help="Score the compressed model against the original in one pass (KL from the original, top-1 "
-            "agreement; reloads the original, so both are in memory at the end). --no-compare: perplexity only.",
+            "--compare/--no-compare", rich_help_panel=CALIBRATION, help="KL and top-1 against the original."
         ),
     ] = True,
-    out: Annotated[
-        o.Opt[str],
-        typer.Option("--out", "-o", help="Checkpoint directory (default: out/<model>-<method>-r<ratio>)."),
-    ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing output directory.")
-    ] = False,
-    no_save: Annotated[
-        bool, typer.Option("--no-save", help="Do not write a checkpoint (measure only).")
-    ] = False,
-    recipe_file: o.RecipeFile = None,
-    batch_size: o.BatchSize = 1,
-    stats_cache: Annotated[
+    allow_overlap: Annotated[
         bool,
         typer.Option(
-            "--stats-cache/--no-stats-cache",
-            help="Reuse calibration statistics cached for the same model, text and windows (validated; "
-            "in $MASA_CACHE/stats), so another ratio or method skips calibration.",
+            "--allow-overlap", rich_help_panel=CALIBRATION, help="Evaluate on the calibration text (a leak)."
         ),
-    ] = True,
+    ] = False,
+    out: Annotated[
+        o.Opt[str],
+        typer.Option(
+            "--out",
+            "-o",
+            metavar="DIR",
+            rich_help_panel=OUTPUT,
+            help="Checkpoint directory (default: out/MODEL-METHOD-rRATIO).",
+        ),
+    ] = None,
+    overwrite: o.Overwrite = False,
+    no_save: Annotated[
+        bool, typer.Option("--no-save", rich_help_panel=OUTPUT, help="Write no checkpoint (measure only).")
+    ] = False,
+    as_json: o.Json = False,
+    quiet: o.Quiet = False,
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    batch_size: o.BatchSize = 1,
     layerwise: Annotated[
         bool,
         typer.Option(
             "--layerwise",
-            help="For a model larger than memory: keep the decoder layers on disk and run every pass (calibration, "
-            "loss sensitivity, evaluation) one layer at a time, spilling statistics and finished layers to "
-            "--offload-dir; memory stays flat in depth and the checkpoint is the same as without it.",
+            rich_help_panel=HARDWARE,
+            help="Layers on disk, one at a time: models beyond memory.",
         ),
     ] = False,
     offload_dir: Annotated[
-        str | None,
+        o.Opt[str],
         typer.Option(
             "--offload-dir",
-            help="Where --layerwise writes its temporary files (statistics, finished layers; removed at the "
-            "end). Default: beside the output directory.",
+            metavar="DIR",
+            rich_help_panel=HARDWARE,
+            help="--layerwise's temporary files (default: beside --out).",
         ),
     ] = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
-    """Compress MODEL's attention by RATIO, write a checkpoint, report perplexity before and after.
+    """Compress MODEL and write a checkpoint (the main job).
 
-    Example: `masa-compress smollm2-135m --ratio 0.2` (offline, ~5 min on 2 CPU cores).
+    Removes --ratio of the targeted parameters and reports perplexity before and after. Example:
+    `masa-compress smollm2-135m --ratio 0.2` (offline, ~5 min on 2 CPU cores).
     """
     options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
     if dry_run:
@@ -232,7 +249,7 @@ def print_summary(summary: dict) -> None:
     times.add_row(*(f"{v:.1f}" for v in summary["seconds"].values()))
     console.print(times)
     console.print(
-        f"peak memory {summary['peak_rss_gb']:.2f} GB · checkpoint: {summary['out'] or '(not saved)'}"
+        f"peak memory {summary['peak_rss_gb']:.2f} GiB · checkpoint: {summary['out'] or '(not saved)'}"
     )
 
 
@@ -263,4 +280,4 @@ def print_sharing(report: dict) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("compress")(compress_command)
+    app.command("compress", cls=HelpCommand)(compress_command)

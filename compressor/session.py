@@ -24,7 +24,8 @@ from compressor.calibration.windows import (
     tokenize_documents,
 )
 from compressor.config import CompressOptions, resolve_run_settings
-from compressor.errors import UserError
+from compressor.errors import UserError, wording
+from compressor.hub import check_hub_model
 from compressor.methods import Method, ModelShape, get_method
 from compressor.models import ModelSource, resolve_model
 from compressor.plan import check_ratio, targets_ratio
@@ -69,7 +70,9 @@ def resolve_run(model: str, options: CompressOptions) -> RunSpec:
 
 def read_texts(run: RunSpec, evaluate: bool, allow_overlap: bool) -> tuple[TextSource, TextSource | None]:
     """The calibration text and (when evaluating) the evaluation text, read and validated before any model is
-    loaded; the same text for both is refused unless `allow_overlap`."""
+    loaded; the same text for both is refused unless `allow_overlap`. A hub model is checked first: without
+    network it fails here, in one line naming the model, before any text is fetched."""
+    check_hub_model(run.source)
     calibration = load_documents(run.calibration.source, split="calibration")
     evaluation = load_documents(run.evaluation.source, split=run.evaluation.split) if evaluate else None
     if evaluation is not None and not allow_overlap:
@@ -82,7 +85,10 @@ def check_no_overlap(calibration: TextSource, evaluation: TextSource) -> None:
     if calibration.fingerprint == evaluation.fingerprint:
         raise UserError(
             f"the evaluation text ({evaluation.name}) is the calibration text ({calibration.name}): pass "
-            "different text to --calib and --eval-text, or --allow-overlap if you really mean it"
+            + wording(
+                "different text to --calib and --eval-text, or --allow-overlap if you really mean it",
+                "different text as calib and eval_text, or allow_overlap=True if you really mean it",
+            )
         )
 
 
@@ -163,17 +169,25 @@ def _existing_parent(out: str) -> Path:
     return parent
 
 
+def _another_out() -> str:
+    return wording("choose another --out", "choose another out")
+
+
 def check_output_dir(out: str, overwrite: bool) -> None:
-    """Fail before any heavy work if the output directory cannot be written."""
+    """Fail before any heavy work if the output directory cannot be written. The message names the fix in the
+    caller's words (`errors.wording`): `--overwrite` on the command line, `overwrite=True` in Python."""
     path = Path(out)
     if path.exists() and not overwrite:
-        raise UserError(f"output directory '{out}' already exists: pass --overwrite or choose another --out")
+        raise UserError(
+            f"output directory '{out}' already exists: pass {wording('--overwrite', 'overwrite=True')} or "
+            + _another_out()
+        )
     if path.exists() and not path.is_dir():
-        raise UserError(f"output path '{out}' exists and is not a directory: choose another --out")
+        raise UserError(f"output path '{out}' exists and is not a directory: {_another_out()}")
     parent = _existing_parent(out)
     if not os.access(parent, os.W_OK):
         raise UserError(
-            f"output directory '{out}' cannot be written ({parent} is not writable): choose another --out"
+            f"output directory '{out}' cannot be written ({parent} is not writable): {_another_out()}"
         )
 
 
@@ -185,7 +199,7 @@ def check_free_disk(out: str, checkpoint_bytes: int) -> None:
     if free < needed:
         raise UserError(
             f"not enough free disk for the checkpoint in '{out}': about {needed / 2**30:.2f} GiB needed, "
-            f"{free / 2**30:.2f} GiB free on {parent}: free space or choose another --out"
+            f"{free / 2**30:.2f} GiB free on {parent}: free space or {_another_out()}"
         )
 
 

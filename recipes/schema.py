@@ -119,11 +119,31 @@ class CompressionSettings(_Strict):
     )
 
 
+class ModelShapes(_Strict):
+    """The model's architecture as its published config.json gives it: what `plan` needs, so that `plan ALIAS`
+    works without fetching the config (offline, exactly). The names are the config's."""
+
+    model_type: str = Field(description="transformers' model_type (llama, mistral, qwen2, ...)")
+    num_hidden_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+
 class Recipe(_Strict):
     name: str
     model: str = Field(description="hub id, local path, or 'bundled:smollm2-135m'")
     revision: str | None = None
     description: str = ""
+    shapes: ModelShapes | None = Field(
+        None, description="the model's published config values (layers, widths, heads, vocabulary, biases)"
+    )
     calibration: CalibrationSettings = CalibrationSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     compression: CompressionSettings = CompressionSettings()
@@ -139,7 +159,7 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     if first["type"] == "extra_forbidden":
-        return f"{source}: unknown recipe key '{where}': check its spelling against `masa-compress recipes --help`"
+        return f"{source}: unknown recipe key '{where}': check its spelling against `masa-compress recipes --keys`"
     return f"{source}: invalid recipe value at '{where}': {first['msg']}"
 
 

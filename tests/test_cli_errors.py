@@ -60,6 +60,16 @@ def _full_disk(tmp: Path, monkeypatch) -> str:
     return str(tmp / "ckpt")
 
 
+def _no_network(monkeypatch) -> None:
+    """The hub out of reach, as the probe finds it on a machine without network (and nothing in its cache)."""
+    from compressor import hub
+
+    monkeypatch.setattr(hub, "offline_by_env", lambda: None)
+    monkeypatch.setattr(hub, "_verdict", {})
+    monkeypatch.setattr(hub, "_probe", lambda url, seconds: f"{url}: Name or service not known")
+    monkeypatch.setattr(hub, "cached_config", lambda repo, revision: False)
+
+
 def _damaged_checkpoint(tmp: Path, damage: str) -> str:
     """A real (tiny) compressed checkpoint, then damaged as a disk, a download or a hand edit would."""
     import json
@@ -96,6 +106,16 @@ def _damaged_checkpoint(tmp: Path, damage: str) -> str:
 CASES = [
     ("unknown model alias", lambda t, mp: ["smollm9-1t"], "unknown model 'smollm9-1t'"),
     ("missing model path", lambda t, mp: ["eval", "./no/such/model"], "does not exist"),
+    (
+        "a hub model without network",
+        lambda t, mp: _no_network(mp) or ["llama-3.2-1b", "--ratio", "0.2"],
+        "llama-3.2-1b needs 'meta-llama/Llama-3.2-1B' from the Hugging Face hub, which cannot be reached",
+    ),
+    (
+        "a hub text without network",
+        lambda t, mp: _no_network(mp) or [_tiny_model_dir(t), "--calib", "wikitext2", "--no-save"],
+        "the Hugging Face hub cannot be reached",
+    ),
     ("unsupported architecture", lambda t, mp: ["eval", _gpt2_dir(t)], "unsupported architecture"),
     ("ratio of 0", lambda t, mp: ["smollm2-135m", "--ratio", "0"], "outside (0, 1)"),
     ("ratio of 1.5", lambda t, mp: ["smollm2-135m", "--ratio", "1.5"], "outside (0, 1)"),

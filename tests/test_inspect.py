@@ -217,14 +217,19 @@ def test_unknown_recipe_key_is_rejected_by_name(tmp_path, capsys, command):
     assert "unknown recipe key 'compression.grups'" in err
 
 
-def test_recipes_lists_aliases_and_the_help_shows_keys_with_defaults(capsys):
+def test_recipes_lists_aliases_and_keys_with_defaults(capsys):
     code, out, _ = _cli(capsys, "recipes", "--json")
     assert code == 0
     names = {r["name"] for r in json.loads(out)}
     assert {"smollm2-135m", "smollm2-360m", "qwen2.5-1.5b", "llama-3.2-1b"} <= names
-    code, out, _ = _cli(capsys, "recipes", "--help")
+    code, out, _ = _cli(capsys, "recipes", "--keys")
     assert code == 0
-    for text in ("largest_group_bases", "end_boundaries: True", "samples: 64"):
+    for text in (
+        "largest_group_bases",
+        "end_boundaries: True",
+        "samples: 64",
+        "num_hidden_layers: (required)",
+    ):
         assert text in out
 
 

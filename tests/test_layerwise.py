@@ -219,7 +219,7 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
     import shutil
     from collections import namedtuple
 
-    from compressor.errors import UserError
+    from compressor.errors import UserError, cli_wording
     from compressor.layerwise.run import check_spill_disk
     from compressor.methods import ModelShape
 
@@ -227,7 +227,9 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
     shape = ModelShape.from_adapter(om.adapter, PROJECTIONS)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
-    with pytest.raises(UserError, match="pass --offload-dir on a larger disk"):
+    with pytest.raises(UserError, match="pass an offload_dir on a larger disk"):
+        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+    with cli_wording(), pytest.raises(UserError, match="pass --offload-dir on a larger disk"):
         check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
     check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)

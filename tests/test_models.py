@@ -57,7 +57,25 @@ def test_hub_id_resolves_without_network_access():
 
 
 def test_hub_model_without_network_is_a_one_line_user_error(monkeypatch):
+    from compressor import hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "cached_config", lambda repo, revision: False)
+    with pytest.raises(UserError, match="'someone/not-a-model' is a model on the Hugging Face hub") as err:
+        load_model("someone/not-a-model", progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_hub_model_the_hub_refuses_is_a_one_line_user_error(monkeypatch):
+    """The hub answers, but the id is wrong or the model gated: what the hub client raises, in one line."""
+    from compressor import hub
+
+    monkeypatch.setattr(hub, "unreachable", lambda: None)
+
+    def refused(*args, **kwargs):
+        raise OSError("someone/not-a-model is not a local folder and is not a valid model identifier\n...")
+
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", refused)
     with pytest.raises(UserError, match="could not fetch 'someone/not-a-model'") as err:
         load_model("someone/not-a-model", progress=False)
     assert "\n" not in str(err.value)

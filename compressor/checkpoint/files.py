@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAME, _storage_names
-from compressor.errors import UserError
+from compressor.errors import UserError, wording
 
 
 @dataclass(frozen=True)
@@ -179,12 +179,13 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise UserError(
-            f"{out_dir}: already exists: pass overwrite=True (--overwrite) or choose another directory"
+            f"{out_dir}: already exists: pass {wording('--overwrite', 'overwrite=True')} or choose another directory"
         )
     if not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory: remove it or choose another directory")
     is_model = (out_dir / MASA_CONFIG).is_file() or (out_dir / "config.json").is_file()
     if not is_model and any(out_dir.iterdir()):
         raise UserError(
-            f"{out_dir}: not a model checkpoint, refusing to replace it even with overwrite: choose another directory"
+            f"{out_dir}: not a model checkpoint, refusing to replace it even with "
+            f"{wording('--overwrite', 'overwrite=True')}: choose another directory"
         )

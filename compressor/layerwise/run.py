@@ -15,7 +15,7 @@ from pathlib import Path
 
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.config import CompressOptions
-from compressor.errors import UserError
+from compressor.errors import UserError, wording
 from compressor.evaluate import quality_summary
 from compressor.layerwise.offload import OffloadedModel, load_offloaded
 from compressor.layerwise.passes import (
@@ -160,8 +160,9 @@ def check_spill_disk(
     free = shutil.disk_usage(spill).free
     if free < needed:
         raise UserError(
-            f"not enough free disk for --layerwise's temporary files in {spill.parent}: about "
-            f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free: pass --offload-dir on a larger disk"
+            f"not enough free disk for the layer-by-layer run's temporary files in {spill.parent}: about "
+            f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free: pass "
+            + wording("--offload-dir on a larger disk", "an offload_dir on a larger disk")
         )
 
 

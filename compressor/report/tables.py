@@ -98,19 +98,21 @@ def input_bases_table(inspection: dict) -> Table:
 
 
 PLAN_ROWS = (
-    ("attention_params_before", "attention parameters before (P_attn)"),
-    ("budget", "budget ⌊(1-ρ)·P_attn⌋"),
+    ("attention_params_before", "{t} parameters before (P)"),
+    ("budget", "budget ⌊(1-ρ)·P⌋"),
     ("atoms", "shared atoms"),
     ("coefficients", "coefficients"),
     ("dense_kept", "singleton weights kept whole"),
     ("biases", "biases of compressed projections"),
     ("residual_budget", "residual budget"),
     ("residual_params", "residual factors"),
-    ("attention_params_after", "attention parameters after"),
-    ("attention_params_after_max", "attention parameters after, bound"),
+    ("attention_params_after", "{t} parameters after"),
+    ("attention_params_after_max", "{t} parameters after, at most"),
     ("model_params_before", "model parameters before (embeddings included)"),
     ("model_params_after", "model parameters after"),
 )
+#: Rows of what only some forms store: left out when zero (the input-basis forms store no atoms).
+ZERO_HIDDEN = ("atoms", "coefficients", "dense_kept")
 
 
 def plan_tables(plan: dict) -> list:
@@ -174,9 +176,8 @@ def _budget_table(plan: dict) -> Table:
     table.add_column("quantity")
     table.add_column("numbers", justify="right")
     table.add_column("status")
-    for key, label in PLAN_ROWS:
-        if key in plan and plan[key] is not None:
-            table.add_row(label, f"{plan[key]:,}", plan["status"].get(key, ""))
+    for key, label in _plan_rows(plan):
+        table.add_row(label.format(t=_targets_name(plan)), f"{plan[key]:,}", plan["status"].get(key, ""))
     if plan.get("achieved_ratio") is not None:
         table.add_row(
             f"{_targets_name(plan)} ratio removed",
@@ -191,24 +192,40 @@ def _budget_table(plan: dict) -> Table:
     return table
 
 
+def _plan_rows(plan: dict) -> list[tuple[str, str]]:
+    """The budget rows shown: none unset, none of `ZERO_HIDDEN` at zero, and one "after" row when the count and
+    its bound agree (the global allocations: the bound is what the run spends)."""
+    rows = [
+        (key, label)
+        for key, label in PLAN_ROWS
+        if plan.get(key) is not None and not (key in ZERO_HIDDEN and plan[key] == 0)
+    ]
+    if plan.get("attention_params_after") == plan.get("attention_params_after_max"):
+        rows = [(k, label) for k, label in rows if k != "attention_params_after"]
+    return rows
+
+
 def _plan_ranks_table(plan: dict) -> Table:
     ranks, targets = plan["ranks"], _targets(plan)
+    atoms = any(row["mode"] == "shared" for row in ranks["rows"])
+    budgets = any(row.get("pair_budgets") for row in ranks["rows"])
     table = Table(title=f"Ranks per layer: {ranks['kind']}")
     table.add_column("layers")
     table.add_column("mode")
-    table.add_column("B", justify="right")
+    if atoms:
+        table.add_column("B", justify="right")
     for p in targets:
         table.add_column(p.removesuffix("_proj"), justify="right")
-    table.add_column("pair budgets qk / ov", justify="right", no_wrap=True)
+    if budgets:
+        table.add_column("pair budgets qk / ov", justify="right", no_wrap=True)
     for row in ranks["rows"]:
-        dense = row["mode"] == "dense"
-        budgets = row.get("pair_budgets")
+        dense, pair = row["mode"] == "dense", row.get("pair_budgets")
         table.add_row(
             group_label(row["layers"]),
             "kept whole" if dense else row["mode"],
-            str(row["atoms"]) if row["mode"] == "shared" else "",
+            *([str(row["atoms"]) if row["mode"] == "shared" else ""] if atoms else []),
             *("" if dense else "—" if row[p] is None else str(row[p]) for p in targets),
-            f"{budgets[0]:,} / {budgets[1]:,}" if budgets else "",
+            *([f"{pair[0]:,} / {pair[1]:,}" if pair else ""] if budgets else []),
         )
     return table
 
