@@ -48,7 +48,9 @@ class _Capture:
 
 
 @torch.no_grad()
-def anchored_refit(original: nn.Module, compressed: nn.Module, windows: torch.Tensor, target: str = "mlp") -> None:
+def anchored_refit(
+    original: nn.Module, compressed: nn.Module, windows: torch.Tensor, target: str = "mlp"
+) -> None:
     """Refit every compressed down_proj in place, layer by layer, on the compressed model's own inputs."""
     before, after = get_adapter(original), get_adapter(compressed)
     runner_orig = LayerRunner(original, before, windows)

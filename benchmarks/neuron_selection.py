@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                 setup.loaded.model, setup.stats, keep, rule, float(order_ridge), float(ridge)
             )
             seconds[name] = time.perf_counter() - start
-            print(f"built {name} in {seconds[name]:.1f} s (predicted error {predicted[name]:.4g})", flush=True)
+            print(
+                f"built {name} in {seconds[name]:.1f} s (predicted error {predicted[name]:.4g})", flush=True
+            )
     original, scored = evaluate_against(setup.loaded.model, variants, setup.eval_windows, progress=False)
     rows = []
     for name, (result, faith) in scored.items():
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:28s} ppl {result.ppl:8.3f} KL {faith.kl_to_original:.4f} "
               f"vs {args.reference} {diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]", flush=True)  # fmt: skip
     payload = {
-        "command": "python -m benchmarks.neuron_selection " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.neuron_selection "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "split": "validation",
         "tokens": original.tokens,
         "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95},

@@ -146,7 +146,7 @@ def build_variant(
         "method": name,
         "ratio": ratio,
         "achieved_ratio": outcome.plan.achieved_ratio(),
-        "attention_params_after": outcome.plan.attention_params_after(),
+        "target_params_after": outcome.plan.params_after(),
         "model_params_after": sum(p.numel() for p in model_copy.parameters()),
         "compress_seconds": seconds + setup.stats.seconds,
         "stage_seconds": dict(outcome.seconds),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from benchmarks.markdown import _ci, _difference, _link, _sources
 from benchmarks.plots import REPO
+from compressor.plan import read_count
 
 VALIDATION_ABLATION_FILE = "ablation-validation.json"
 ABLATION_FILES = (
@@ -145,7 +146,7 @@ def _mlp_section(doc: Path) -> list[str]:
     before = {}  # targeted numbers before compression, per targets, from each row's exact counts
     for row in result["quality"]:
         targets = row["settings"].get("targets", "attn")
-        before[targets] = round(row["attention_params_after"] / (1 - row["achieved_ratio"]))
+        before[targets] = round(read_count(row, "target_params_after") / (1 - row["achieved_ratio"]))
     if {"attn", "attn,mlp"} - before.keys():
         return []
     equal_ratio = 0.2 * before["attn"] / before["attn,mlp"]

@@ -33,7 +33,7 @@ def section_quality(s: dict) -> dict:
     rows = []
     for r in result["quality"]:
         row = {k: r[k] for k in ("method", "ratio", "ppl", "ppl_ci95", "kl_to_original", "top1_agreement",
-                                 "achieved_ratio", "attention_params_after", "compress_seconds", "groups")}  # fmt: skip
+                                 "achieved_ratio", "target_params_after", "compress_seconds", "groups")}  # fmt: skip
         row["rise_ci95"] = compare(scores, key(r["method"], r["ratio"]), "original")["ci95"]
         if r["method"] != default:
             # Paired: the default minus this row's method at the same ratio, on the same windows.
@@ -43,9 +43,7 @@ def section_quality(s: dict) -> dict:
         rows.append(row)
     first = rows[0]
     details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
-    details["attention_params_before"] = round(
-        first["attention_params_after"] / (1 - first["achieved_ratio"])
-    )
+    details["target_params_before"] = round(first["target_params_after"] / (1 - first["achieved_ratio"]))
     details["peak_rss_gib"] = result["peak_rss_gb"]
     details["default"], details["baseline"] = default, baseline
     return {

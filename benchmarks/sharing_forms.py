@@ -111,7 +111,7 @@ def build(
     adapter = get_adapter(model)
     stats = setup.stats
     matrices = _matrices(adapter, stats, shared, size, joint)
-    before = adapter.attention_parameter_count()
+    before = adapter.target_parameter_count()
     budget = math.floor((1 - ratio) * before)
     _allocate(matrices, budget)
     stored, error, energy = 0, 0.0, 0.0

@@ -23,7 +23,12 @@ from compressor.session import resolve_run
 MODEL = "smollm2-135m"
 #: The default (the MLP by neuron selection, widths per layer), the MLP by low-rank factors (the former default),
 #: one MLP width in every layer (a standard architecture: export-dense), and SVD-LLM's uniform ranks.
-DEFAULT, LOWRANK, UNIFORM, BASELINE = "masa-attn-mlp", "masa-attn-mlp-lowrank", "masa-attn-mlp-uniform", "svd-llm-attn-mlp"
+DEFAULT, LOWRANK, UNIFORM, BASELINE = (
+    "masa-attn-mlp",
+    "masa-attn-mlp-lowrank",
+    "masa-attn-mlp-uniform",
+    "svd-llm-attn-mlp",
+)
 CURVE = (DEFAULT, LOWRANK, UNIFORM, BASELINE)
 #: Paired differences reported per row: this variant minus each partner, on the same windows.
 PARTNERS = {DEFAULT: (LOWRANK, BASELINE), UNIFORM: (DEFAULT,)}
@@ -39,7 +44,9 @@ def model_ratio_as_targets(model: str, ratio: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-ratios", default="0.1,0.2,0.3,0.4", help="fractions of the whole model removed")
+    parser.add_argument(
+        "--model-ratios", default="0.1,0.2,0.3,0.4", help="fractions of the whole model removed"
+    )
     parser.add_argument("--variants", default=",".join(CURVE))
     parser.add_argument("--split", default="test")
     parser.add_argument("--out")
@@ -63,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         if method == DEFAULT and (BASELINE, ratio) in rows:
             row["rise_ratio_vs_svd_llm"] = row["rise"]["value"] / rows[(BASELINE, ratio)]["rise"]["value"]
     payload = {k: v for k, v in result.items() if not k.startswith("_")}
-    payload["command"] = "python -m benchmarks.whole_model " + " ".join(sys.argv[1:] if argv is None else argv)
+    payload["command"] = "python -m benchmarks.whole_model " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     payload["model_ratios"] = as_targets
     text = json.dumps(payload, indent=2)
     if args.out:

@@ -52,7 +52,7 @@ SUPPORTED_MODEL_TYPES = (
 
 
 @dataclass(frozen=True)
-class AttentionGeometry:
+class ProjectionGeometry:
     """Shapes of a layer's projections (the MLP's too, when `intermediate_size` is known)."""
 
     hidden_size: int
@@ -85,13 +85,13 @@ class AttentionGeometry:
         }[kind]
 
 
-def geometry_from_config(config) -> AttentionGeometry:
+def geometry_from_config(config) -> ProjectionGeometry:
     """The projection shapes from a transformers config (no model needed: `plan` and `inspect` use it too)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = getattr(config, "intermediate_size", None) or 0
-    return AttentionGeometry(config.hidden_size, heads, kv_heads, head_dim, intermediate)
+    return ProjectionGeometry(config.hidden_size, heads, kv_heads, head_dim, intermediate)
 
 
 class DecoderAdapter:
@@ -146,7 +146,7 @@ class DecoderAdapter:
         return self.model.get_output_embeddings()
 
     @property
-    def geometry(self) -> AttentionGeometry:
+    def geometry(self) -> ProjectionGeometry:
         return geometry_from_config(self.config)
 
     def check_mlp(self) -> None:
@@ -163,7 +163,7 @@ class DecoderAdapter:
                     )
 
     # -- parameter accounting -----------------------------------------------------------------------
-    def attention_parameter_count(self, projections: tuple[str, ...] = PROJECTIONS) -> int:
+    def target_parameter_count(self, projections: tuple[str, ...] = PROJECTIONS) -> int:
         """Numbers stored by the targeted projections (weights and biases; by default the attention's),
         counting shared tensors once."""
         seen: set[int] = set()

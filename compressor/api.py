@@ -29,6 +29,7 @@ from compressor.hub import check_hub_model
 from compressor.layerwise.run import compress_layerwise, stored_tensors
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
 from compressor.pipeline import CompressionOutcome, compress_model
+from compressor.plan import with_legacy_keys
 from compressor.progress import note
 from compressor.recipes.schema import EvaluationSettings
 from compressor.report import write_run_report
@@ -319,7 +320,7 @@ def _summary(
     plan = outcome.plan
     element = next(loaded.model.parameters()).element_size()
     model_params_after = sum(p.numel() for p in loaded.model.parameters())
-    return {
+    return with_legacy_keys({
         "tool_version": __version__,
         "model": run.source.describe(),
         "recipe": run.recipe_name,
@@ -329,8 +330,8 @@ def _summary(
         "targets_ratio": plan.ratio,
         "targets": run.compression.targets,
         "achieved_ratio": plan.achieved_ratio(),
-        "attention_params_before": plan.attention_params_before,
-        "attention_params_after": plan.attention_params_after(),
+        "target_params_before": plan.params_before,
+        "target_params_after": plan.params_after(),
         "model_params_before": model_params_before,
         "model_params_after": model_params_after,
         # What the weights take at the model's dtype (the written checkpoint's size is added once saved).
@@ -356,7 +357,7 @@ def _summary(
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "out": None,
-    }
+    })  # fmt: skip
 
 
 def _save(

@@ -108,13 +108,13 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
             else str(info["ratio_requested"]),
         ),
     ]
-    if info["attention_params_before"] is not None:
+    if info["target_params_before"] is not None:
         rows.append(
             (
                 "attention parameters"
                 if info["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
                 else f"targeted parameters ({'/'.join(p.removesuffix('_proj') for p in info['targets'])})",
-                f"{info['attention_params_before']:,} → {info['attention_params_after']:,}",
+                f"{info['target_params_before']:,} → {info['target_params_after']:,}",
             )
         )
     if info["total_params"] is not None:

@@ -14,6 +14,7 @@ from compressor.api import compress
 from compressor.cli_help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli_inspect import show_plan
 from compressor.config import CompressOptions
+from compressor.plan import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type
 
 console = Console()
@@ -39,6 +40,7 @@ def compress_command(
     statistics: o.Statistics = None,
     mlp: o.Mlp = None,
     uniform_mlp: o.UniformMlp = None,
+    neuron_order: o.NeuronOrder = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
     largest_group_bases: o.LargestGroupBases = None,
@@ -190,6 +192,14 @@ def print_summary(summary: dict) -> None:
                 f"{r['projection'].removesuffix('_proj')} {r['kept']:.0%}" for r in kept_by_type(projections)
             )
         )
+    widths = mlp_widths(projections or [])
+    if widths:
+        (low, at_low), (high, at_high) = min(widths), max(widths)
+        full = next(pp["in_features"] for pp in projections if pp["projection"] == NEURON_READER)
+        console.print(
+            f"[bold]MLP neurons kept[/] (of {full} per layer): {sum(w for w, _ in widths) / len(widths):.0f} on "
+            f"average, {low} (layer {at_low}) to {high} (layer {at_high})"
+        )
     search = summary["report"].get("shape_search")
     if search:
         chosen = search["chosen"]
@@ -204,8 +214,8 @@ def print_summary(summary: dict) -> None:
     targets = summary.get("targets", "attn")
     table.add_row(
         "attention parameters" if targets == "attn" else f"targeted parameters ({targets})",
-        f"{summary['attention_params_before']:,}",
-        f"{summary['attention_params_after']:,}",
+        f"{summary['target_params_before']:,}",
+        f"{summary['target_params_after']:,}",
     )
     before, after = summary["model_params_before"], summary["model_params_after"]
     table.add_row("model parameters", f"{before:,}", f"{after:,}")
@@ -251,6 +261,17 @@ def print_summary(summary: dict) -> None:
     console.print(
         f"peak memory {summary['peak_rss_gb']:.2f} GiB · checkpoint: {summary['out'] or '(not saved)'}"
     )
+
+
+def mlp_widths(projections: list[dict]) -> list[tuple[int, int]]:
+    """(neurons kept, layer) of every MLP in `neurons` mode of a plan's projections (whole: all its neurons)."""
+    if not any(pp["mode"] == "neurons" for pp in projections):
+        return []
+    return [
+        (pp["in_features"] if pp["mode"] == "dense" else pp["rank"], pp["layer"])
+        for pp in projections
+        if pp["projection"] == NEURON_READER
+    ]
 
 
 def print_sharing(report: dict) -> None:

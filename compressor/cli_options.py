@@ -150,6 +150,15 @@ Mlp = Annotated[
         help=f"{choices('mlp')} (default: {default('mlp')}).",
     ),
 ]
+NeuronOrder = Annotated[
+    Opt[str],
+    typer.Option(
+        "--neuron-order",
+        metavar="ORDER",
+        rich_help_panel=MLP,
+        help=f"{choices('neuron_order')}: which neurons go first (default: {default('neuron_order')}).",
+    ),
+]
 UniformMlp = Annotated[
     Opt[bool],
     typer.Option(

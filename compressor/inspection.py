@@ -22,7 +22,7 @@ from compressor.errors import UserError
 from compressor.grouping import consecutive_kl, consecutive_runs, group_layers, logit_lens_distributions
 from compressor.models import load_model
 from compressor.pca import matrix_pca, shared_input_basis_energy
-from compressor.plan import atoms_per_group
+from compressor.plan import atoms_per_group, read_count
 from compressor.progress import progress_bar
 from compressor.recipes.schema import CompressionSettings
 from compressor.report import (
@@ -309,8 +309,8 @@ def describe_checkpoint(path: str) -> dict:
         "ratio_requested": counts.get("ratio_requested", plan.get("ratio_requested")),
         "achieved_ratio": counts.get("achieved_ratio"),
         "targets": counts.get("targets", list(PROJECTIONS)),  # checkpoints before --targets: attention
-        "attention_params_before": counts.get("attention_params_before"),
-        "attention_params_after": counts.get("attention_params_after"),
+        "target_params_before": read_count(counts, "target_params_before"),  # also from checkpoints of 0.1
+        "target_params_after": read_count(counts, "target_params_after"),
         "total_params": counts.get("total_params"),
         "groups": layout.get("groups", []),
         "shared_bases": _shared_bases(layout),

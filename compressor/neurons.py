@@ -57,39 +57,45 @@ def leverage_order(autocorr: torch.Tensor, ridge: float) -> torch.Tensor:
     return torch.sort(-leverage, stable=True).indices
 
 
-def greedy_order(autocorr: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def greedy_order(
+    autocorr: torch.Tensor, down: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Forward selection: at every step the neuron whose addition explains the most output energy given the
     neurons already kept (`‖D R_:j‖² / R_jj`, R = C's Schur complement on the kept set), as a left-looking
-    pivoted Cholesky: O(I² (I + hidden)) in matrix-vector steps. `autocorr` is used as given (regularise first)."""
-    c = autocorr.to(torch.float64)
-    d = down.to(torch.float64)
+    pivoted Cholesky: O(I² (I + hidden)) in matrix-vector steps. `autocorr` is used as given (regularise first).
+
+    The selection runs in `dtype`, float32 by default: its steps are bound by memory traffic, which float32
+    halves; only the order comes out of it (the errors of that order are then computed in float64 by
+    `order_tail`), and near-ties it may break otherwise than float64 would cost nothing measurable."""
+    c = autocorr.to(dtype)
+    d = down.to(dtype)
     n = c.shape[0]
     dc = d @ c  # (hidden, I): D R at the start (R = C)
     numer = dc.square().sum(dim=0)  # ‖D R_:j‖² for every j
     diag = torch.diagonal(c).clone()  # R_jj
     floor = 1e-12 * float(diag.max()) if n else 0.0
-    v_cols = torch.zeros(n, n, dtype=torch.float64, device=c.device)  # pivoted Cholesky columns
-    w_cols = torch.zeros(d.shape[0], n, dtype=torch.float64, device=c.device)  # D times each column
+    v_rows = torch.zeros(n, n, dtype=dtype, device=c.device)  # [j, t]: the pivoted Cholesky factor
+    w_rows = torch.zeros(n, d.shape[0], dtype=dtype, device=c.device)  # [t]: D times its column t
     chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
     order = torch.empty(n, dtype=torch.long, device=c.device)
+    gain = torch.empty_like(numer)
     for t in range(n):
-        gain = torch.where(
-            chosen | (diag <= floor), torch.full_like(numer, -1.0), numer / diag.clamp_min(floor)
-        )
+        torch.div(numer, diag.clamp_min(floor), out=gain)
+        gain.masked_fill_(chosen | (diag <= floor), -1.0)
         p = int(torch.argmax(gain))
         order[t] = p
         chosen[p] = True
         if diag[p] <= floor:  # nothing left to explain: the rest in their index order
             order[t + 1 :] = torch.nonzero(~chosen).flatten()
             break
-        column = c[:, p] - v_cols[:, :t] @ v_cols[p, :t]  # R_:p
+        column = c[:, p] - v_rows[:, :t] @ v_rows[p, :t]  # R_:p
         v = column / column[p].sqrt()
         w = d @ v  # (hidden,)
         # D R_new_:j = D R_:j − w v_j, so ‖·‖² drops by 2 v_j (wᵀ D R_:j) − v_j² ‖w‖².
-        cross = dc.T @ w - v_cols[:, :t] @ (w_cols[:, :t].T @ w)  # wᵀ D R_:j for every j
-        numer = (numer - 2 * v * cross + v.square() * w.square().sum()).clamp_min(0.0)
-        diag = (diag - v.square()).clamp_min(0.0)
-        v_cols[:, t], w_cols[:, t] = v, w
+        cross = dc.T @ w - v_rows[:, :t] @ (w_rows[:t] @ w)  # wᵀ D R_:j for every j
+        numer.sub_(2 * v * cross).add_(v.square() * w.square().sum()).clamp_(min=0.0)
+        diag.sub_(v.square()).clamp_(min=0.0)
+        v_rows[:, t], w_rows[t] = v, w
     return order
 
 

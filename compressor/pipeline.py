@@ -75,10 +75,10 @@ def compress_model(
     plan = method.apply(ctx)
     ctx.finished(range(adapter.num_layers))  # whatever a method did not finish itself
     plan.check_budget()
-    counted = adapter.attention_parameter_count(projections)
-    if counted != plan.attention_params_after():
+    counted = adapter.target_parameter_count(projections)
+    if counted != plan.params_after():
         raise AssertionError(
-            f"installed modules store {counted} numbers, the plan says {plan.attention_params_after()}"
+            f"installed modules store {counted} numbers, the plan says {plan.params_after()}"
         )
     compressed = ctx.compressed if isinstance(ctx, OffloadedContext) else None
     return CompressionOutcome(plan=plan, seconds=ctx.seconds, report=ctx.report, compressed=compressed)

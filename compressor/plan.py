@@ -11,8 +11,28 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from compressor.adapters import PROJECTIONS, AttentionGeometry
+from compressor.adapters import PROJECTIONS, ProjectionGeometry
 from compressor.errors import UserError
+
+#: JSON keys renamed once the counts covered the MLP too ("attention" meant the targeted projections); the old
+#: names are still written beside the new ones for one release (`with_legacy_keys`) and read from old files.
+LEGACY_KEYS = {
+    "target_params_before": "attention_params_before",
+    "target_params_after": "attention_params_after",
+    "target_params_after_max": "attention_params_after_max",
+    "non_target_params": "non_attention_params",
+}
+
+
+def with_legacy_keys(record: dict) -> dict:
+    """`record` with each renamed key also under its former name (readers of the previous release)."""
+    return {**record, **{old: record[new] for new, old in LEGACY_KEYS.items() if new in record}}
+
+
+def read_count(record: dict, key: str):
+    """A count under its current name, or under its former one in a file written before the rename."""
+    return record[key] if key in record else record.get(LEGACY_KEYS.get(key, key))
+
 
 Mode = Literal["dense", "shared", "lowrank", "basis", "neurons"]
 #: `neurons` mode: the projection that reads the MLP's neurons (its *input* side is cut); gate/up are cut on
@@ -86,8 +106,8 @@ class GroupPlan:
 class CompressionPlan:
     method: str
     ratio: float
-    attention_params_before: int
-    geometry: AttentionGeometry
+    params_before: int
+    geometry: ProjectionGeometry
     groups: list[GroupPlan]
     projections: list[ProjectionPlan] = field(default_factory=list)
     # The projection types compressed. "attention" in the counts below means these targets: with
@@ -100,7 +120,7 @@ class CompressionPlan:
     @property
     def budget(self) -> int:
         """At most (1-ρ)·P_attn numbers may be stored."""
-        return math.floor((1.0 - self.ratio) * self.attention_params_before)
+        return math.floor((1.0 - self.ratio) * self.params_before)
 
     def atom_params(self) -> int:
         """Shared atoms, stored once per group and projection type (singleton groups have none).
@@ -141,11 +161,11 @@ class CompressionPlan:
         per_projection = sum(pp.width_params() - pp.n_atoms for pp in self.projections if pp.mode != "dense")
         return per_projection + self.basis_params()
 
-    def attention_params_after(self) -> int:
+    def params_after(self) -> int:
         return self.fixed_params() + self.factor_params()
 
     def achieved_ratio(self) -> float:
-        return 1.0 - self.attention_params_after() / self.attention_params_before
+        return 1.0 - self.params_after() / self.params_before
 
     def ranks_allocated(self) -> bool:
         return all(pp.rank is not None for pp in self.projections if pp.mode != "dense")
@@ -175,32 +195,35 @@ class CompressionPlan:
 
     def check_budget(self) -> None:
         """Raise if the plan stores more than the budget (a bug, never a user error)."""
-        after = self.attention_params_after()
+        after = self.params_after()
         if after > self.budget:
             raise AssertionError(f"plan exceeds its budget: {after} > {self.budget}")
 
     def to_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "ratio_requested": self.ratio,
-            "targets": list(self.targets),
-            "attention_params_before": self.attention_params_before,
-            "budget": self.budget,
-            "atoms": self.atom_params(),
-            "coefficients": self.coefficient_params(),
-            "shared_bases": self.basis_params(),
-            "dense_kept": self.dense_params(),
-            "biases": self.bias_params(),
-            "residual_budget": self.residual_budget(),
-            "residual_params": self.factor_params() if self.ranks_allocated() else None,
-            "attention_params_after": self.attention_params_after() if self.ranks_allocated() else None,
-            "achieved_ratio": self.achieved_ratio() if self.ranks_allocated() else None,
-            "groups": [{"index": g.index, "layers": g.layers, "atoms": g.n_atoms} for g in self.groups],
-            "projections": [asdict(pp) for pp in self.projections],
-        }
+        return with_legacy_keys(
+            {
+                "method": self.method,
+                "ratio_requested": self.ratio,
+                "targets": list(self.targets),
+                "target_params_before": self.params_before,
+                "budget": self.budget,
+                "atoms": self.atom_params(),
+                "coefficients": self.coefficient_params(),
+                "shared_bases": self.basis_params(),
+                "dense_kept": self.dense_params(),
+                "biases": self.bias_params(),
+                "residual_budget": self.residual_budget(),
+                "residual_params": self.factor_params() if self.ranks_allocated() else None,
+                "target_params_after": self.params_after() if self.ranks_allocated() else None,
+                "achieved_ratio": self.achieved_ratio() if self.ranks_allocated() else None,
+                "groups": [{"index": g.index, "layers": g.layers, "atoms": g.n_atoms} for g in self.groups],
+                "projections": [asdict(pp) for pp in self.projections],
+                "uniform_mlp": self.uniform_mlp,
+            }
+        )
 
 
-def layer_dense_params(geometry: AttentionGeometry, projections: tuple[str, ...] = PROJECTIONS) -> int:
+def layer_dense_params(geometry: ProjectionGeometry, projections: tuple[str, ...] = PROJECTIONS) -> int:
     return sum(o * i for o, i in (geometry.shape(p) for p in projections))
 
 
@@ -219,8 +242,8 @@ def atoms_per_group(groups: list[list[int]], bases: int, largest_group_bases: in
 def shared_plan(
     method: str,
     ratio: float,
-    attention_params_before: int,
-    geometry: AttentionGeometry,
+    params_before: int,
+    geometry: ProjectionGeometry,
     groups: list[list[int]],
     bases: int,
     largest_group_bases: int | None,
@@ -269,7 +292,7 @@ def shared_plan(
                     )
                 )
     plan = CompressionPlan(
-        method, ratio, attention_params_before, geometry, group_plans, projections, projections_compressed,
+        method, ratio, params_before, geometry, group_plans, projections, projections_compressed,
         uniform_mlp=uniform_mlp and bool(neuron_projections),
     )  # fmt: skip
     reason = infeasibility(plan, bases)
@@ -288,8 +311,8 @@ def uniform_rank(out_features: int, in_features: int, bias: int, ratio: float) -
 def lowrank_plan(
     method: str,
     ratio: float,
-    attention_params_before: int,
-    geometry: AttentionGeometry,
+    params_before: int,
+    geometry: ProjectionGeometry,
     n_layers: int,
     biases: dict[tuple[int, str], int],
     projections_compressed: tuple[str, ...] = PROJECTIONS,
@@ -306,17 +329,15 @@ def lowrank_plan(
             bias = biases.get((layer, p), 0)
             rank = uniform_rank(out, inp, bias, ratio)
             projections.append(ProjectionPlan(layer, p, out, inp, "lowrank", rank=rank, bias=bias))
-    plan = CompressionPlan(
-        method, ratio, attention_params_before, geometry, [], projections, projections_compressed
-    )
+    plan = CompressionPlan(method, ratio, params_before, geometry, [], projections, projections_compressed)
     plan.check_budget()
     return plan
 
 
 def check_feasible_before_calibration(
     ratio: float,
-    attention_params_before: int,
-    geometry: AttentionGeometry,
+    params_before: int,
+    geometry: ProjectionGeometry,
     n_layers: int,
     groups: int,
     bases: int,
@@ -329,7 +350,7 @@ def check_feasible_before_calibration(
     The grouping needs calibration, but every group costs at least one layer's worth of numbers when it
     holds atoms (B ≥ 1) or is a singleton kept whole: the cheapest layout gives a lower bound.
     """
-    budget = math.floor((1.0 - ratio) * attention_params_before)
+    budget = math.floor((1.0 - ratio) * params_before)
     per_layer = layer_dense_params(geometry, projections_compressed)
     fewest_atoms = min(bases, largest_group_bases if largest_group_bases is not None else bases)
     singleton_cost = 0 if compress_singletons else per_layer
@@ -343,7 +364,7 @@ def check_feasible_before_calibration(
         raise UserError(
             f"--ratio {ratio:g} is infeasible with {groups} groups and {bases} atom(s): their atoms or whole "
             f"layers alone need at least {lower_bound:,} of the {budget:,} numbers allowed; use --groups ≤ "
-            f"{max(fitting, 1)}, --bases 0, or --ratio ≤ {1 - lower_bound / attention_params_before:.3f}"
+            f"{max(fitting, 1)}, --bases 0, or --ratio ≤ {1 - lower_bound / params_before:.3f}"
         )
 
 
@@ -352,7 +373,7 @@ def infeasibility(plan: CompressionPlan, bases: int) -> str | None:
     if plan.residual_budget() >= 0:
         return None
     fixed = plan.fixed_params()
-    max_ratio = 1.0 - fixed / plan.attention_params_before
+    max_ratio = 1.0 - fixed / plan.params_before
     whole = sorted({pp.layer for pp in plan.projections if pp.mode == "dense"})
     return (
         f"--ratio {plan.ratio:g} is infeasible with {len(plan.groups)} groups ({len(whole)} singleton layers kept "

@@ -17,7 +17,7 @@ from compressor.methods import Method, ModelShape, get_method
 from compressor.methods.allocators import PaperAllocator
 from compressor.methods.base import bias_projections
 from compressor.models import read_config, recipe_config, shapes_recipe
-from compressor.plan import CompressionPlan, check_ratio, targets_ratio
+from compressor.plan import CompressionPlan, check_ratio, targets_ratio, with_legacy_keys
 from compressor.recipes.schema import CompressionSettings
 from compressor.session import resolve_run
 
@@ -84,13 +84,13 @@ def plan_from_config(
         "alternatives": _alternatives(method, shape, settings, ratio) if reason and calibrated else [],
         "notes": _notes(method, settings, plan),
     }
-    status = {"attention_params_before": "final", "budget": "final", **dict.fromkeys(COUNT_KEYS, given)}
-    status |= dict.fromkeys(("residual_params", "attention_params_after", "achieved_ratio"), preview.status)
-    status["attention_params_after_max"] = given
+    status = {"target_params_before": "final", "budget": "final", **dict.fromkeys(COUNT_KEYS, given)}
+    status |= dict.fromkeys(("residual_params", "target_params_after", "achieved_ratio"), preview.status)
+    status["target_params_after_max"] = given
     # Only the numbers shown carry a status.
     result["status"] = {k: v for k, v in status.items() if result.get(k) is not None}
     result["status_legend"] = {k: v for k, v in STATUS_LEGEND.items() if k in result["status"].values()}
-    return result
+    return with_legacy_keys(result)
 
 
 def _preview_groups(method: Method, settings, n_layers: int, layout: list[int] | None):
@@ -117,7 +117,7 @@ def _preview_ranks(
     if plan.ranks_allocated():
         kind = ("final given the groups (no residual)" if calibrated
                 else "final (the same kept fraction of every matrix; no calibration dependence)")  # fmt: skip
-        return RankPreview(kind, None, plan.attention_params_after(), given)
+        return RankPreview(kind, None, plan.params_after(), given)
     paper = PaperAllocator()
     split = paper.pair_budgets(plan) if allocation == "paper" else None
     if split is None or not split.layers:
@@ -135,21 +135,21 @@ def _preview_ranks(
 
 def _counts(plan: CompressionPlan, reason: str | None, preview: RankPreview, allocated: bool) -> dict:
     counts = plan.to_dict()
-    after = plan.attention_params_after() if allocated else None
+    after = plan.params_after() if allocated else None
     if after is None and preview.status == "bound" and reason is None:
         after = preview.after_max
     return {
         "feasible": reason is None,
         "reason": reason,
-        "attention_params_before": plan.attention_params_before,
+        "target_params_before": plan.params_before,
         "budget": plan.budget,
         **{k: counts[k] for k in ("atoms", "coefficients", "dense_kept", "biases")},
         "residual_budget": plan.residual_budget(),
         "residual_params": plan.factor_params() if allocated else None,
-        "attention_params_after": after,
-        "attention_params_after_max": preview.after_max,
+        "target_params_after": after,
+        "target_params_after_max": preview.after_max,
         "achieved_ratio": plan.achieved_ratio() if allocated else None,
-        "max_ratio": 1.0 - plan.fixed_params() / plan.attention_params_before,
+        "max_ratio": 1.0 - plan.fixed_params() / plan.params_before,
     }
 
 
@@ -289,10 +289,10 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         options.ratio, options.ratio_of, model_params, target_params, run.compression.targets
     )
     result = plan_from_config(config, ratio, run.compression, layout)
-    after = result["attention_params_after"]
+    after = result["target_params_after"]
     result["status"] |= {"model_params_before": "final"}
     if after is not None:
-        result["status"]["model_params_after"] = result["status"]["attention_params_after"]
+        result["status"]["model_params_after"] = result["status"]["target_params_after"]
     return {
         "model": run.source.describe(),
         "recipe": run.recipe_name,

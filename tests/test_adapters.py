@@ -39,7 +39,7 @@ def test_attention_parameter_count_includes_qwen_biases():
     g = adapter.geometry
     weights = sum(o * i for o, i in (g.shape(p) for p in PROJECTIONS))
     biases = g.shape("q_proj")[0] + 2 * g.shape("k_proj")[0]  # q, k, v have biases in Qwen2
-    assert adapter.attention_parameter_count() == adapter.num_layers * (weights + biases)
+    assert adapter.target_parameter_count() == adapter.num_layers * (weights + biases)
 
 
 def test_set_projection_replaces_the_module():

@@ -70,7 +70,7 @@ def test_plan_pairs_layers_and_counts_each_basis_once(family, layers):
     # one basis (rank × in) per pair and shared type, per-layer coefficients (rank × out) and biases
     bases = {(pp.group, pp.basis): pp.rank * pp.in_features for pp in plan.projections if pp.mode == "basis"}
     assert plan.basis_params() == sum(bases.values()) > 0
-    assert plan.attention_params_after() <= plan.budget
+    assert plan.params_after() <= plan.budget
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -81,7 +81,7 @@ def test_installed_modules_share_one_basis_per_pair_and_save_load_identically(fa
     stats = collect_statistics(model, adapter, windows, progress=False)
     settings = CompressionSettings(method="basis-sharing")
     outcome = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
-    assert adapter.attention_parameter_count() == outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert adapter.target_parameter_count() == outcome.plan.params_after() <= outcome.plan.budget
     layers = model.model.layers
     assert layers[0].self_attn.v_proj.basis is layers[1].self_attn.v_proj.basis
     assert layers[1].self_attn.v_proj.basis is not layers[2].self_attn.v_proj.basis

@@ -53,7 +53,7 @@ def test_compress_cli_end_to_end_on_the_bundled_model(capsys, tmp_path):
     )  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     required = {
-        "method", "ratio_requested", "achieved_ratio", "attention_params_before", "attention_params_after",
+        "method", "ratio_requested", "achieved_ratio", "target_params_before", "target_params_after",
         "model_params_before", "model_params_after", "ppl_before", "ppl_after", "seconds", "out",
         "kl_to_original", "top1_agreement", "split",
     }  # fmt: skip
@@ -62,9 +62,9 @@ def test_compress_cli_end_to_end_on_the_bundled_model(capsys, tmp_path):
     assert 0 < summary["kl_to_original"] < 1 and 0.5 < summary["top1_agreement"] < 1
     # 1 − ⌊0.8·P⌋/P: at least 0.2 up to float rounding (the budget itself is checked exactly below).
     assert summary["achieved_ratio"] >= 0.2 - 1e-12
-    assert summary["attention_params_after"] <= 0.8 * summary["attention_params_before"]
+    assert summary["target_params_after"] <= 0.8 * summary["target_params_before"]
     assert summary["model_params_before"] - summary["model_params_after"] == (
-        summary["attention_params_before"] - summary["attention_params_after"]
+        summary["target_params_before"] - summary["target_params_after"]
     )
     assert math.isfinite(summary["ppl_after"]) and summary["ppl_after"] > summary["ppl_before"] * 0.9
     assert {"calibration", "residual_svd"} <= summary["seconds"].keys()
@@ -150,8 +150,8 @@ def test_checkpoint_attention_bytes_on_disk_shrink(compressed_run):
             for key in f.keys():
                 if ".self_attn." in key or key.startswith("masa."):
                     attention_bytes += _numel(f, key) * 4
-    assert attention_bytes == summary["attention_params_after"] * 4
-    assert attention_bytes <= (1 - 0.2) * summary["attention_params_before"] * 4
+    assert attention_bytes == summary["target_params_after"] * 4
+    assert attention_bytes <= (1 - 0.2) * summary["target_params_before"] * 4
     # The default form has no KL groups to draw: the report and the ranks (basis sizes included).
     assert (out / "report.json").is_file() and (out / "ranks.png").is_file()
 
@@ -192,9 +192,9 @@ def test_attention_and_mlp_targets_end_to_end(tmp_path):
     summary = run.summary
     assert summary["targets"] == "attn,mlp" and summary["achieved_ratio"] >= 0.1 - 1e-12
     # 30 layers × (q/k/v/o + gate/up/down) of SmolLM2-135M: 106,168,320 numbers before.
-    assert summary["attention_params_before"] == 106_168_320
+    assert summary["target_params_before"] == 106_168_320
     assert summary["model_params_before"] - summary["model_params_after"] == (
-        summary["attention_params_before"] - summary["attention_params_after"]
+        summary["target_params_before"] - summary["target_params_after"]
     )
     assert math.isfinite(summary["ppl_after"])
     reloaded = load_compressed(summary["out"])

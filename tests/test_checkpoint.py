@@ -71,7 +71,7 @@ def compress_by_hand(model: nn.Module, seed: int = 0) -> CompressionPlan:
     gen = torch.Generator().manual_seed(seed)
     adapter = get_adapter(model)
     geometry = adapter.geometry
-    before = adapter.attention_parameter_count()
+    before = adapter.target_parameter_count()
 
     def rand(*shape: int) -> torch.Tensor:
         return 0.05 * torch.randn(*shape, generator=gen)
@@ -103,7 +103,7 @@ def compress_by_hand(model: nn.Module, seed: int = 0) -> CompressionPlan:
     plan = CompressionPlan(
         "masa", 0.3, before, geometry, groups, sorted(projections, key=lambda pp: pp.layer)
     )
-    assert plan.attention_params_after() == adapter.attention_parameter_count()
+    assert plan.params_after() == adapter.target_parameter_count()
     return plan
 
 
@@ -207,8 +207,8 @@ def test_masa_config_describes_the_checkpoint(saved: Saved) -> None:
     config = json.loads((saved.path / MASA_CONFIG).read_text())
     assert config["format_version"] == 1 and config["metadata"] == METADATA
     counts = config["counts"]
-    attention = get_adapter(saved.model).attention_parameter_count()
-    assert counts["attention_params_after"] == attention == saved.plan.attention_params_after()
+    attention = get_adapter(saved.model).target_parameter_count()
+    assert counts["target_params_after"] == attention == saved.plan.params_after()
     assert counts["total_params"] == param_count(saved.model)
     spec = next(s for s in config["layout"]["projections"] if s["layer"] == 1 and s["projection"] == "k_proj")
     assert spec == {

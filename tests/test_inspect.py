@@ -22,7 +22,7 @@ from compressor.planning import plan_from_config
 from compressor.recipes.schema import CompressionSettings
 
 COUNT_KEYS = (
-    "attention_params_before",
+    "target_params_before",
     "budget",
     "atoms",
     "coefficients",
@@ -38,7 +38,7 @@ def _compressed(family: str, ratio: float, n_layers: int = 6, **settings):
         settings.setdefault("sharing", "atoms")
     model = tiny_model(family, num_hidden_layers=n_layers)
     adapter = get_adapter(model)
-    before = adapter.attention_parameter_count()
+    before = adapter.target_parameter_count()
     windows = random_windows()
     stats = collect_statistics(model, adapter, windows, progress=False)
     outcome = compress_model(
@@ -78,7 +78,7 @@ def test_plan_counts_equal_the_real_compression(family, largest, singletons):
         tiny_config(family, num_hidden_layers=6), ratio, settings, layout=[len(g.layers) for g in real.groups]
     )
     real_counts = real.to_dict()
-    assert planned["attention_params_before"] == before
+    assert planned["target_params_before"] == before
     for key in COUNT_KEYS:
         assert planned[key] == real_counts[key], key
     assert planned["groups"]["layers"] == [g.layers for g in real.groups]
@@ -90,8 +90,8 @@ def test_plan_counts_equal_the_real_compression(family, largest, singletons):
     for (layer, (a, b)), (r_a, r_b) in initial.items():
         assert (by_layer[(layer, a)], by_layer[(layer, b)]) == (r_a, r_b)
     # Algorithm 1 moves rank within each pair's budget: the real count stays under the plan's bound.
-    assert real.attention_params_after() <= planned["attention_params_after_max"] <= planned["budget"]
-    assert planned["attention_params_after"] <= planned["attention_params_after_max"]
+    assert real.params_after() <= planned["target_params_after_max"] <= planned["budget"]
+    assert planned["target_params_after"] <= planned["target_params_after_max"]
 
 
 @pytest.mark.parametrize("method", ["svd-llm", "svd"])
@@ -100,7 +100,7 @@ def test_low_rank_plans_are_final_and_exact(method):
     planned = plan_from_config(
         tiny_config("qwen2", num_hidden_layers=6), 0.4, CompressionSettings(method=method)
     )
-    assert planned["attention_params_after"] == outcome.plan.attention_params_after()
+    assert planned["target_params_after"] == outcome.plan.params_after()
     assert planned["achieved_ratio"] == pytest.approx(outcome.plan.achieved_ratio())
     assert set(planned["status"].values()) == {"final"}
 
@@ -145,14 +145,14 @@ def test_infeasible_plan_says_what_fits():
     settings = CompressionSettings(sharing="atoms", groups=3, bases=1, singletons="keep")
     planned = plan_from_config(config, 0.9, settings)
     assert not planned["feasible"] and "infeasible" in planned["reason"]
-    assert planned["attention_params_after"] is None and planned["residual_budget"] < 0
+    assert planned["target_params_after"] is None and planned["residual_budget"] < 0
     assert planned["alternatives"]
     geometry = geometry_from_config(config)
     for alt in planned["alternatives"]:
         assert alt["max_ratio"] >= 0.9
         # Each suggestion really fits: the planner accepts it at the requested ratio.
         shared_plan(
-            "masa", 0.9, planned["attention_params_before"], geometry, alt["layers"], alt["bases"], None, {}
+            "masa", 0.9, planned["target_params_before"], geometry, alt["layers"], alt["bases"], None, {}
         )
 
 
@@ -174,13 +174,13 @@ def test_plan_cli_json_parses_and_matches_the_table(tmp_path, capsys):
     payload = json.loads(out)
     assert payload["feasible"] is True
     assert payload["groups"]["source"] == "assumed"
-    for key in ("attention_params_before", "attention_params_after"):
+    for key in ("target_params_before", "target_params_after"):
         assert isinstance(payload[key], int)
     code, table, _ = _cli(
         capsys, "plan", str(tmp_path), "--ratio", "0.3", "--sharing", "atoms", "--allocation", "paper"
     )
     assert code == 0
-    for key in (*COUNT_KEYS, "residual_params", "attention_params_after", "attention_params_after_max"):
+    for key in (*COUNT_KEYS, "residual_params", "target_params_after", "target_params_after_max"):
         assert f"{payload[key]:,}" in table, key
     for row in payload["ranks"]["rows"]:
         if row["mode"] != "dense":
@@ -307,11 +307,11 @@ def test_show_describes_a_saved_checkpoint(tmp_path, capsys):
     assert code == 0
     info = json.loads(out)
     assert [g["layers"] for g in info["groups"]] == [g.layers for g in outcome.plan.groups]
-    assert info["attention_params_after"] == outcome.plan.attention_params_after()
+    assert info["target_params_after"] == outcome.plan.params_after()
     ranks = {(r["layer"], p): r[p] for r in info["ranks"] for p in PROJECTIONS}
     assert all(ranks[(pp.layer, pp.projection)] == pp.rank for pp in outcome.plan.projections)
     code, table, _ = _cli(capsys, "show", str(path))
-    assert code == 0 and "tiny-llama" in table and f"{info['attention_params_after']:,}" in table
+    assert code == 0 and "tiny-llama" in table and f"{info['target_params_after']:,}" in table
     code, _, err = _cli(capsys, "show", str(tmp_path))
     assert code == 2 and "masa_config.json" in err
 
@@ -340,5 +340,5 @@ def test_plan_with_global_allocation_reports_the_bound(tmp_path, capsys):
         capsys, "plan", str(tmp_path), "--ratio", "0.3", "--allocation", "global-relative", "--json"
     )
     payload = json.loads(out)
-    assert code == 0 and payload["status"]["attention_params_after"] == "bound"
-    assert payload["attention_params_after"] == payload["attention_params_after_max"] <= payload["budget"]
+    assert code == 0 and payload["status"]["target_params_after"] == "bound"
+    assert payload["target_params_after"] == payload["target_params_after_max"] <= payload["budget"]

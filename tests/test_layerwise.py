@@ -210,7 +210,7 @@ def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_f
     assert summary["layerwise"] is True
     assert _sha(tmp_path / "in-memory") == _sha(tmp_path / "layerwise")
     assert summary["model_params_before"] - summary["model_params_after"] == (
-        summary["attention_params_before"] - summary["attention_params_after"]
+        summary["target_params_before"] - summary["target_params_after"]
     )
     assert list(offload.iterdir()) == []  # the run's temporary folder is gone
 

@@ -166,10 +166,10 @@ def test_allocator_gives_one_rank_per_shared_basis_and_pays_it_once():
             assert len({pp.rank for pp in members}) == 1
     bases = {(pp.group, pp.basis): pp.rank * pp.in_features for pp in plan.projections if pp.mode == "basis"}
     assert plan.basis_params() == sum(bases.values()) > 0
-    assert plan.attention_params_after() <= plan.budget
+    assert plan.params_after() <= plan.budget
     # nothing left that a step of the cheapest unit could still buy
     cheapest = min(sum(pp.out_features for pp in m) + m[0].in_features for m in units.values())
-    assert plan.budget - plan.attention_params_after() < cheapest
+    assert plan.budget - plan.params_after() < cheapest
 
 
 def test_atoms_whose_readers_are_all_kept_whole_are_dropped_and_their_numbers_spent():
@@ -194,7 +194,7 @@ def test_atoms_whose_readers_are_all_kept_whole_are_dropped_and_their_numbers_sp
     assert all(plan.get(layer, "k_proj").mode == "dense" for layer in range(4))
     assert plan.atom_params() == 64 * 64 + 32 * 64 + 64 * 64  # q, v (GQA: 32 x 64), o atoms; k's are gone
     step = min(pp.out_features + pp.in_features for pp in plan.projections if pp.mode != "dense")
-    assert 0 <= plan.budget - plan.attention_params_after() < step
+    assert 0 <= plan.budget - plan.params_after() < step
 
 
 # -- the built model -------------------------------------------------------------------------------------------
@@ -212,8 +212,8 @@ def test_proxy_equals_the_built_models_relative_whitened_error(sharing):
     outcome, stats = _compress(model, _form(sharing))
     measured = relative_whitened_error(original, model, stats, PROJECTIONS)
     assert outcome.report["sharing"]["proxy_error"] == pytest.approx(measured, rel=1e-4)
-    assert get_adapter(model).attention_parameter_count() == outcome.plan.attention_params_after()
-    assert outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert get_adapter(model).target_parameter_count() == outcome.plan.params_after()
+    assert outcome.plan.params_after() <= outcome.plan.budget
 
 
 def test_none_is_the_atoms_pipeline_without_atoms():

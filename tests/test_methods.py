@@ -65,7 +65,7 @@ def test_a_registered_method_runs_and_holds_its_budget(example_method):
         model, adapter, stats, CompressionSettings(method="example-svd"), 0.3, progress=False
     )
     assert outcome.plan.method == "example-svd"
-    assert outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert outcome.plan.params_after() <= outcome.plan.budget
     assert isinstance(adapter.projection(0, "q_proj"), LowRankLinear)
     with torch.no_grad():
         assert torch.isfinite(model(torch.arange(8)[None]).logits).all()
@@ -79,7 +79,7 @@ def test_the_preview_plans_a_registered_method_as_the_run_does(example_method):
     outcome = compress_model(
         model, adapter, stats, CompressionSettings(method="example-svd"), 0.3, progress=False
     )
-    assert planned["attention_params_after"] == outcome.plan.attention_params_after()
+    assert planned["target_params_after"] == outcome.plan.params_after()
     assert planned["method"] == "example-svd"
 
 

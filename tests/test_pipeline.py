@@ -34,13 +34,13 @@ def _compress(model, method="masa", ratio=0.3, windows=None, **settings):
 def test_every_method_meets_the_budget_and_counts_exactly(method, form, family):
     model = tiny_model(family)
     before = sum(p.numel() for p in model.parameters())
-    attn_before = get_adapter(model).attention_parameter_count()
+    attn_before = get_adapter(model).target_parameter_count()
     outcome = _compress(model, method, ratio=0.3, **form)
     plan = outcome.plan
     # The stored count of the installed modules equals the planner's count, within the budget.
-    assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget
+    assert get_adapter(model).target_parameter_count() == plan.params_after() <= plan.budget
     assert plan.achieved_ratio() >= 0.3
-    assert sum(p.numel() for p in model.parameters()) == before - attn_before + plan.attention_params_after()
+    assert sum(p.numel() for p in model.parameters()) == before - attn_before + plan.params_after()
     logits = model(input_ids=random_windows(1, 16)).logits
     assert torch.isfinite(logits).all()
 
@@ -110,7 +110,7 @@ def test_masa_options_meet_the_budget_and_count_exactly(settings):
     model = tiny_model("llama")
     outcome = _compress(model, "masa", ratio=0.3, **settings)
     plan = outcome.plan
-    assert get_adapter(model).attention_parameter_count() == plan.attention_params_after() <= plan.budget
+    assert get_adapter(model).target_parameter_count() == plan.params_after() <= plan.budget
     assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
     if settings.get("singletons") == "compress":  # nothing kept whole but what the allocation chose to
         kept = {(pp.layer, pp.projection) for pp in plan.projections if pp.mode == "dense"}
@@ -131,7 +131,7 @@ def test_dense_when_cheaper_keeps_whole_only_what_factors_would_overpay():
     for pp in plan.projections:
         if pp.mode != "dense":
             assert pp.rank * (pp.out_features + pp.in_features) < pp.out_features * pp.in_features
-    assert adapter.attention_parameter_count() == plan.attention_params_after() <= plan.budget
+    assert adapter.target_parameter_count() == plan.params_after() <= plan.budget
 
 
 def test_global_allocation_spends_the_budget_better_than_the_paper_split():
@@ -212,7 +212,7 @@ def test_an_all_zero_projection_compresses_to_zero_within_the_budget(method):
     with torch.no_grad():
         adapter.projection(2, "k_proj").weight.zero_()
     outcome = _compress(model, method, ratio=0.3)
-    assert adapter.attention_parameter_count() == outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert adapter.target_parameter_count() == outcome.plan.params_after() <= outcome.plan.budget
     from compressor.remote_code.masa_modules import dense_weight
 
     assert torch.count_nonzero(dense_weight(adapter.projection(2, "k_proj"))) == 0

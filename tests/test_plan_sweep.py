@@ -77,9 +77,9 @@ def test_plan_holds_the_budget_or_says_why(recipe, method, form, targets):
             assert "\n" not in str(err) and str(err)
             continue
         if not plan["feasible"]:  # the assumed groups cannot fit: the plan says why, and what would
-            assert plan["reason"] and plan["attention_params_after_max"] is None, plan
+            assert plan["reason"] and plan["target_params_after_max"] is None, plan
             continue
-        after = plan["attention_params_after_max"]
+        after = plan["target_params_after_max"]
         assert after <= plan["budget"], (ratio, after, plan["budget"])
         planned += 1
     assert planned >= len(RATIOS) // 2  # most ratios are plannable: the sweep really checks budgets

@@ -37,7 +37,7 @@ def _run_summary(method: str = "masa", **settings) -> dict:
     """The parts of `api.compress`'s summary that the report reads, from a real compression."""
     model = tiny_model("llama")
     adapter = get_adapter(model)
-    before = adapter.attention_parameter_count()
+    before = adapter.target_parameter_count()
     windows = random_windows()
     stats = collect_statistics(model, adapter, windows, progress=False)
     if method == "masa":  # the atoms form: it has groups, atom energy and residual ranks to draw
@@ -55,8 +55,8 @@ def _run_summary(method: str = "masa", **settings) -> dict:
         "model": "tiny-llama",
         "method": method,
         "ratio_requested": 0.3,
-        "attention_params_before": before,
-        "attention_params_after": outcome.plan.attention_params_after(),
+        "target_params_before": before,
+        "target_params_after": outcome.plan.params_after(),
         "plan": outcome.plan.to_dict(),
         "report": outcome.report,
         "seconds": {"total": 1.0},
@@ -82,7 +82,7 @@ def test_run_report_writes_the_summary_and_three_readable_plots(tmp_path):
     names = ["report.json", "grouping.png", "energy.png", "ranks.png", "allocation.png"]
     assert [p.name for p in paths] == names
     saved = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert saved["attention_params_after"] == summary["attention_params_after"]
+    assert saved["target_params_after"] == summary["target_params_after"]
     assert saved["report"]["grouping"]["groups"] == summary["report"]["grouping"]["groups"]
     width, height = round(RUN_FIGSIZE[0] * DPI), round(RUN_FIGSIZE[1] * DPI)
     for path in paths[1:4]:
@@ -103,7 +103,7 @@ def test_kept_fractions_account_for_every_stored_number(settings):
     stored = sum(kept[(pp["layer"], pp["projection"])] * pp["out_features"] * pp["in_features"]
                  for pp in plan["projections"])  # fmt: skip
     biases = sum(pp["bias"] for pp in plan["projections"])
-    assert stored + biases == pytest.approx(plan["attention_params_after"], rel=1e-12)
+    assert stored + biases == pytest.approx(plan["target_params_after"], rel=1e-12)
     rows = kept_by_type(plan["projections"])
     assert [r["projection"] for r in rows] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert all(r["least_kept"] <= r["kept"] <= r["most_kept"] for r in rows)

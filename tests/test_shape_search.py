@@ -38,7 +38,7 @@ def test_proxy_is_the_relative_error_of_the_model_built_with_that_shape():
         model = copy.deepcopy(original)
         built = _run(model, stats, windows, groups=candidate["groups"], bases=candidate["bases"])
         assert built.report["grouping"]["groups"] == candidate["layers"]
-        assert built.plan.attention_params_after() <= built.plan.budget
+        assert built.plan.params_after() <= built.plan.budget
         assert relative_whitened_error(original, model, stats, PROJECTIONS) == pytest.approx(
             candidate["proxy"], rel=1e-6
         )
@@ -56,7 +56,7 @@ def test_the_choice_is_the_lowest_proxy_and_is_what_gets_built():
     effective = outcome.report["effective_settings"]
     assert (effective["groups"], effective["bases"]) == (best["groups"], best["bases"])
     assert outcome.report["grouping"]["groups"] == best["layers"]
-    assert outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert outcome.plan.params_after() <= outcome.plan.budget
     assert (
         abs(relative_whitened_error(original, model, stats, PROJECTIONS) - best["proxy"])
         <= 1e-6 * best["proxy"]

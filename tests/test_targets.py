@@ -73,20 +73,20 @@ def test_targets_meet_the_budget_and_count_exactly(targets, method, family):
     adapter = get_adapter(model)
     names = target_projections(targets)
     before_total = sum(p.numel() for p in model.parameters())
-    before = adapter.attention_parameter_count(names)
-    attention_before = adapter.attention_parameter_count()
+    before = adapter.target_parameter_count(names)
+    attention_before = adapter.target_parameter_count()
     outcome = _compress(model, ratio=0.3, method=method, targets=targets)
     plan = outcome.plan
-    assert plan.targets == names and plan.attention_params_before == before
-    assert adapter.attention_parameter_count(names) == plan.attention_params_after() <= plan.budget
+    assert plan.targets == names and plan.params_before == before
+    assert adapter.target_parameter_count(names) == plan.params_after() <= plan.budget
     assert plan.achieved_ratio() >= 0.3
-    assert sum(p.numel() for p in model.parameters()) == before_total - before + plan.attention_params_after()
+    assert sum(p.numel() for p in model.parameters()) == before_total - before + plan.params_after()
     # Every MLP projection was replaced; attention untouched when not targeted.
     compressed = (SharedBasisLinear, LowRankLinear)
     middle = adapter.num_layers // 2
     assert all(isinstance(adapter.projection(middle, p), compressed) for p in MLP_PROJECTIONS)
     if targets == "mlp":
-        assert adapter.attention_parameter_count() == attention_before
+        assert adapter.target_parameter_count() == attention_before
     assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()
 
 
@@ -96,7 +96,7 @@ def test_planted_identical_mlps_are_reproduced_exactly_by_one_atom():
     x = random_windows(2, 16)
     expected = model(input_ids=x).logits
     outcome = _compress(model, ratio=0.5, targets="mlp", groups=1, bases=1)
-    assert outcome.plan.attention_params_after() <= outcome.plan.budget
+    assert outcome.plan.params_after() <= outcome.plan.budget
     torch.testing.assert_close(model(input_ids=x).logits, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from compressor.adapters import DecoderAdapter
-from compressor.plan import NEURON_READER, CompressionPlan
+from compressor.plan import NEURON_READER, CompressionPlan, with_legacy_keys
 from compressor.remote_code.masa_modules import (
     ATOMS_KEY,
     BASIS_KEY,
@@ -116,23 +116,24 @@ def _storage_names(model: nn.Module, shared: dict[int, str]) -> dict[str, str]:
 
 
 def _counts(model: nn.Module, adapter: DecoderAdapter, plan: CompressionPlan) -> dict:
+    """The parameter counts a checkpoint records: the targeted projections' before and after (the run's ratio)
+    and the whole model's."""
     total = sum(p.numel() for p in model.parameters())
-    attention = adapter.attention_parameter_count(plan.targets)
-    if plan.ranks_allocated() and plan.attention_params_after() != attention:
+    stored = adapter.target_parameter_count(plan.targets)
+    if plan.ranks_allocated() and plan.params_after() != stored:
         raise ValueError(
-            f"the plan counts {plan.attention_params_after():,} parameters in {', '.join(plan.targets)} but the "
-            f"model stores {attention:,}: the installed modules do not match the plan"
+            f"the plan counts {plan.params_after():,} parameters in {', '.join(plan.targets)} but the "
+            f"model stores {stored:,}: the installed modules do not match the plan"
         )
-    # "attention" counts the targeted projections (q/k/v/o unless the run also compressed the MLP).
-    return {
+    return with_legacy_keys({
         "targets": list(plan.targets),
-        "attention_params_before": plan.attention_params_before,
-        "attention_params_after": attention,
-        "achieved_ratio": 1.0 - attention / plan.attention_params_before,
+        "target_params_before": plan.params_before,
+        "target_params_after": stored,
+        "achieved_ratio": 1.0 - stored / plan.params_before,
         "ratio_requested": plan.ratio,
-        "non_attention_params": total - attention,
+        "non_target_params": total - stored,
         "total_params": total,
-    }
+    })  # fmt: skip
 
 
 def _base_config(model: nn.Module) -> dict:

@@ -18,7 +18,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from compressor.adapters import INPUT_OF, PROJECTIONS, AttentionGeometry, DecoderAdapter, geometry_from_config
+from compressor.adapters import (
+    INPUT_OF,
+    PROJECTIONS,
+    DecoderAdapter,
+    ProjectionGeometry,
+    geometry_from_config,
+)
 from compressor.capture import CalibrationStats
 from compressor.device import statistics_device
 from compressor.errors import NumericalError, UserError
@@ -47,7 +53,7 @@ def numerical_context(where: str):
 class ModelShape:
     """What planning needs of a model, from its modules or from its config alone (no weights)."""
 
-    geometry: AttentionGeometry
+    geometry: ProjectionGeometry
     num_layers: int
     biases: dict[tuple[int, str], int]  # (layer, projection) -> numel of its bias, targeted projections only
     targets: tuple[str, ...]
@@ -62,7 +68,7 @@ class ModelShape:
             if adapter.projection(layer, p).bias is not None
         }
         return cls(
-            adapter.geometry, adapter.num_layers, biases, targets, adapter.attention_parameter_count(targets)
+            adapter.geometry, adapter.num_layers, biases, targets, adapter.target_parameter_count(targets)
         )
 
     @classmethod

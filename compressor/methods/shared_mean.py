@@ -46,7 +46,7 @@ class SharedMean(Method):
                 candidate = self.layout(shape, settings, ratio, groups_of(n_groups))
             except UserError:
                 continue
-            if candidate.attention_params_after() <= candidate.budget:
+            if candidate.params_after() <= candidate.budget:
                 return candidate
         if not check_feasible:
             return self.layout(shape, settings, ratio, groups_of(1), check_feasible=False)

@@ -98,7 +98,7 @@ def input_bases_table(inspection: dict) -> Table:
 
 
 PLAN_ROWS = (
-    ("attention_params_before", "{t} parameters before (P)"),
+    ("target_params_before", "{t} parameters before (P)"),
     ("budget", "budget ⌊(1-ρ)·P⌋"),
     ("atoms", "shared atoms"),
     ("coefficients", "coefficients"),
@@ -106,8 +106,8 @@ PLAN_ROWS = (
     ("biases", "biases of compressed projections"),
     ("residual_budget", "residual budget"),
     ("residual_params", "residual factors"),
-    ("attention_params_after", "{t} parameters after"),
-    ("attention_params_after_max", "{t} parameters after, at most"),
+    ("target_params_after", "{t} parameters after"),
+    ("target_params_after_max", "{t} parameters after, at most"),
     ("model_params_before", "model parameters before (embeddings included)"),
     ("model_params_after", "model parameters after"),
 )
@@ -200,8 +200,8 @@ def _plan_rows(plan: dict) -> list[tuple[str, str]]:
         for key, label in PLAN_ROWS
         if plan.get(key) is not None and not (key in ZERO_HIDDEN and plan[key] == 0)
     ]
-    if plan.get("attention_params_after") == plan.get("attention_params_after_max"):
-        rows = [(k, label) for k, label in rows if k != "attention_params_after"]
+    if plan.get("target_params_after") == plan.get("target_params_after_max"):
+        rows = [(k, label) for k, label in rows if k != "target_params_after"]
     return rows
 
 

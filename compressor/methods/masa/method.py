@@ -39,7 +39,7 @@ from compressor.recipes.schema import CompressionSettings
 from compressor.sequential import install_sequentially
 
 #: The settings of the MLP's form, read only when the targets hold the MLP.
-MLP_SETTINGS = frozenset({"mlp", "uniform_mlp"})
+MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "neuron_order"})
 
 
 class Masa(Method):
@@ -55,7 +55,7 @@ class Masa(Method):
         )
         if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
             return read - MLP_SETTINGS
-        return read if settings.mlp == "neurons" else read - {"uniform_mlp"}
+        return read if settings.mlp == "neurons" else read - {"uniform_mlp", "neuron_order"}
 
     def uses_groups_for(self, settings: CompressionSettings) -> bool:
         return settings.sharing == "atoms"

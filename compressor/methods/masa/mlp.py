@@ -2,7 +2,7 @@
 a subset of its intermediate neurons, their gate/up rows unchanged and down_proj refit by least squares on the
 calibration statistics (`compressor.neurons`), so the MLP stays a plain one, only narrower.
 
-Per layer the neurons are put in one order (`ORDER`), and the output error at every width is exact for that
+Per layer the neurons are put in one order (`--neuron-order`), and the output error at every width is exact for that
 order (`neurons.order_tail`); that tail, weighted by the loss sensitivity at down_proj's output, is one unit of
 the global allocation (`GlobalAllocator`: a step is one more neuron, costing its gate and up rows and its down
 column), so the same objective decides each layer's width and the split of the budget between attention and MLP.
@@ -18,9 +18,9 @@ from compressor.neurons import NeuronTail, neuron_order, order_tail, refit_down
 from compressor.plan import NEURON_READER, CompressionPlan
 from compressor.progress import progress_bar
 
-#: The order neurons are kept in, and the ridge of the refit: chosen on the bundled model's validation split
-#: (`benchmarks/neuron_selection.py`, results in BENCHMARKS.md).
-ORDER = "energy"
+#: The ridge of the refit (`neurons.regularized`): none, chosen on the bundled model's validation split with the
+#: order (`settings.neuron_order`): a ridge of 0.01 or 0.1 of mean(diag C) was a tie for the `energy` order and
+#: worse for `greedy` (`benchmarks/neuron_selection.py`, BENCHMARKS.md).
 RIDGE = 0.0
 #: The projections of a layer's MLP, the one reading the neurons last.
 GATED = ("gate_proj", "up_proj")
@@ -32,14 +32,15 @@ def neuron_layers(plan: CompressionPlan) -> list[int]:
 
 
 def neuron_tails(ctx: MethodContext, layers: list[int]) -> dict[int, NeuronTail]:
-    """Per layer, its neurons in `ORDER` and the output error at every width (damping reported), on the CPU."""
+    """Per layer, its neurons in the settings' order and the output error at every width (damping reported), on
+    the CPU."""
     tails = {}
     with progress_bar("MLP neuron orders", total=len(layers), enabled=ctx.progress) as bar:
         for layer in layers:
             autocorr = ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device)
             down = ctx.weight(layer, NEURON_READER)
             with numerical_context(f"layer {layer} MLP neurons"):
-                order = neuron_order(ORDER, autocorr, down, RIDGE)
+                order = neuron_order(ctx.settings.neuron_order, autocorr, down, RIDGE)
                 found = order_tail(autocorr, down, order, RIDGE)
             ctx.record_damping(found, layer=layer, input="down (neuron selection)")
             tails[layer] = NeuronTail(found.order.cpu(), found.tail.cpu(), found.damping, found.attempts)
