@@ -27,8 +27,14 @@ from compressor.evaluate import (
 )
 from compressor.hub import check_hub_model
 from compressor.layerwise.run import compress_layerwise, stored_tensors
+from compressor.methods import get_method
 from compressor.models import LoadedModel, ModelSource, load_model, resolve_model
-from compressor.pipeline import CompressionOutcome, compress_model
+from compressor.pipeline import (
+    CompressionOutcome,
+    compress_model,
+    reads_loss_sensitivity,
+    sensitivity_projections,
+)
 from compressor.plan import with_legacy_keys
 from compressor.progress import note
 from compressor.recipes.schema import EvaluationSettings
@@ -44,7 +50,14 @@ from compressor.session import (
     read_texts,
     resolve_run,
 )
-from compressor.stats_cache import load_stats, model_fingerprint, save_stats, stats_key
+from compressor.stats_cache import (
+    load_sensitivity,
+    load_stats,
+    model_fingerprint,
+    save_sensitivity,
+    save_stats,
+    stats_key,
+)
 
 __all__ = ["CompressOptions", "EvalSettings", "compress", "evaluate"]
 
@@ -195,13 +208,16 @@ def compress(
         )
         seconds["eval_before"] = before.seconds
 
-    stats, cache_note = _calibration_statistics(
+    stats, cache_note, key = _calibration_statistics(
         loaded, adapter, calib_text, calib_windows, with_mlp, options, progress
     )
     seconds["calibration"] = stats.seconds
+    cached_sensitivity = _cached_sensitivity(stats, key, run.compression, adapter, with_mlp)
     outcome = compress_model(
         loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows
     )
+    if key is not None and stats.sensitivity is not None and not cached_sensitivity:
+        save_sensitivity(stats.sensitivity, key)
     seconds.update(outcome.seconds)
     del stats
 
@@ -293,17 +309,28 @@ def _calibration_statistics(
     progress,
 ) -> tuple[CalibrationStats, str]:
     """The calibration statistics, from the validated cache when it holds them for this model, text and
-    windows; and a note saying where they came from."""
+    windows; a note saying where they came from; and their cache key (None with the cache off)."""
     if not options.stats_cache:
         stats = collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
-        return stats, "statistics cache off"
+        return stats, "statistics cache off", None
     key = stats_key(model_fingerprint(loaded.model), text.fingerprint, windows, loaded.dtype, with_mlp)
     stats, cache_note = load_stats(key, adapter)
     note(f"[dim]calibration: {cache_note}[/]", progress)
     if stats is None:
         stats = collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
         cache_note = f"computed and cached in {save_stats(stats, key)}"
-    return stats, cache_note
+    return stats, cache_note, key
+
+
+def _cached_sensitivity(stats: CalibrationStats, key: str | None, settings, adapter, with_mlp: bool) -> bool:
+    """Put the cached loss sensitivity of these statistics on `stats` when the run reads one and the cache
+    holds it for the same number of windows; whether it did."""
+    if key is None or not reads_loss_sensitivity(get_method(settings.method).effective_settings(settings)):
+        return False
+    projections = sensitivity_projections(with_mlp)
+    expected = {(layer, p) for layer in range(adapter.num_layers) for p in projections}
+    stats.sensitivity = load_sensitivity(key, min(settings.sensitivity_samples, stats.windows), expected)
+    return stats.sensitivity is not None
 
 
 def _summary(

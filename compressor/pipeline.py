@@ -107,5 +107,11 @@ def _measure_sensitivity(
         return
     if windows is None:
         raise ValueError("--allocation global-loss needs the calibration windows: pass `windows`")
-    projections = PROJECTIONS + (MLP_PROJECTIONS if stats.has_mlp else ())
+    projections = sensitivity_projections(stats.has_mlp)
     stats.sensitivity = collect_sensitivity(model, adapter, windows[:samples], projections, progress=progress)
+
+
+def sensitivity_projections(mlp: bool) -> tuple[str, ...]:
+    """The projections whose loss sensitivity is measured: the attention's, and the MLP's when its statistics
+    were collected."""
+    return PROJECTIONS + (MLP_PROJECTIONS if mlp else ())

@@ -3,13 +3,15 @@
 The cache key covers everything the statistics depend on: the model's weights (hashed), the
 calibration text (its fingerprint), the windows (samples, length, seed, BOS), the compute dtype and
 the tool version. A cached file is validated on load (key, shapes, finiteness, symmetry) and is
-recomputed, never trusted, when anything is off.
+recomputed, never trusted, when anything is off. The loss sensitivity (`--allocation global-loss`) is cached
+beside the statistics it was measured with, per number of windows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from compressor import __version__
 from compressor.adapters import DecoderAdapter
 from compressor.calibration.cache import cache_dir
 from compressor.capture import CalibrationStats
+from compressor.sensitivity import Sensitivity
 
 #: What the cached numbers mean; part of the key, so a file of another format is never reused. 2: the
 #: autocorrelations are token means (format 1 held the sums Σ xᵀx).
@@ -114,6 +117,42 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
         autocorr.get("mlp"), autocorr.get("down"),
     )  # fmt: skip
     return stats, f"reused cached statistics {path}"
+
+
+def sensitivity_path(key: str, windows: int) -> Path:
+    return cache_dir() / "stats" / f"{key[:32]}.sensitivity-{windows}.json"
+
+
+def save_sensitivity(sensitivity: Sensitivity, key: str) -> Path:
+    """The loss sensitivity measured on the first `sensitivity.windows` windows of the statistics `key` was
+    computed on, beside them (a second run with the same settings skips its backward pass)."""
+    path = sensitivity_path(key, sensitivity.windows)
+    record = {
+        "key": key, "tokens": sensitivity.tokens, "windows": sensitivity.windows, "seconds": sensitivity.seconds,
+        "weights": [[layer, p, value] for (layer, p), value in sorted(sensitivity.weights.items())],
+    }  # fmt: skip
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_sensitivity(key: str, windows: int, expected: set[tuple[int, str]]) -> Sensitivity | None:
+    """The cached sensitivity over `windows` windows for the statistics `key`, when it covers exactly the
+    `expected` (layer, projection) pairs with finite values; None otherwise (then it is measured again)."""
+    path = sensitivity_path(key, windows)
+    try:
+        record = json.loads(path.read_text())
+        weights = {(int(layer), str(p)): float(value) for layer, p, value in record["weights"]}
+        valid = record["key"] == key and int(record["windows"]) == windows
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not valid or set(weights) != expected or not all(math.isfinite(v) for v in weights.values()):
+        return None
+    return Sensitivity(weights, int(record["tokens"]), windows, 0.0)
 
 
 def _kinds(mlp: bool) -> tuple[str, ...]:

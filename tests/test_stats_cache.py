@@ -90,3 +90,40 @@ def test_the_autocorrelations_are_token_means(monkeypatch, tmp_path):
     handle.remove()
     x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
     torch.testing.assert_close(stats.autocorr("attn", 1), x.T @ x / windows.numel(), rtol=1e-10, atol=1e-12)
+
+
+def test_the_loss_sensitivity_is_cached_beside_its_statistics(monkeypatch, tmp_path):
+    """A second run with the same statistics and number of sensitivity windows skips the backward pass: the
+    cached sensitivity is the measured one, exactly; another window count or a damaged file is measured again."""
+    from conftest import tiny_model_dir
+
+    import compressor.pipeline as pipeline
+    from compressor.api import compress
+    from compressor.config import CompressOptions
+
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    path = str(tiny_model_dir(tmp_path / "tiny"))
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    measured = []
+    original = pipeline.collect_sensitivity
+    monkeypatch.setattr(
+        pipeline, "collect_sensitivity", lambda *a, **k: measured.append(1) or original(*a, **k)
+    )
+
+    def run(**extra):
+        options = CompressOptions(
+            calib=str(text), calib_samples=4, seq_len=32, evaluate=False, save=False, **extra
+        )
+        return compress(path, options, progress=False).outcome
+
+    first = run()
+    second = run()
+    assert measured == [1]  # the second run read it from the cache
+    assert first.plan.to_dict() == second.plan.to_dict()
+    run(sensitivity_samples=2)  # another window count: measured again
+    assert measured == [1, 1]
+    for cached in (tmp_path / "cache" / "stats").glob("*.sensitivity-4.json"):
+        cached.write_text("{not json")
+    run()
+    assert measured == [1, 1, 1]
