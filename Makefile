@@ -48,7 +48,7 @@ format: install
 	$(BIN)/ruff format compressor calibration recipes tests benchmarks
 	$(BIN)/ruff check --fix compressor calibration recipes tests benchmarks
 
-bench: install  ## full benchmark (~30-45 min alone on 2 cores): writes BENCHMARKS.md and benchmarks/results.json
+bench: install  ## full benchmark (~3 h alone on 2 cores): writes BENCHMARKS.md and benchmarks/results/
 	$(BIN)/python -m benchmarks.run
 
 bench-quick: install  ## reduced benchmark for CI: checks that numbers are finite and files are written

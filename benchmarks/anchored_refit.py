@@ -58,8 +58,8 @@ def anchored_refit(
     for layer in range(before.num_layers):
         down_orig, down_comp = before.layers[layer].mlp.down_proj, after.layers[layer].mlp.down_proj
         width = down_comp.in_features
-        cross = float64_zeros(down_orig.in_features, width)  # E[z z'ᵀ]
-        gram = float64_zeros(width, width)  # E[z' z'ᵀ]
+        cross = float64_zeros(down_orig.in_features, width, device=torch.device("cpu"))  # E[z z'ᵀ]
+        gram = float64_zeros(width, width, device=torch.device("cpu"))  # E[z' z'ᵀ]
         tokens = 0
         for b in range(len(runner_orig.hidden)):
             seen_orig, seen_comp = _Capture(down_orig), _Capture(down_comp)

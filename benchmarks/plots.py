@@ -1,4 +1,5 @@
-"""The figures of BENCHMARKS.md (quality vs size, time per stage, latency, memory scaling), from results.json."""
+"""The figures of BENCHMARKS.md (quality vs size for attention and for the whole model, time per stage, latency,
+memory scaling), from results.json."""
 
 from __future__ import annotations
 
@@ -12,12 +13,25 @@ TARGETS = {
     "depth_memory_ratio": (1.15, "peak RSS of the `--layerwise` compression at 2x depth / at 1x depth"),
     "depth_overhead_growth": (1.10, "its overhead (peak RSS − loaded state) at 4x depth / at 1x depth"),
     "prefill_latency_ratio": (1.15, "prefill latency, reloaded compressed checkpoint / original"),
+    "whole_model_ppl_ratio": (1.5, "perplexity of the model 20% smaller / the original's (test split)"),
+}
+#: Targets met from above: key -> (least value, what it is).
+MIN_TARGETS = {
+    "whole_model_decode_speedup": (
+        1.15,
+        "decode of 64 tokens, the original's time / the model 20% smaller's",
+    ),
+    "whole_model_prefill_speedup": (
+        1.0,
+        "prefill of 512 tokens, the original's time / the model 20% smaller's",
+    ),
 }
 PLOTS = {
     "quality": "quality.png",
     "stages": "compression_stages.png",
     "latency": "latency.png",
     "scaling": "scaling.png",
+    "whole_model": "whole_model.png",
 }
 STAGE_LABELS = {
     "calibration": "calibration capture",
@@ -200,6 +214,39 @@ def _width_name(width: dict) -> str:
     return "the bundled model's width" if width == BUNDLED_WIDTH else "a narrow width for the quick mode"
 
 
+#: The whole-model curve's variants: label and style.
+CURVE_STYLE = {
+    "masa-attn-mlp": ("masa (default): MLP neurons, widths per layer", "o-", "tab:blue"),
+    "masa-attn-mlp-uniform": ("masa --uniform-mlp (a standard architecture)", "D--", "tab:cyan"),
+    "masa-attn-mlp-lowrank": ("masa --mlp lowrank (the former default)", "^-", "tab:purple"),
+    "svd-llm-attn-mlp": ("svd-llm", "s-", "tab:orange"),
+}
+
+
+def plot_whole_model(results: dict, path: Path) -> None:
+    """Perplexity against the model's size (MiB of float32 weights) for every variant of the whole-model curve."""
+    plt = _pyplot()
+    w = results["whole_model"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in w["quality"]):
+        label, style, color = CURVE_STYLE.get(method, (method, "o-", None))
+        rows = sorted((r for r in w["quality"] if r["method"] == method), key=lambda r: r["model_mib"])
+        ax.plot([r["model_mib"] for r in rows], [r["ppl"] for r in rows], style, color=color, label=label)
+    ax.axhline(w["original_ppl"], color="black", linestyle="--", linewidth=1, label="original")
+    ax.axhline(1.5 * w["original_ppl"], color="grey", linestyle=":", linewidth=1, label="1.5x the original")
+    ax.set_yscale("log")
+    ax.set_xlabel("model size (MiB of float32 weights, embeddings included)")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(
+        f"Whole-model compression ({w['evaluation']['tokens']:,} tokens of the {w['evaluation']['split']} split)"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: plot_dir / file for name, file in PLOTS.items()}
@@ -207,4 +254,8 @@ def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
     plot_stages(results, paths["stages"])
     plot_latency(results, paths["latency"])
     plot_scaling(results, paths["scaling"])
+    if "whole_model" in results:
+        plot_whole_model(results, paths["whole_model"])
+    else:
+        del paths["whole_model"]
     return paths

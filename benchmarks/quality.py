@@ -55,6 +55,8 @@ VARIANTS: dict[str, dict] = {
         f"sharing-{form}": {"method": "masa", "sharing": form}
         for form in ("atoms", "basis", "qkv", "none", "auto")
     },
+    # The `basis` form over runs of 2 and 8 layers (the default's runs are 4).
+    **{f"sharing-basis-{n}": {"method": "masa", "sharing": "basis", "basis_layers": n} for n in (2, 8)},
 }
 
 

@@ -1,7 +1,8 @@
-"""Render BENCHMARKS.md and its PNG plots from `benchmarks/results.json` (no measurement here).
+"""The one renderer of BENCHMARKS.md: the page and its PNG plots from `benchmarks/results/results.json` (what
+`make bench` measured) and the validation runs in `benchmarks/results/choices/` (no measurement here).
 
-`python -m benchmarks.report [--results benchmarks/results.json] [--doc BENCHMARKS.md]` re-renders after
-an edit of the template below, without running anything again.
+`python -m benchmarks.report [--results benchmarks/results/results.json] [--doc BENCHMARKS.md]` re-renders after
+an edit of the templates, without running anything again.
 """
 
 from __future__ import annotations
@@ -17,45 +18,31 @@ from benchmarks.memory_projection import (
     larger_than_memory_section,
     projection_section,
 )
-from benchmarks.plots import REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
-from benchmarks.report_committed import (
-    _ablation_section,
-    _basis_sharing_section,
-    _calibration_size_section,
-    _mlp_section,
-    _shape_search_section,
-    _sharing_forms_section,
-    _sharing_section,
-)
-from benchmarks.report_whole_model import whole_model_section
+from benchmarks.plots import MIN_TARGETS, REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
+from benchmarks.report_sections import choices_section, whole_model_latency_lines, whole_model_section
 
-__all__ = ["REPO", "TARGETS", "render"]
+__all__ = ["MIN_TARGETS", "REPO", "TARGETS", "render"]
 
 
 def _verdict(key: str, results: dict) -> str:
     if not isinstance(results.get(key), (int, float)):
         return "not measured"
+    if key in MIN_TARGETS:
+        return "met" if results[key] >= MIN_TARGETS[key][0] else "**missed**"
     return "met" if results[key] <= TARGETS[key][0] else "**missed**"
 
 
 def _summary(results: dict) -> list[str]:
     rows = ["| measure | value | target | |", "|---|---|---|---|"]
-    for key, (bound, what) in TARGETS.items():
-        value = f"{results[key]:.3f}x" if key in results else "—"
-        rows.append(f"| {what} (`{key}`) | {value} | ≤ {bound:g}x | {_verdict(key, results)} |")
+    for targets, sign in ((TARGETS, "≤"), (MIN_TARGETS, "≥")):
+        for key, (bound, what) in targets.items():
+            value = f"{results[key]:.3f}x" if key in results else "—"
+            rows.append(f"| {what} (`{key}`) | {value} | {sign} {bound:g}x | {_verdict(key, results)} |")
     rows += _scaling_summary(results)
     rows.append(
-        f"| decode latency, compressed / original (`decode_latency_ratio`) | "
+        f"| decode latency, compressed attention / original (`decode_latency_ratio`) | "
         f"{results['decode_latency_ratio']:.3f}x | (information) | |"
     )
-    latency = results.get("latency", {})
-    if "prefill_ratio_to_previous" in latency:  # today's default vs the former one, same ratio, one process
-        for phase in ("prefill", "decode"):
-            value = latency[f"{phase}_ratio_to_previous"]
-            rows.append(
-                f"| {phase} latency, default checkpoint / the former default's (`{phase}_ratio_to_previous`) | "
-                f"{value:.3f}x | ≤ 1x (no slower) | {'met' if value <= 1.0 else '**missed**'} |"
-            )
     return rows
 
 
@@ -125,7 +112,7 @@ def _quality_section(results: dict, rel) -> list[str]:
     details = results.get("quality_details", {})
     cal, ev = details.get("calibration", {}), details.get("evaluation", {})
     lines = [
-        "## 1. Quality at equal size",
+        "## 1. Attention: quality at equal size",
         "",
         f"Model: {details.get('model', '?')}. Calibration: {cal.get('samples', '?')} windows × "
         f"{cal.get('seq_len', '?')} tokens of {cal.get('text', '?')} (seed {cal.get('seed', '?')}), "
@@ -152,7 +139,7 @@ def _compression_section(results: dict, rel) -> list[str]:
     c = results["compression"]
     total = c["compress_seconds"]
     lines = [
-        "## 2. The compression run: time and memory per stage",
+        "## 3. The compression run: time and memory per stage",
         "",
         f"One real run in a fresh process: `{c['command']}` (method masa, recipe defaults, "
         f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation). "
@@ -197,9 +184,9 @@ def _latency_section(results: dict, rel) -> list[str]:
         return f"| {label} | {_f(a, digits)} | {_f(b, digits)} | {ratio} |"
 
     lines = [
-        "## 3. Inference: the reloaded compressed checkpoint vs the original",
+        "## 4. Inference: the reloaded compressed checkpoints vs the original",
         "",
-        f"The checkpoint written in section 2 is reloaded with `load_compressed`; both models run in one "
+        f"The attention-only checkpoint written in section 3 is reloaded with `load_compressed`; both models run in one "
         f"process ({lat['torch_threads']} torch thread{'s' if lat['torch_threads'] != 1 else ''}), measured "
         "alternately. Prefill: the "
         f"first {lat['prefill_tokens']} tokens of the held-out text with a KV cache and last-token logits, as "
@@ -216,14 +203,6 @@ def _latency_section(results: dict, rel) -> list[str]:
         f"- Greedy decoding: {lat['decoded_tokens_equal_to_original']} of the {lat['decode_tokens']} tokens "
         "equal the original model's (the models differ by design; shown for orientation).",
     ]
-    previous = lat.get("previous")
-    if previous:  # the former default's checkpoint at the same ratio, timed in the same process
-        lines.append(
-            f"- Against the former default (`{lat.get('previous_settings', '--sharing atoms')}`, same ratio and "
-            f"calibration, timed alongside): prefill {previous['prefill_ms']:,.1f} ms, decode "
-            f"{previous['decode_ms']:,.1f} ms; today's default takes **{lat['prefill_ratio_to_previous']:.3f}x** "
-            f"its prefill and **{lat['decode_ratio_to_previous']:.3f}x** its decode."
-        )
     for phase, key in (("prefill", "prefill_latency_ratio"), ("decode", "decode_latency_ratio")):
         extra = k[f"{phase}_ms"] - o[f"{phase}_ms"]
         if results[key] <= TARGETS["prefill_latency_ratio"][0] or extra <= 0:
@@ -244,7 +223,7 @@ def _latency_section(results: dict, rel) -> list[str]:
                 "out×in×r operation) before the matmul."
             )
         )
-    lines += ["", f"![latency]({rel('latency')})", ""]
+    lines += ["", f"![latency]({rel('latency')})", *whole_model_latency_lines(results), ""]
     return lines
 
 
@@ -270,11 +249,11 @@ def _latency_rows(lat: dict, mem: dict) -> list[tuple]:
 def _scaling_section(results: dict, rel) -> list[str]:
     s = results["scaling"]
     if s.get("mode") != "layerwise":  # measured before the layer-sequential pipeline: nothing to show
-        return ["## 4. Scaling with depth", "", "Re-run `python -m benchmarks.run --sections scaling`.", ""]
+        return ["## 5. Scaling with depth", "", "Re-run `python -m benchmarks.run --sections scaling`.", ""]
     runs, first = s["runs"], s["runs"][0]
     width, cal = first["width"], first["calibration"]
     lines = [
-        "## 4. Scaling with depth: the layer-sequential pipeline",
+        "## 5. Scaling with depth: the layer-sequential pipeline",
         "",
         f"Random Llama models of {_width_name(width)} (hidden {width['hidden_size']}, "
         f"{width['num_attention_heads']} heads, {width['num_key_value_heads']} KV heads, MLP "
@@ -406,18 +385,12 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_summary(results),
         "",
         *_quality_section(results, rel),
+        *whole_model_section(results, rel),
         *_compression_section(results, rel),
         *_latency_section(results, rel),
         *_scaling_section(results, rel),
     ]
-    lines += whole_model_section(doc)
-    lines += _ablation_section(doc)
-    lines += _calibration_size_section(doc)
-    lines += _mlp_section(doc)
-    lines += _shape_search_section(doc)
-    lines += _sharing_section(doc)
-    lines += _sharing_forms_section(doc)
-    lines += _basis_sharing_section(doc, results)
+    lines += choices_section(doc)
     notes = results.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
@@ -435,7 +408,7 @@ def render(results: dict, results_path: Path, doc: Path, plot_dir: Path) -> list
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results.json"))
+    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "results.json"))
     parser.add_argument("--doc", default=str(REPO / "BENCHMARKS.md"))
     parser.add_argument("--plot-dir", help="default: the folder of --results")
     args = parser.parse_args(argv)

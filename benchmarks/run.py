@@ -1,22 +1,25 @@
 """`make bench`: the project's benchmark, in one run so that its ratios compare like with like.
 
 Sections (all on the bundled SmolLM2-135M unless said otherwise):
-1. quality: perplexity on the TEST split at attention ratios 0.1-0.4 for masa and svd-llm (and the ablations
-   masa-paper and zero atoms at 0.2), with ONE calibration and ONE evaluation pass that scores every model with
-   the original on the same windows (`benchmarks.quality.run_quality`): 95% bootstrap intervals, paired
-   differences, KL from the original and top-1 agreement;
+1. quality: attention only, perplexity on the TEST split at ratios 0.1-0.4 for masa and svd-llm (and at 0.2 the
+   paper's configuration, the other form of sharing and Basis Sharing), with ONE calibration and ONE evaluation
+   pass that scores every model with the original on the same windows (`benchmarks.quality.run_quality`): 95%
+   bootstrap intervals, paired differences, KL from the original and top-1 agreement;
 1b. headline: the 0.2 pair (masa, svd-llm) again with 2048-token windows and on a second text domain;
-2. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
+2. whole_model: `--targets attn,mlp --ratio-of model` at 10-40% of the model (the default, the low-rank MLP,
+   uniform MLP widths, SVD-LLM; `benchmarks.whole_model`), the 20% model also on a second text domain;
+3. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
    RSS, the checkpoint), and one plain forward pass over the same calibration tokens in another fresh
    process: their ratio is `compress_over_forward`;
-3. latency: the checkpoint of (2) reloaded with `load_compressed` vs the original, prefill and decode, and
-   each model's memory in a fresh process;
-4. scaling: the layer-sequential compression (`--layerwise`) of random models of the bundled width with 15, 30
+4. latency: the checkpoint of (3) reloaded with `load_compressed` vs the original, prefill and decode, and
+   each model's memory in a fresh process; then the model 20% smaller (and its `--uniform-mlp` export) the
+   same way: `whole_model_decode_speedup`, `whole_model_prefill_speedup`;
+5. scaling: the layer-sequential compression (`--layerwise`) of random models of the bundled width with 15, 30
    and 60 layers (peak RSS, overhead over the loaded state, the checkpoint compared byte for byte with the
    in-memory path's), then of one 256-layer model whose weights are larger than its run's peak RSS, reloaded and
    evaluated.
 
-Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/`) and the page --doc (default
+Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/results/`) and the page --doc (default
 `BENCHMARKS.md`). `--quick` (CI) runs tiny settings into a temporary directory (never the committed files)
 and exits non-zero unless every number is finite and every file was written; the full run does the same
 checks.
@@ -35,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.common import log, machine_info, non_finite
-from benchmarks.report import REPO, TARGETS, render
+from benchmarks.report import MIN_TARGETS, REPO, TARGETS, render
 from benchmarks.scaling import BUNDLED_WIDTH, NARROW_WIDTH
 from benchmarks.sections import (
     MODEL,
@@ -44,15 +47,16 @@ from benchmarks.sections import (
     section_latency,
     section_quality,
     section_scaling,
+    section_whole_model,
 )
 
-SECTIONS = ("quality", "headline", "compression", "latency", "scaling")
+SECTIONS = ("quality", "headline", "whole_model", "compression", "latency", "scaling")
 
 FULL = {
     "methods": ["masa", "svd-llm"],
     "ratios": [0.1, 0.2, 0.3, 0.4],
-    # Ablations measured once, at the headline ratio: the paper's configuration and the default without atoms.
-    "extra_variants": {0.2: ["masa-paper", "sharing-none", "sharing-atoms"]},
+    # Measured once, at the headline ratio: the paper's configuration, the other form of sharing, and Basis Sharing.
+    "extra_variants": {0.2: ["masa-paper", "sharing-none", "basis-sharing"]},
     "calib_samples": None,  # the recipe's: 64 windows
     "seq_len": None,  # the recipe's: 512 tokens
     "eval_split": "test",
@@ -62,6 +66,14 @@ FULL = {
     # second text domain.
     "headline_ratio": 0.2,
     "extra_evaluations": [{"seq_len": 2048}, {"text": "shakespeare"}],
+    # The whole model (`--targets attn,mlp --ratio-of model`): the curve at these fractions of the model, the
+    # headline fraction also on a second text and timed (section latency).
+    "whole_model": {
+        "variants": ["masa-attn-mlp", "masa-attn-mlp-lowrank", "masa-attn-mlp-uniform", "svd-llm-attn-mlp"],
+        "model_ratios": [0.1, 0.2, 0.3, 0.4],
+        "headline": 0.2,
+        "texts": ["shakespeare"],
+    },
     "stage_ratio": 0.2,
     "prefill_tokens": 512,
     "decode_tokens": 64,
@@ -86,6 +98,12 @@ QUICK = {
     "eval_max_tokens": 1024,
     "headline_ratio": 0.2,
     "extra_evaluations": [{"seq_len": 1024, "max_tokens": 2048}],
+    "whole_model": {
+        "variants": ["masa-attn-mlp", "svd-llm-attn-mlp"],
+        "model_ratios": [0.2],
+        "headline": 0.2,
+        "texts": [],
+    },
     "stage_ratio": 0.2,
     "prefill_tokens": 64,
     "decode_tokens": 8,
@@ -106,6 +124,10 @@ REQUIRED_KEYS = (
     "larger_than_memory",
     "prefill_latency_ratio",
     "decode_latency_ratio",
+    "whole_model",
+    "whole_model_ppl_ratio",
+    "whole_model_decode_speedup",
+    "whole_model_prefill_speedup",
     "machine",
     "date",
     "command",
@@ -129,7 +151,7 @@ def check(results: dict, files: list[Path]) -> list[str]:
         missing = {"method", "ratio", "ppl"} - set(row)
         if missing:
             problems.append(f"quality row without {sorted(missing)}: {row}")
-    for key in TARGETS:
+    for key in (*TARGETS, *MIN_TARGETS):
         if not isinstance(results.get(key), (int, float)) or results.get(key, 0) <= 0:
             problems.append(f"{key} is not a positive number: {results.get(key)!r}")
     deep = results.get("larger_than_memory")
@@ -195,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="tiny settings for CI, into a temporary directory"
     )
     parser.add_argument(
-        "--out-dir", help="results.json and plots (default: benchmarks/, or a temp dir with --quick)"
+        "--out-dir", help="results.json and plots (default: benchmarks/results/, or a temp dir with --quick)"
     )
     parser.add_argument(
         "--doc", help="the markdown page (default: BENCHMARKS.md, or OUT_DIR/BENCHMARKS.md with --quick)"
@@ -239,7 +261,7 @@ def _configure(args, parser) -> tuple[dict, list[str], Path, Path]:
     elif args.quick:
         out_dir = Path(tempfile.mkdtemp(prefix="masa-bench-quick-"))
     else:
-        out_dir = REPO / "benchmarks"
+        out_dir = REPO / "benchmarks" / "results"
     doc = (
         Path(args.doc) if args.doc else (out_dir / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
     )
@@ -258,6 +280,7 @@ def _run_sections(
     runners = {
         "quality": lambda: section_quality(settings),
         "headline": lambda: section_headline(settings),
+        "whole_model": lambda: section_whole_model(settings),
         "compression": lambda: section_compression(settings, checkpoint),
         "latency": lambda: section_latency(settings, checkpoint),
         "scaling": lambda: section_scaling(settings),
@@ -325,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {', '.join(str(f) for f in files)}")
     summary = {
         k: results.get(k)
-        for k in ("original_ppl", *TARGETS, "depth_memory_overhead_ratio", "decode_latency_ratio")
+        for k in (
+            "original_ppl",
+            *TARGETS,
+            *MIN_TARGETS,
+            "depth_memory_overhead_ratio",
+            "decode_latency_ratio",
+        )
     }
     deep = results.get("larger_than_memory") or {}
     summary["larger_than_memory_peak_over_weights"] = deep.get("peak_over_weights")

@@ -150,41 +150,33 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
     }
 
 
-#: The default before the input-basis forms (issue "Sharing that pays"): its checkpoint is timed beside today's.
-PREVIOUS_DEFAULT = "--sharing atoms"
+def section_whole_model(s: dict) -> dict:
+    """The whole model (`--targets attn,mlp --ratio-of model`): the curve of `benchmarks.whole_model` on the test
+    split (the default, the low-rank MLP, uniform MLP widths, SVD-LLM), and the headline fraction on a second
+    text domain."""
+    from benchmarks.whole_model import DEFAULT, measure_whole_model
 
-
-def _previous_default_checkpoint(s: dict, checkpoint: Path) -> Path:
-    """The former default's checkpoint at the same ratio and calibration, beside `checkpoint`."""
-    previous = checkpoint.with_name(checkpoint.name + "-previous-default")
-    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", *PREVIOUS_DEFAULT.split()]
-    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
-        if s[key] is not None:
-            args += [flag, str(s[key])]
-    log(f"the former default's checkpoint: masa-compress {' '.join(args)}")
-    run_module_measured(
-        "compressor", [*args, "--out", str(previous), "--overwrite"], "the former default's run"
+    w = s["whole_model"]
+    result = measure_whole_model(
+        w["variants"], w["model_ratios"], s["eval_split"], headline=w["headline"], other_texts=tuple(w["texts"]),
+        log=log, calib_samples=s["calib_samples"], seq_len=s["seq_len"], eval_seq_len=s["eval_seq_len"],
+        eval_max_tokens=s["eval_max_tokens"],
+    )  # fmt: skip
+    headline = next(
+        r for r in result["quality"] if r["method"] == DEFAULT and r["model_ratio"] == w["headline"]
     )
-    return previous
+    return {"whole_model": result, "whole_model_ppl_ratio": headline["ppl"] / result["original_ppl"]}
 
 
 def section_latency(s: dict, checkpoint: Path) -> dict:
+    """The attention-only checkpoint of section `compression` reloaded against the original (prefill, decode,
+    memory); then the whole model 20% smaller (`whole_model_checkpoints`) the same way: its speed-ups."""
     from benchmarks.speed import checkpoint_bytes
     from compressor.models import bundled_model_dir, resolve_model
 
-    previous = _previous_default_checkpoint(s, checkpoint)
     log(f"latency: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens (fresh process)")
-    latency = run_json_child(
-        ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
-        + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
-        + ["--repeats", str(s["latency_repeats"]), "--previous", str(previous)],
-        "the latency measurement",
-    )
+    latency = _latency(s, checkpoint)
     log(f"  prefill ratio {latency['prefill_ratio']:.3f}, decode ratio {latency['decode_ratio']:.3f}")
-    log(
-        f"  to the former default ({PREVIOUS_DEFAULT}): prefill {latency['prefill_ratio_to_previous']:.3f}, "
-        f"decode {latency['decode_ratio_to_previous']:.3f}"
-    )
     memory = {}
     for name, spec in (("original", MODEL), ("compressed", str(checkpoint))):
         log(f"inference memory of the {name} model (fresh process)")
@@ -195,12 +187,69 @@ def section_latency(s: dict, checkpoint: Path) -> dict:
         )
     memory["original_file_mib"] = checkpoint_bytes(bundled_model_dir(resolve_model(MODEL), False)) / 1024**2
     memory["compressed_file_mib"] = checkpoint_bytes(checkpoint) / 1024**2
-    latency["previous_settings"] = PREVIOUS_DEFAULT
+    whole = whole_model_checkpoints(s, checkpoint.parent)
+    timed = {name: _latency(s, path) for name, path in whole["paths"].items()}
+    default = timed["default"]
+    for name, lat in timed.items():
+        log(
+            f"  whole model ({name}): decode {1 / lat['decode_ratio']:.3f}x, prefill {1 / lat['prefill_ratio']:.3f}x faster"
+        )
     return {
         "latency": latency,
         "inference_memory": memory,
         "prefill_latency_ratio": latency["prefill_ratio"],
         "decode_latency_ratio": latency["decode_ratio"],
+        "whole_model_latency": {**timed, "commands": whole["commands"], "mib": whole["mib"]},
+        # The original's time over the checkpoint's: above 1, the smaller model is faster.
+        "whole_model_decode_speedup": 1 / default["decode_ratio"],
+        "whole_model_prefill_speedup": 1 / default["prefill_ratio"],
+    }
+
+
+def _latency(s: dict, checkpoint: Path) -> dict:
+    return run_json_child(
+        ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
+        + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
+        + ["--repeats", str(s["latency_repeats"])],
+        f"the latency measurement of {checkpoint.name}",
+    )
+
+
+def whole_model_checkpoints(s: dict, work: Path) -> dict:
+    """The model 20% smaller (`--targets attn,mlp --ratio R --ratio-of model`), as the CLI writes it; and with one
+    MLP width in every layer, exported by `export-dense` to the base architecture (plain transformers, no remote
+    code). Paths, commands and sizes (MiB on disk)."""
+    from benchmarks.speed import checkpoint_bytes
+
+    base = [
+        MODEL,
+        "--targets",
+        "attn,mlp",
+        "--ratio",
+        str(s["whole_model"]["headline"]),
+        "--ratio-of",
+        "model",
+    ]
+    base += ["--json", "--no-eval", "--overwrite"]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            base += [flag, str(s[key])]
+    paths = {"default": work / "whole-model", "uniform": work / "whole-model-uniform"}
+    commands = {}
+    for name, extra in (("default", []), ("uniform", ["--uniform-mlp"])):
+        args = [*base, *extra, "--out", str(paths[name])]
+        commands[name] = "masa-compress " + " ".join(args).replace(str(work), "<tmp>")
+        log(f"whole-model checkpoint ({name}): {commands[name]}")
+        run_module_measured("compressor", args, f"the whole-model run ({name})")
+    exported = work / "whole-model-uniform-dense"
+    args = ["export-dense", str(paths["uniform"]), str(exported), "--overwrite", "--json"]
+    commands["uniform-dense"] = "masa-compress " + " ".join(args).replace(str(work), "<tmp>")
+    run_module_measured("compressor", args, "export-dense of the uniform checkpoint")
+    paths["uniform-dense"] = exported
+    return {
+        "paths": paths,
+        "commands": commands,
+        "mib": {name: checkpoint_bytes(path) / 2**20 for name, path in paths.items()},
     }
 
 

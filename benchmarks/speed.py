@@ -169,14 +169,10 @@ def projection_split(model: torch.nn.Module, prompt: torch.Tensor, decode: int) 
     return prefill, spent[0]
 
 
-def measure_latency(
-    original: str, checkpoint: str, prefill: int, decode: int, repeats: int, previous: str | None = None
-) -> dict:
-    """The original vs `checkpoint` (and `previous`, another checkpoint, e.g. the former default's at the same
-    ratio), measured alternately in one process."""
+def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, repeats: int) -> dict:
+    """The original vs `checkpoint` (a compressed checkpoint, or any model directory: an export), measured
+    alternately in one process."""
     models = {"original": _load(original), "compressed": _load(checkpoint)}
-    if previous:
-        models["previous"] = _load(previous)
     prompt = prompt_tokens(models["original"][1], prefill)
     runs: dict[str, dict[str, list]] = {
         name: {"prefill": [], "decode": [], "proj_prefill": [], "proj_decode": []} for name in models
@@ -219,13 +215,6 @@ def measure_latency(
     result["decoded_tokens_equal_to_original"] = agree
     result["prefill_ratio"] = result["compressed"]["prefill_ms"] / result["original"]["prefill_ms"]
     result["decode_ratio"] = result["compressed"]["decode_ms"] / result["original"]["decode_ms"]
-    if previous:
-        result["prefill_ratio_to_previous"] = (
-            result["compressed"]["prefill_ms"] / result["previous"]["prefill_ms"]
-        )
-        result["decode_ratio_to_previous"] = (
-            result["compressed"]["decode_ms"] / result["previous"]["decode_ms"]
-        )
     return result
 
 
@@ -278,7 +267,6 @@ def main(argv: list[str] | None = None) -> None:
     latency.add_argument("--prefill", type=int, default=512)
     latency.add_argument("--decode", type=int, default=64)
     latency.add_argument("--repeats", type=int, default=7)
-    latency.add_argument("--previous", help="another checkpoint timed alongside (e.g. the former default's)")
     memory = sub.add_parser("memory")
     memory.add_argument("--model", required=True, help="recipe alias, model path or compressed checkpoint")
     memory.add_argument("--prefill", type=int, default=512)
@@ -292,9 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure_forward(args.model, args.calib_samples, args.seq_len, args.batch_size)
         log(f"plain forward over {result['windows']}x{result['seq_len']} tokens: {result['seconds']:.1f} s")
     elif args.what == "latency":
-        result = measure_latency(
-            args.model, args.checkpoint, args.prefill, args.decode, args.repeats, args.previous
-        )
+        result = measure_latency(args.model, args.checkpoint, args.prefill, args.decode, args.repeats)
     else:
         result = measure_memory(args.model, args.prefill, args.decode)
     print("\n" + json.dumps(result), flush=True)

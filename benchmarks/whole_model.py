@@ -1,9 +1,11 @@
 """Whole-model compression (`--targets attn,mlp --ratio-of model`): at each fraction of the whole model removed,
 the default (the MLP by neuron selection), the MLP by low-rank factors (the former default), one MLP width in
 every layer (`--uniform-mlp`: a standard architecture) and SVD-LLM's uniform ranks, from ONE calibration scored
-with the original in ONE pass over the same windows (paired differences).
+with the original in ONE pass over the same windows (paired differences); the models at the headline fraction
+scored again on a second text domain. `make bench`'s `whole_model` section runs `measure_whole_model`.
 
 `python -m benchmarks.whole_model [--model-ratios 0.1,0.2,0.3,0.4] [--variants ...] [--split test] [--out F]`
+(`--split validation` for choices: `benchmarks/results/choices/whole-model-validation.json`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import argparse
 import json
 import sys
 
-from benchmarks.quality import VARIANTS, compare, run_quality, variant_key
+from benchmarks.quality import (
+    VARIANTS,
+    compare,
+    evaluation_settings,
+    run_quality,
+    score,
+    strip_windows,
+    variant_key,
+)
 from compressor.adapters import target_projections
 from compressor.config import CompressOptions
 from compressor.methods import ModelShape
@@ -31,7 +41,8 @@ DEFAULT, LOWRANK, UNIFORM, BASELINE = (
 )
 CURVE = (DEFAULT, LOWRANK, UNIFORM, BASELINE)
 #: Paired differences reported per row: this variant minus each partner, on the same windows.
-PARTNERS = {DEFAULT: (LOWRANK, BASELINE), UNIFORM: (DEFAULT,)}
+PARTNERS = {DEFAULT: (LOWRANK, BASELINE), UNIFORM: (DEFAULT,), "masa-attn-mlp-none": (DEFAULT,)}
+BYTES_PER_NUMBER = 4  # the bundled model's weights are float32
 
 
 def model_ratio_as_targets(model: str, ratio: float) -> float:
@@ -42,6 +53,64 @@ def model_ratio_as_targets(model: str, ratio: float) -> float:
     return targets_ratio(ratio, "model", model_parameter_count(config), targets, "attn,mlp")
 
 
+def measure_whole_model(
+    variants: list[str],
+    model_ratios: list[float],
+    split: str = "test",
+    headline: float | None = 0.2,
+    other_texts: tuple[str, ...] = ("shakespeare",),
+    log=print,
+    **quality_settings,
+) -> dict:
+    """The curve: every variant at every fraction of the model, one calibration, one scoring pass; the rows
+    carry their model size, their rise over the original and their paired differences to their partners. At
+    the `headline` fraction the same models are scored on `other_texts` too."""
+    as_targets = {r: model_ratio_as_targets(MODEL, r) for r in model_ratios}
+    chosen = {name: VARIANTS[name] for name in variants}
+    result = run_quality(
+        MODEL, chosen, list(as_targets.values()), progress=False, split=split, log=log, **quality_settings
+    )
+    scores = result["_scores"]
+    by_target = {round(t, 12): r for r, t in as_targets.items()}
+    for row in result["quality"]:
+        this = variant_key(row["method"], row["ratio"])
+        row["model_ratio"] = by_target[round(row["ratio"], 12)]
+        row["model_mib"] = row["model_params_after"] * BYTES_PER_NUMBER / 2**20
+        row["rise"] = compare(scores, this, "original")
+        for partner in PARTNERS.get(row["method"], ()):
+            if partner in chosen:
+                row[f"minus_{partner}"] = compare(scores, this, variant_key(partner, row["ratio"]))
+    rows = {(r["method"], r["ratio"]): r for r in result["quality"]}
+    for (method, ratio), row in rows.items():
+        if method == DEFAULT and (BASELINE, ratio) in rows:
+            row["rise_ratio_vs_svd_llm"] = row["rise"]["value"] / rows[(BASELINE, ratio)]["rise"]["value"]
+    payload = {k: v for k, v in result.items() if not k.startswith("_")}
+    payload["model_ratios"] = {str(r): t for r, t in as_targets.items()}
+    payload["model_mib_before"] = result["model_params_before"] * BYTES_PER_NUMBER / 2**20
+    if headline is not None and other_texts:
+        payload["other_texts"] = _other_texts(result, as_targets[headline], variants, other_texts, split, log)
+    return payload
+
+
+def _other_texts(result: dict, ratio: float, variants: list[str], texts, split: str, log) -> dict:
+    """The models at one ratio scored on each other text (its `split`), with the partners' differences."""
+    setup, models = result["_setup"], result["_models"]
+    at = {name: models[variant_key(name, ratio)] for name in variants}
+    out = {}
+    for text in texts:
+        evaluation = evaluation_settings(setup.recipe, split, text=text)
+        log(f"whole model at {ratio:.4f} of attn+mlp on {text} ({split})")
+        scores = score(setup, at, evaluation, progress=False)
+        differences = {
+            f"{name}_minus_{partner}": compare(scores, name, partner)
+            for name in variants
+            for partner in PARTNERS.get(name, ())
+            if partner in at
+        }
+        out[text] = {**strip_windows(scores), "differences": differences, "targets_ratio": ratio}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -49,36 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--variants", default=",".join(CURVE))
     parser.add_argument("--split", default="test")
+    parser.add_argument("--no-other-texts", action="store_true", help="skip the second text domain")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    model_ratios = [float(r) for r in args.model_ratios.split(",")]
-    as_targets = {r: model_ratio_as_targets(MODEL, r) for r in model_ratios}
-    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
-    result = run_quality(MODEL, variants, list(as_targets.values()), progress=False, split=args.split)
-    scores = result["_scores"]
-    by_target = {round(t, 12): r for r, t in as_targets.items()}
-    for row in result["quality"]:
-        this = variant_key(row["method"], row["ratio"])
-        row["model_ratio"] = by_target[round(row["ratio"], 12)]
-        row["model_mib"] = row["model_params_after"] * 4 / 2**20  # float32 weights
-        row["rise"] = compare(scores, this, "original")
-        for partner in PARTNERS.get(row["method"], ()):
-            if partner in variants:
-                row[f"minus_{partner}"] = compare(scores, this, variant_key(partner, row["ratio"]))
-    rows = {(r["method"], r["ratio"]): r for r in result["quality"]}
-    for (method, ratio), row in rows.items():
-        if method == DEFAULT and (BASELINE, ratio) in rows:
-            row["rise_ratio_vs_svd_llm"] = row["rise"]["value"] / rows[(BASELINE, ratio)]["rise"]["value"]
-    payload = {k: v for k, v in result.items() if not k.startswith("_")}
+    ratios = [float(r) for r in args.model_ratios.split(",")]
+    payload = measure_whole_model(
+        args.variants.split(","), ratios, args.split, headline=0.2 if 0.2 in ratios else None,
+        other_texts=() if args.no_other_texts else ("shakespeare",),
+    )  # fmt: skip
     payload["command"] = "python -m benchmarks.whole_model " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    payload["model_ratios"] = as_targets
-    text = json.dumps(payload, indent=2)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
-    for row in result["quality"]:
+            f.write(json.dumps(payload, indent=2) + "\n")
+    for row in payload["quality"]:
         print(row["method"], f"model {row['model_ratio']:.2f}", f"{row['ppl']:.3f}", row["ppl_ci95"],
               {k: v["value"] for k, v in row.items() if k.startswith("minus_")})  # fmt: skip
 

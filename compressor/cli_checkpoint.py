@@ -103,9 +103,7 @@ def _checkpoint_rows(info: dict) -> list[tuple[str, str]]:
         ("method", str(info["method"])),
         (
             "ratio",
-            f"requested {info['ratio_requested']}, achieved {info['achieved_ratio']:.4f}"
-            if info["achieved_ratio"] is not None
-            else str(info["ratio_requested"]),
+            _ratio_row(info),
         ),
     ]
     if info["target_params_before"] is not None:
@@ -155,6 +153,18 @@ def _settings_read(comp: dict) -> dict:
     except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
         read = set(comp)
     return {k: v for k, v in comp.items() if k in read and v is not None}
+
+
+def _ratio_row(info: dict) -> str:
+    """What was asked and what the targets lost: `0.2 of the model requested (0.2534 of the targets), achieved
+    0.2534 of the targets`, or for a ratio of the targets `requested 0.2, achieved 0.2000`."""
+    achieved = "" if info["achieved_ratio"] is None else f", achieved {info['achieved_ratio']:.4f}"
+    if info.get("ratio_of") == "model":
+        return (
+            f"{info['user_ratio']:g} of the model requested ({info['ratio_requested']:.4f} of the targets)"
+            + (f"{achieved} of the targets" if achieved else "")
+        )
+    return f"requested {info['ratio_requested']:g}{achieved}"
 
 
 def _ranks_table(info: dict) -> Table:

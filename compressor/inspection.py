@@ -306,7 +306,10 @@ def describe_checkpoint(path: str) -> dict:
         "recipe": meta.get("recipe"),
         "base_architecture": layout.get("base_architecture"),
         "method": meta.get("method") or plan.get("method"),
-        "ratio_requested": counts.get("ratio_requested", plan.get("ratio_requested")),
+        "ratio_requested": counts.get("ratio_requested", plan.get("ratio_requested")),  # of the targets
+        # What the user asked for (`--ratio R --ratio-of model`): absent from checkpoints written before it.
+        "ratio_of": meta.get("ratio_of"),
+        "user_ratio": meta.get("ratio_requested"),
         "achieved_ratio": counts.get("achieved_ratio"),
         "targets": counts.get("targets", list(PROJECTIONS)),  # checkpoints before --targets: attention
         "target_params_before": read_count(counts, "target_params_before"),  # also from checkpoints of 0.1

@@ -336,3 +336,54 @@ def _fake_results() -> dict:
         "depth_memory_overhead_ratio": 1.0,
         "depth_time_ratio": 3.5,
     }
+
+
+def test_report_renders_the_whole_model_and_its_targets(tmp_path):
+    """The whole-model section (curve, second text, the speed of the model 20% smaller) renders from results.json,
+    and its targets are judged from the numbers: a perplexity ratio above 1.5 and a decode speed-up below 1.15
+    are misses, a prefill speed-up of 1.0 meets 'not slower'."""
+    from benchmarks.report import render
+
+    results = _fake_results()
+    diff = {"value": -3.0, "ci95": [-4.0, -2.0], "tie": False}
+
+    def row(method, ppl):
+        return {"method": method, "ratio": 0.25, "model_ratio": 0.2, "model_mib": 410.5, "ppl": ppl,
+                "ppl_ci95": [ppl - 1, ppl + 1], "kl_to_original": 0.4, "top1_agreement": 0.65,
+                **({"minus_svd-llm-attn-mlp": diff} if method == "masa-attn-mlp" else {})}  # fmt: skip
+
+    scored = {"ppl": 31.0, "ppl_ci95": [30.0, 32.0], "kl_to_original": 0.5, "top1_agreement": 0.6}
+    results["whole_model"] = {
+        "calibration": {"samples": 2, "seq_len": 8, "text": "t"},
+        "evaluation": {"tokens": 100, "split": "test"},
+        "original_ppl": 20.0, "original_ppl_ci95": [19.0, 21.0], "model_mib_before": 513.1,
+        "quality": [row("masa-attn-mlp", 31.0), row("svd-llm-attn-mlp", 34.0)],
+        "other_texts": {"shakespeare": {
+            "evaluation": {"tokens": 50, "split": "test"}, "original": {"ppl": 40.0, "ppl_ci95": [39.0, 41.0]},
+            "models": {"masa-attn-mlp": scored}, "differences": {"masa-attn-mlp_minus_svd-llm-attn-mlp": diff},
+            "targets_ratio": 0.25,
+        }},
+    }  # fmt: skip
+    lat = {
+        "original": {"prefill_ms": 100.0, "decode_ms": 640.0},
+        "compressed": {"prefill_ms": 100.0, "decode_ms": 600.0},
+        "prefill_ratio": 1.0,
+        "decode_ratio": 0.9375,
+    }
+    results["whole_model_latency"] = {"default": lat, "commands": {"default": "masa-compress m"}, "mib": {"default": 410.5}}  # fmt: skip
+    results |= {
+        "whole_model_ppl_ratio": 1.55,
+        "whole_model_decode_speedup": 640 / 600,
+        "whole_model_prefill_speedup": 1.0,
+    }
+    results["inference_memory"] = {"original_file_mib": 513.1}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    written = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)
+    doc = written[0].read_text()
+    assert (tmp_path / "whole_model.png").stat().st_size > 0 and "](whole_model.png)" in doc
+    assert "(`whole_model_ppl_ratio`) | 1.550x | ≤ 1.5x | **missed** |" in doc
+    assert "(`whole_model_decode_speedup`) | 1.067x | ≥ 1.15x | **missed** |" in doc
+    assert "(`whole_model_prefill_speedup`) | 1.000x | ≥ 1x | met |" in doc
+    assert "| 20% | masa (default)" in doc and "− svd-llm-attn-mlp: -3.000 [-4.000, -2.000]" in doc
+    assert "on **shakespeare**" in doc and "| 1.000x | 1.067x |" in doc

@@ -1,0 +1,249 @@
+"""Sections of BENCHMARKS.md beyond the attention benchmark: the whole model (curve, second domain, speed of the
+model 20% smaller) from results.json, and the choices behind today's defaults, from the validation runs kept in
+`benchmarks/results/choices/` (each measured once by the command it records; `make bench` does not re-run them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.markdown import _ci, _difference, _f, _link
+from benchmarks.plots import CURVE_STYLE, REPO
+
+CHOICES = REPO / "benchmarks" / "results" / "choices"
+DEFAULT = "masa-attn-mlp"
+
+
+def _label(method: str) -> str:
+    return CURVE_STYLE.get(method, (f"`{method}`",))[0]
+
+
+def whole_model_section(results: dict, rel) -> list[str]:
+    w = results.get("whole_model")
+    if not w:
+        return []
+    cal, ev = w["calibration"], w["evaluation"]
+    lines = [
+        "## 2. The whole model: attention and MLP (`--targets attn,mlp --ratio-of model`)",
+        "",
+        "`masa-compress MODEL --targets attn,mlp --ratio R --ratio-of model` makes the model R smaller, taking the "
+        f"numbers from every linear projection of its layers. One calibration ({cal['samples']}×{cal['seq_len']} "
+        f"tokens of {cal['text']}, MLP inputs included), every model scored with the original in one pass over "
+        f"the {ev['tokens']:,} tokens of the **{ev['split']}** split (original **{w['original_ppl']:.3f}**"
+        f"{_ci(w['original_ppl_ci95'])}). Size: the model's float32 weights ({w['model_mib_before']:.1f} MiB "
+        "before). Variants: the default (the MLP keeps a subset of its neurons, `down_proj` refit by least "
+        "squares, each layer's width from the loss-aware allocation); `--uniform-mlp` (the same width in every "
+        "layer: the base architecture with a smaller `intermediate_size`, which `export-dense` writes as a "
+        "standard checkpoint with the same logits); `--mlp lowrank` (whitened low-rank factors of gate/up/down, "
+        "the default before); SVD-LLM (the same kept fraction of every matrix). Differences are paired, on the "
+        "same windows; rise ratio: the default's perplexity rise over SVD-LLM's.",
+        "",
+        "| removed of the model | variant | model MiB | perplexity [95% CI] | × original | KL | top-1 | "
+        "differences (paired) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(w["quality"], key=lambda r: (r["model_ratio"], list(CURVE_STYLE).index(r["method"])
+                                                     if r["method"] in CURVE_STYLE else 99)):  # fmt: skip
+        diffs = "; ".join(
+            f"− {k.removeprefix('minus_')}: {_difference(v)}"
+            for k, v in row.items()
+            if k.startswith("minus_")
+        )
+        if "rise_ratio_vs_svd_llm" in row:
+            diffs += f"; rise ratio {row['rise_ratio_vs_svd_llm']:.3f}"
+        lines.append(
+            f"| {row['model_ratio']:.0%} | {_label(row['method'])} | {row['model_mib']:.1f} | {row['ppl']:.3f}"
+            f"{_ci(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {_f(row.get('kl_to_original'), 3)} | "
+            f"{row['top1_agreement']:.1%} | {diffs or '—'} |"
+        )
+    lines += ["", f"![perplexity vs model size]({rel('whole_model')})", "", *_other_texts(w)]
+    return lines
+
+
+def _other_texts(w: dict) -> list[str]:
+    lines = []
+    for text, scored in (w.get("other_texts") or {}).items():
+        ev = scored["evaluation"]
+        lines += [
+            f"The same models at {scored['targets_ratio']:.4f} of attn+mlp (the model 20% smaller) on **{text}** "
+            f"({ev['tokens']:,} tokens of its {ev['split']} split, never calibrated on; original "
+            f"{scored['original']['ppl']:.3f}{_ci(scored['original']['ppl_ci95'])}):",
+            "",
+            "| variant | perplexity [95% CI] | KL | top-1 |",
+            "|---|---|---|---|",
+            *[
+                f"| {_label(name)} | {m['ppl']:.3f}{_ci(m['ppl_ci95'])} | {m['kl_to_original']:.3f} | "
+                f"{m['top1_agreement']:.1%} |"
+                for name, m in scored["models"].items()
+            ],
+            "",
+            "Paired differences there: "
+            + "; ".join(
+                f"{k.replace('_minus_', ' − ')}: {_difference(v)}" for k, v in scored["differences"].items()
+            )
+            + ".",
+            "",
+        ]
+    return lines
+
+
+def whole_model_latency_lines(results: dict) -> list[str]:
+    timed = results.get("whole_model_latency")
+    if not timed:
+        return []
+    names = {"default": "default checkpoint (`load_compressed`)", "uniform": "`--uniform-mlp` checkpoint",
+             "uniform-dense": "`--uniform-mlp`, `export-dense` (plain transformers)"}  # fmt: skip
+    lines = [
+        "",
+        "**The model 20% smaller**, timed the same way against the original (each in its own process with the "
+        "original): " + "; ".join(f"`{c}`" for c in timed["commands"].values()) + ".",
+        "",
+        "| model | on disk (MiB) | prefill (ms) | decode (ms) | prefill speed-up | decode speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    first = next(iter(k for k in names if k in timed))
+    lines.append(
+        f"| original | {results['inference_memory'].get('original_file_mib', 0):.1f} | "
+        f"{timed[first]['original']['prefill_ms']:.1f} | {timed[first]['original']['decode_ms']:.1f} | 1 | 1 |"
+    )
+    for key, label in names.items():
+        if key in timed:
+            lat = timed[key]
+            lines.append(
+                f"| {label} | {timed['mib'][key]:.1f} | {lat['compressed']['prefill_ms']:.1f} | "
+                f"{lat['compressed']['decode_ms']:.1f} | {1 / lat['prefill_ratio']:.3f}x | {1 / lat['decode_ratio']:.3f}x |"
+            )
+    lines += [
+        "",
+        f"- **Decode {results['whole_model_decode_speedup']:.3f}x faster** (target ≥ 1.15x; the bound, every "
+        "weight read once per token, is 1/(1 − 0.2) = 1.25x) and **prefill "
+        f"{results['whole_model_prefill_speedup']:.3f}x** (target: not slower). The original's row is the one timed "
+        "beside the default checkpoint.",
+    ]
+    return lines
+
+
+# -- the choices behind the defaults ---------------------------------------------------------------------------
+def choices_section(doc: Path) -> list[str]:
+    parts = [_neuron_order(doc), _anchored(doc), _attention_forms(doc), _whole_model_forms(doc)]
+    body = [line for part in parts for line in part]
+    if not body:
+        return []
+    return [
+        "## 6. The choices behind the defaults (validation split)",
+        "",
+        "Each default was chosen on the **validation** split (58,765 tokens of held-out Wikipedia articles, never "
+        "calibrated on, never used for the numbers above), by paired differences on the same windows; a "
+        "difference whose 95% interval holds 0 is a tie. Each file records the command that measured it. The "
+        "findings of earlier versions are in [docs/past-findings.md](docs/past-findings.md).",
+        "",
+        *body,
+    ]
+
+
+def _load(name: str):
+    path = CHOICES / name
+    return (path, json.loads(path.read_text())) if path.is_file() else (path, None)
+
+
+def _neuron_order(doc: Path) -> list[str]:
+    path, data = _load("neuron-selection-round2.json")
+    if data is None:
+        return []
+    reference = next(k for k in data["rows"][0] if k.startswith("minus_"))
+    lines = [
+        "### Which neurons the MLP keeps (`--neuron-order`)",
+        "",
+        f"From {_link(path, doc)}: every MLP keeps the same fraction of its neurons, attention untouched, "
+        f"`down_proj` refit; original {data['original']['ppl']:.3f}. Orders: `greedy` (forward selection by output "
+        "energy explained), `energy` (each neuron's own output energy), `leverage` (MoDeGPT's ridge leverage, "
+        f"with its λ); the refit has no ridge (round 1, {_link(CHOICES / 'neuron-selection-round1.json', doc)}, "
+        "on the first 16,384 validation tokens: a ridge of 0.01 or 0.1 of mean(diag C) tied for `energy` and "
+        "hurt `greedy`). Build times: the 30 layers' orders and tails on 2 shared cores (compare within the "
+        "table).",
+        "",
+        f"| kept | order (λ) | perplexity [95% CI] | KL | minus `{reference.removeprefix('minus_')}` | build (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lam = f" ({r['order_ridge']:g})" if r["rule"] == "leverage" else ""
+        is_reference = r["variant"].split("@")[0] == reference.removeprefix("minus_")
+        lines.append(
+            f"| {r['keep']:.0%} | `{r['rule']}`{lam} | {r['ppl']:.3f}{_ci(r['ppl_ci95'])} | "
+            f"{r['kl_to_original']:.3f} | {'—' if is_reference else _difference(r[reference])} | "
+            f"{r['build_seconds']:.0f} |"
+        )
+    return [*lines, "", "`greedy` is the default; `energy` (about 15× cheaper to compute) is the option.", ""]
+
+
+def _anchored(doc: Path) -> list[str]:
+    path, data = _load("anchored-refit-validation.json")
+    if data is None:
+        return []
+    d, a = data["default"], data["anchored"]
+    return [
+        "### An anchored refit of `down_proj` (not kept)",
+        "",
+        f"From {_link(path, doc)}, the model 20% smaller: every `down_proj` refit, layer by layer in one "
+        "sequential pass, to map the compressed model's own kept activations to the original model's MLP output "
+        f"(AA-SVD's closed form). Default {d['ppl']:.3f}{_ci(d['ppl_ci95'])}, anchored "
+        f"{a['ppl']:.3f}{_ci(a['ppl_ci95'])}: **{_difference(data['anchored_minus_default'])} worse** "
+        f"(original {data['original']['ppl']:.3f}). It fits the calibration's compounded errors and loses on held-out "
+        "text; the tool does not offer it.",
+        "",
+    ]
+
+
+def _attention_forms(doc: Path) -> list[str]:
+    path, data = _load("attention-forms-validation.json")
+    if data is None:
+        return []
+    rows = data["quality"]
+    first = rows[0]["method"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ratios = sorted({r["ratio"] for r in rows})
+    at = {(r["method"], r["ratio"]): r for r in rows}
+    key = f"{first}_minus_this"
+    lines = [
+        "### The attention's form of sharing (`--sharing`, `--basis-layers`) under the loss-aware allocation",
+        "",
+        f"From {_link(path, doc)}: attention only, at each ratio one calibration and one scoring pass; original "
+        f"{data['original_ppl']:.3f}. Each cell: perplexity, then `{first}` minus it (paired; negative: `{first}` "
+        "is better).",
+        "",
+        "| ratio | " + " | ".join(f"`{m}`" for m in methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
+    for ratio in ratios:
+        cells = []
+        for m in methods:
+            r = at.get((m, ratio))
+            cells.append(
+                "—" if r is None else f"{r['ppl']:.3f}" + (f", {_difference(r[key])}" if key in r else "")
+            )
+        lines.append(f"| {ratio:g} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _whole_model_forms(doc: Path) -> list[str]:
+    path, data = _load("whole-model-validation.json")
+    if data is None:
+        return []
+    lines = [
+        "### The whole model's form (the model 20% smaller)",
+        "",
+        f"From {_link(path, doc)}; original {data['original_ppl']:.3f}.",
+        "",
+        "| variant | perplexity [95% CI] | KL | differences (paired) |",
+        "|---|---|---|---|",
+    ]
+    for r in data["quality"]:
+        diffs = "; ".join(
+            f"− {k.removeprefix('minus_')}: {_difference(v)}" for k, v in r.items() if k.startswith("minus_")
+        )
+        lines.append(
+            f"| `{r['method']}` ({_label(r['method'])}) | {r['ppl']:.3f}{_ci(r['ppl_ci95'])} | "
+            f"{r['kl_to_original']:.3f} | {diffs or '—'} |"
+        )
+    return [*lines, ""]
