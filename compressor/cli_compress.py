@@ -177,7 +177,8 @@ def _fmt_interval(ci: list[float] | None) -> str:
     return "" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-def print_summary(summary: dict) -> None:
+def print_layout(summary: dict) -> None:
+    """What the run built, before the numbers: groups, shared bases, kept fractions, MLP widths, G and B."""
     grouping = summary["report"].get("grouping")
     if grouping:
         console.print(
@@ -207,6 +208,10 @@ def print_summary(summary: dict) -> None:
             f"[bold]G and B chosen by the proxy[/]: G={chosen['groups']}, B={chosen['bases']} "
             f"(lowest weighted whitened error of {len(search['candidates'])} feasible candidates)"
         )
+
+
+def print_summary(summary: dict) -> None:
+    print_layout(summary)
     table = Table(title=f"masa-compress · {summary['model']} · method {summary['method']}")
     table.add_column("")
     table.add_column("before", justify="right")
