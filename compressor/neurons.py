@@ -83,11 +83,13 @@ def greedy_order(
         torch.div(numer, diag.clamp_min(floor), out=gain)
         gain.masked_fill_(chosen | (diag <= floor), -1.0)
         p = int(torch.argmax(gain))
+        if chosen[p] or diag[p] <= floor:
+            # Nothing left to explain (fewer calibration tokens than neurons leaves C singular): every gain is
+            # masked, so argmax may name a neuron already kept. The rest follow in their index order.
+            order[t:] = torch.nonzero(~chosen).flatten()
+            break
         order[t] = p
         chosen[p] = True
-        if diag[p] <= floor:  # nothing left to explain: the rest in their index order
-            order[t + 1 :] = torch.nonzero(~chosen).flatten()
-            break
         column = c[:, p] - v_rows[:, :t] @ v_rows[p, :t]  # R_:p
         v = column / column[p].sqrt()
         w = d @ v  # (hidden,)

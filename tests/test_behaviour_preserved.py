@@ -41,6 +41,9 @@ LOGIT_TOLERANCE = 1e-4
 #: Every MASA case recorded before `global-loss` became the default allocation pins `global-relative` (REL);
 #: the `-loss` cases were recorded when it became the default.
 REL = {"allocation": "global-relative"}
+#: Every case with MLP targets recorded before the MLP's neuron form became its default pins the low-rank MLP; the
+#: `-neurons` cases were recorded when it became the default.
+LOWRANK = {"mlp": "lowrank"}
 ATOMS = {"sharing": "atoms", **REL}
 CASES = {
     "llama-masa": ("llama", ATOMS, 0.3),
@@ -49,7 +52,7 @@ CASES = {
     "llama-svd": ("llama", {"method": "svd"}, 0.3),
     "llama-shared-mean": ("llama", {"method": "shared-mean"}, 0.3),
     "llama-bases0": ("llama", {"bases": 0, **ATOMS}, 0.3),
-    "llama-attn-mlp": ("llama", {"targets": "attn,mlp", **ATOMS}, 0.3),
+    "llama-attn-mlp": ("llama", {"targets": "attn,mlp", **ATOMS, **LOWRANK}, 0.3),
     "llama-whitened-atoms": ("llama", {"atoms": "whitened", "groups": 2, **ATOMS}, 0.3),
     "llama-sequential": ("llama", {"statistics": "sequential", **ATOMS}, 0.3),
     "llama-auto-groups": ("llama", {"auto_groups": True, **ATOMS}, 0.3),
@@ -58,13 +61,17 @@ CASES = {
     "qwen2-svd-llm": ("qwen2", {"method": "svd-llm"}, 0.25),
     "qwen2-masa-paper": ("qwen2", {"method": "masa-paper"}, 0.25),
     "llama-basis": ("llama", {"sharing": "basis", **REL}, 0.3),
-    "llama-basis-attn-mlp": ("llama", {"sharing": "basis", "targets": "attn,mlp", **REL}, 0.3),
+    "llama-basis-attn-mlp": ("llama", {"sharing": "basis", "targets": "attn,mlp", **REL, **LOWRANK}, 0.3),
     "llama-qkv": ("llama", {"sharing": "qkv", **REL}, 0.3),
     "llama-none": ("llama", {"sharing": "none", **REL}, 0.3),
     "llama-auto": ("llama", {"sharing": "auto", **REL}, 0.3),
     "qwen2-basis": ("qwen2", {"sharing": "basis", **REL}, 0.25),
     "llama-loss": ("llama", {}, 0.3),
-    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp"}, 0.3),
+    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp", **LOWRANK}, 0.3),
+    "llama-neurons": ("llama", {"targets": "attn,mlp"}, 0.3),
+    "llama-neurons-uniform": ("llama", {"targets": "attn,mlp", "uniform_mlp": True}, 0.3),
+    "llama-neurons-atoms": ("llama", {"targets": "attn,mlp", **ATOMS}, 0.3),
+    "qwen2-neurons-energy": ("qwen2", {"targets": "mlp", "neuron_order": "energy"}, 0.25),
     "llama-loss-auto": ("llama", {"sharing": "auto"}, 0.3),
     "qwen2-loss": ("qwen2", {}, 0.25),
 }

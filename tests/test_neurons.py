@@ -89,6 +89,19 @@ def test_planted_dead_neurons_go_last():
         assert set(order[-2:].tolist()) == {3, 7}, rule
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_order_is_a_permutation_with_fewer_tokens_than_neurons(dtype):
+    """A short calibration (tokens < neurons) leaves C singular: the greedy order runs out of energy to explain
+    part-way and must still return every neuron exactly once (the rest in index order), undamped."""
+    z, c, down = _activations(tokens=10, neurons=48)
+    for rule in ORDERS:
+        order = greedy_order(c, down, dtype=dtype) if rule == "greedy" else neuron_order(rule, c, down, 0.0)
+        assert sorted(order.tolist()) == list(range(48)), rule
+    tail = order_tail(c, down, greedy_order(c, down, dtype=dtype), 0.0).tail
+    # Ten neurons span the ten tokens' activations (up to the damping the singular C needs).
+    assert float(tail[10]) <= 1e-3 * float(tail[0])
+
+
 def _compress(model, ratio=0.3, **settings):
     adapter = get_adapter(model)
     windows = random_windows()

@@ -97,8 +97,10 @@ def fixed_shared(shape: ModelShape, settings: CompressionSettings) -> Shared:
         if settings.sharing == "basis":
             shared[index] = {p: (p,) for p in BASIS_TYPES if p in shape.targets}
         elif settings.sharing == "qkv":
-            shared[index] = {JOINT_NAME: tuple(p for p in JOINT_TYPES if p in shape.targets)}
-    return shared
+            joint = tuple(p for p in JOINT_TYPES if p in shape.targets)
+            if joint:  # none of q/k/v among the targets: nothing to share
+                shared[index] = {JOINT_NAME: joint}
+    return {index: bases for index, bases in shared.items() if bases}
 
 
 def candidates(shape: ModelShape, settings: CompressionSettings) -> Shared:
