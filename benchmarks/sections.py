@@ -159,7 +159,7 @@ def section_whole_model(s: dict) -> dict:
     w = s["whole_model"]
     result = measure_whole_model(
         w["variants"], w["model_ratios"], s["eval_split"], headline=w["headline"], other_texts=tuple(w["texts"]),
-        log=log, calib_samples=s["calib_samples"], seq_len=s["seq_len"], eval_seq_len=s["eval_seq_len"],
+        log=log, headline_variants=tuple(w.get("headline_variants", ())), calib_samples=s["calib_samples"], seq_len=s["seq_len"], eval_seq_len=s["eval_seq_len"],
         eval_max_tokens=s["eval_max_tokens"],
     )  # fmt: skip
     headline = next(

@@ -60,16 +60,22 @@ def measure_whole_model(
     headline: float | None = 0.2,
     other_texts: tuple[str, ...] = ("shakespeare",),
     log=print,
+    headline_variants: tuple[str, ...] = (),
     **quality_settings,
 ) -> dict:
-    """The curve: every variant at every fraction of the model, one calibration, one scoring pass; the rows
-    carry their model size, their rise over the original and their paired differences to their partners. At
-    the `headline` fraction the same models are scored on `other_texts` too."""
+    """The curve: every variant at every fraction of the model (and `headline_variants` at the `headline`
+    fraction only), one calibration, one scoring pass; the rows carry their model size, their rise over the
+    original and their paired differences to their partners. At the `headline` fraction the same models are
+    scored on `other_texts` too."""
     as_targets = {r: model_ratio_as_targets(MODEL, r) for r in model_ratios}
     chosen = {name: VARIANTS[name] for name in variants}
+    extra = {as_targets[headline]: list(headline_variants)} if headline_variants else None
     result = run_quality(
-        MODEL, chosen, list(as_targets.values()), progress=False, split=split, log=log, **quality_settings
-    )
+        MODEL, chosen, list(as_targets.values()), progress=False, split=split, log=log, extra_variants=extra,
+        **quality_settings,
+    )  # fmt: skip
+    chosen.update({name: VARIANTS[name] for name in headline_variants})
+    variants = [*variants, *headline_variants]
     scores = result["_scores"]
     by_target = {round(t, 12): r for r, t in as_targets.items()}
     for row in result["quality"]:
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "--model-ratios", default="0.1,0.2,0.3,0.4", help="fractions of the whole model removed"
     )
     parser.add_argument("--variants", default=",".join(CURVE))
+    parser.add_argument("--headline-variants", default="", help="variants measured at 0.2 of the model only")
     parser.add_argument("--split", default="test")
     parser.add_argument("--no-other-texts", action="store_true", help="skip the second text domain")
     parser.add_argument("--out")
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = measure_whole_model(
         args.variants.split(","), ratios, args.split, headline=0.2 if 0.2 in ratios else None,
         other_texts=() if args.no_other_texts else ("shakespeare",),
+        headline_variants=tuple(v for v in args.headline_variants.split(",") if v),
     )  # fmt: skip
     payload["command"] = "python -m benchmarks.whole_model " + " ".join(
         sys.argv[1:] if argv is None else argv

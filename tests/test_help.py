@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from compressor.cli import app, main
-from compressor.cli_commands import register
+from compressor.cli.commands import register
 from compressor.recipes.schema import CompressionSettings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "options.md"

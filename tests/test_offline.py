@@ -33,28 +33,29 @@ def no_network(monkeypatch):
     monkeypatch.setattr("compressor.api.load_documents", no_text)
 
 
-def _fails(argv, capsys) -> tuple[int, str, float]:
+def _fails(argv, capsys) -> tuple[int, str]:
+    """Exit code and stderr of `main(argv)`. Fast means no retry loop and no download attempted (the probe is
+    mocked, any other network access would hang or fail here); the wall time of a fresh process without
+    network is measured by hand and stated in docs/options.md, not asserted (timings belong to benchmarks)."""
     capsys.readouterr()
-    start = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    return exit_info.value.code, capsys.readouterr().err.strip(), time.perf_counter() - start
+    return exit_info.value.code, capsys.readouterr().err.strip()
 
 
 @pytest.mark.parametrize("argv", [["llama-3.2-1b", "--ratio", "0.2"], ["inspect", "llama-3.2-1b"]])
 def test_hub_model_without_network_fails_at_once_on_the_model(argv, no_network, capsys):
-    code, err, seconds = _fails(argv, capsys)
+    code, err = _fails(argv, capsys)
     assert code == 2, err
     assert len(err.splitlines()) == 1, err
     assert err.startswith(
         "error: llama-3.2-1b needs 'meta-llama/Llama-3.2-1B' from the Hugging Face hub, which cannot be reached"
     ), err
     assert "pass the local directory, or a .gguf file" in err and "WikiText" not in err
-    assert seconds < 3, f"{seconds:.1f} s"
 
 
 def test_a_hub_id_without_network_fails_in_one_line(no_network, capsys):
-    code, err, _ = _fails(["plan", "Qwen/Qwen2.5-7B"], capsys)  # no recipe carries its shapes
+    code, err = _fails(["plan", "Qwen/Qwen2.5-7B"], capsys)  # no recipe carries its shapes
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(
         "error: 'Qwen/Qwen2.5-7B' is a model on the Hugging Face hub, and the hub cannot be"
@@ -67,10 +68,9 @@ def test_hf_hub_offline_is_honoured_without_a_probe(monkeypatch, capsys):
     monkeypatch.setattr(
         hub, "_probe", lambda url, seconds: pytest.fail("probed although HF_HUB_OFFLINE is set")
     )
-    code, err, seconds = _fails(["eval", "qwen2.5-0.5b"], capsys)
+    code, err = _fails(["eval", "qwen2.5-0.5b"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "qwen2.5-0.5b needs 'Qwen/Qwen2.5-0.5B'" in err and "HF_HUB_OFFLINE is set" in err
-    assert seconds < 3
 
 
 def test_a_cached_hub_model_loads_from_the_cache(no_network, monkeypatch):

@@ -8,3 +8,22 @@ import check_structure
 
 def test_structure_facts_hold():
     assert check_structure.problems() == {what: [] for what in check_structure.problems()}
+
+
+def test_every_package_folder_is_installed():
+    """`pyproject.toml` lists the packages by name (recipes/ and calibration/ install through links): a new
+    folder of the package that is not listed would be missing from a non-editable install."""
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(check_structure.ROOT)
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(p.parent.relative_to(root).parts)
+        for p in (root / "compressor").rglob("__init__.py")
+        if not check_structure._through_link(p, root / "compressor")
+    }
+    assert folders <= listed, f"not installed: {sorted(folders - listed)}"

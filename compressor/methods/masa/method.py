@@ -44,7 +44,7 @@ MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "neuron_order"})
 
 class Masa(Method):
     name = "masa"
-    summary = "shared atoms per group of layers + whitened residuals, ranks by the allocator (default)"
+    summary = "whitened low-rank factors, shared input bases, the MLP by neurons, one allocation (default)"
     #: With `--sharing atoms`; the input-basis forms read `masa.basis.settings_read(form)`.
     settings_read = frozenset(CompressionSettings.model_fields) - {"method", "targets", "basis_layers"}
     uses_groups = True

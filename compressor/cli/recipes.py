@@ -11,8 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from compressor import cli_options as o
-from compressor.cli_help import HelpCommand
+import compressor.cli.options as o
+from compressor.cli.help import HelpCommand
 from compressor.errors import UserError
 from compressor.recipes.schema import (
     CalibrationSettings,

@@ -10,10 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from compressor import cli_options as o
+import compressor.cli.options as o
 from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.checkpoint import export_dense
-from compressor.cli_help import HelpCommand
+from compressor.cli.help import HelpCommand
 from compressor.errors import UserError
 from compressor.inspection import describe_checkpoint
 from compressor.methods import get_method

@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import compressor.cli.options as o
 from compressor import __version__
-from compressor import cli_options as o
-from compressor.cli_help import EVALUATION, TASKS, HelpCommand, HelpGroup
+from compressor.cli.help import EVALUATION, TASKS, HelpCommand, HelpGroup
 from compressor.errors import NumericalError, UserError, cli_wording
 
 app = typer.Typer(
@@ -216,7 +216,7 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
 
 def _register_extensions() -> None:
     """Commands that live in their own modules register themselves here."""
-    from compressor import cli_commands
+    import compressor.cli.commands as cli_commands
 
     cli_commands.register(app)
 

@@ -9,10 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from compressor import cli_options as o
+import compressor.cli.options as o
 from compressor.api import compress
-from compressor.cli_help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
-from compressor.cli_inspect import show_plan
+from compressor.cli.help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
+from compressor.cli.inspect import show_plan
 from compressor.config import CompressOptions
 from compressor.plan import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type

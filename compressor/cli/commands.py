@@ -1,4 +1,4 @@
-"""Registry of subcommands defined outside cli.py (each in its own module, to keep cli.py thin)."""
+"""Registry of subcommands defined outside `cli/__init__.py` (each in its own module, to keep it thin)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import typer
 
 # Each module exposes `register(app: typer.Typer)`.
 COMMAND_MODULES: tuple[str, ...] = (
-    "compressor.cli_compress",
-    "compressor.cli_checkpoint",
-    "compressor.cli_inspect",
-    "compressor.cli_recipes",
+    "compressor.cli.compress",
+    "compressor.cli.checkpoint",
+    "compressor.cli.inspect",
+    "compressor.cli.recipes",
 )
 
 

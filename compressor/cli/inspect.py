@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from compressor import cli_options as o
-from compressor.cli_help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
+import compressor.cli.options as o
+from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
 from compressor.config import CompressOptions
 from compressor.errors import UserError
 from compressor.inspection import (

@@ -3,7 +3,7 @@
 The parameter names are the fields of `config.CompressOptions` (and of `CompressionSettings` for the
 compression settings), so a command builds its options with `CompressOptions.from_values(locals())`.
 
-Each option has one line of help (`--help` must fit 80 columns: `cli_help.py`) and sits in a help panel; the
+Each option has one line of help (`--help` must fit 80 columns: `cli/help.py`) and sits in a help panel; the
 long explanations are in docs/options.md. Where the default is the recipe's, the help names the value every
 built-in recipe takes, read from the schema (`CompressionSettings`), not written a second time here.
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from compressor.cli_help import ATOMS, CALIBRATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
+from compressor.cli.help import ATOMS, CALIBRATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
 from compressor.methods import REGISTRY
 from compressor.recipes.schema import CompressionSettings
 
