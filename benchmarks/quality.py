@@ -43,7 +43,7 @@ VARIANTS: dict[str, dict] = {
     # The MLP's forms: low-rank factors (the default before neuron selection), one width in every layer.
     "masa-attn-mlp-lowrank": {"method": "masa", "targets": "attn,mlp", "mlp": "lowrank"},
     "masa-attn-mlp-uniform": {"method": "masa", "targets": "attn,mlp", "uniform_mlp": True},
-    "masa-attn-mlp-none": {"method": "masa", "targets": "attn,mlp", "sharing": "none"},
+    "masa-attn-mlp-basis": {"method": "masa", "targets": "attn,mlp", "sharing": "basis"},
     "svd-llm-attn-mlp": {"method": "svd-llm", "targets": "attn,mlp"},
     "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},

@@ -223,7 +223,9 @@ def _attention_forms(doc: Path) -> list[str]:
                 "—" if r is None else f"{r['ppl']:.3f}" + (f", {_difference(r[key])}" if key in r else "")
             )
         lines.append(f"| {ratio:g} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    tokens = data.get("evaluation", {}).get("tokens")
+    notes = [f"Scored on {tokens:,} validation tokens." if tokens else "", data.get("note", "")]
+    return [*lines, "", *([" ".join(n for n in notes if n), ""] if any(notes) else [])]
 
 
 def _whole_model_forms(doc: Path) -> list[str]:

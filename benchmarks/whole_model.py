@@ -41,7 +41,7 @@ DEFAULT, LOWRANK, UNIFORM, BASELINE = (
 )
 CURVE = (DEFAULT, LOWRANK, UNIFORM, BASELINE)
 #: Paired differences reported per row: this variant minus each partner, on the same windows.
-PARTNERS = {DEFAULT: (LOWRANK, BASELINE), UNIFORM: (DEFAULT,), "masa-attn-mlp-none": (DEFAULT,)}
+PARTNERS = {DEFAULT: (LOWRANK, BASELINE), UNIFORM: (DEFAULT,), "masa-attn-mlp-basis": (DEFAULT,)}
 BYTES_PER_NUMBER = 4  # the bundled model's weights are float32
 
 

@@ -104,9 +104,9 @@ class CompressionSettings(_Strict):
         "built: the total relative whitened error left under the budget, the lowest over G ≤ 8 and B ≤ 2",
     )
     sharing: Literal["atoms", "basis", "qkv", "none", "auto"] = Field(
-        "basis",
-        description="how layers share weights (default basis: the form that paid on the bundled model's validation "
-        "split, see BENCHMARKS.md). atoms: the paper's Matrix PCA atoms per KL group + whitened "
+        "none",
+        description="how layers share weights (default none: on the bundled model's validation split a shared k/v "
+        "basis ties or loses up to 30% of the attention and pays only from about 50%, see BENCHMARKS.md). atoms: the paper's Matrix PCA atoms per KL group + whitened "
         "residuals; basis: k_proj and v_proj of each run of basis_layers consecutive layers share one whitened input "
         "basis per type (per-layer coefficients refit on each layer's statistics), every other projection its own "
         "whitened factors; qkv: one input basis for q, k and v of a run; none: per-matrix whitened factors, nothing "

@@ -44,6 +44,9 @@ REL = {"allocation": "global-relative"}
 #: Every case with MLP targets recorded before the MLP's neuron form became its default pins the low-rank MLP; the
 #: `-neurons` cases were recorded when it became the default.
 LOWRANK = {"mlp": "lowrank"}
+#: Every case recorded while `basis` was the default form pins it; the `-default` cases were recorded when `none`
+#: became the default (re-chosen on validation under `global-loss`).
+BASIS = {"sharing": "basis"}
 ATOMS = {"sharing": "atoms", **REL}
 CASES = {
     "llama-masa": ("llama", ATOMS, 0.3),
@@ -66,14 +69,17 @@ CASES = {
     "llama-none": ("llama", {"sharing": "none", **REL}, 0.3),
     "llama-auto": ("llama", {"sharing": "auto", **REL}, 0.3),
     "qwen2-basis": ("qwen2", {"sharing": "basis", **REL}, 0.25),
-    "llama-loss": ("llama", {}, 0.3),
-    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp", **LOWRANK}, 0.3),
-    "llama-neurons": ("llama", {"targets": "attn,mlp"}, 0.3),
-    "llama-neurons-uniform": ("llama", {"targets": "attn,mlp", "uniform_mlp": True}, 0.3),
+    "llama-loss": ("llama", BASIS, 0.3),
+    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp", **BASIS, **LOWRANK}, 0.3),
+    "llama-neurons": ("llama", {"targets": "attn,mlp", **BASIS}, 0.3),
+    "llama-neurons-uniform": ("llama", {"targets": "attn,mlp", "uniform_mlp": True, **BASIS}, 0.3),
     "llama-neurons-atoms": ("llama", {"targets": "attn,mlp", **ATOMS}, 0.3),
     "qwen2-neurons-energy": ("qwen2", {"targets": "mlp", "neuron_order": "energy"}, 0.25),
     "llama-loss-auto": ("llama", {"sharing": "auto"}, 0.3),
-    "qwen2-loss": ("qwen2", {}, 0.25),
+    "qwen2-loss": ("qwen2", BASIS, 0.25),
+    "llama-default": ("llama", {}, 0.3),
+    "llama-default-attn-mlp": ("llama", {"targets": "attn,mlp"}, 0.3),
+    "qwen2-default": ("qwen2", {}, 0.25),
 }
 
 

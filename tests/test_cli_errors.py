@@ -232,7 +232,7 @@ CASES = [
     (
         "group sizes for a form without KL groups",
         lambda t, mp: ["plan", "smollm2-135m", "--layout", "1,28,1"],
-        "--layout gives the sizes of KL groups, which --method masa --sharing basis does not use",
+        "--layout gives the sizes of KL groups, which --method masa --sharing none does not use",
     ),
     (
         "a model ratio the targets cannot hold",

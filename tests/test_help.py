@@ -83,3 +83,12 @@ def test_recipes_table_keeps_aliases_whole_at_80_columns(capsys, monkeypatch):
     assert "…" not in out
     for name in builtin_recipe_names():
         assert name in out and builtin_recipe(name).model in out
+
+
+def test_main_registers_each_command_once(capsys, monkeypatch):
+    """`main` registers the commands of their own modules on every call: many calls in one process (a library
+    caller, this test suite) must leave each command registered once, or every later call builds them all."""
+    for _ in range(3):
+        _help("recipes", capsys, monkeypatch)
+    names = [c.name for c in app.registered_commands]
+    assert len(names) == len(set(names)), names

@@ -16,5 +16,11 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def register(app: typer.Typer) -> None:
+    """Add the commands of COMMAND_MODULES to `app`, once: `main()` calls this on every run (a library caller or
+    a test may call `main` many times in one process), and typer keeps every registration, so a second one
+    would duplicate each command (and every later call would build them all again)."""
+    if getattr(app, "_masa_extensions_registered", False):
+        return
     for name in COMMAND_MODULES:
         import_module(name).register(app)
+    app._masa_extensions_registered = True
