@@ -108,12 +108,19 @@ def _headline_table(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def stale_notice(results: dict, section: str) -> list[str]:
+    """A section measured with a former default says so, in bold, before its numbers (`results["stale"]`)."""
+    text = results.get("stale", {}).get(section)
+    return [f"**Not re-measured on today's defaults:** {text}", ""] if text else []
+
+
 def _quality_section(results: dict, rel) -> list[str]:
     details = results.get("quality_details", {})
     cal, ev = details.get("calibration", {}), details.get("evaluation", {})
     lines = [
         "## 1. Attention: quality at equal size",
         "",
+        *stale_notice(results, "quality"),
         f"Model: {details.get('model', '?')}. Calibration: {cal.get('samples', '?')} windows × "
         f"{cal.get('seq_len', '?')} tokens of {cal.get('text', '?')} (seed {cal.get('seed', '?')}), "
         f"collected **once** on the original model and reused by every method and ratio. Evaluation: the "
