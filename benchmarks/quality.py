@@ -21,7 +21,7 @@ from compressor.evaluate import evaluate_against, evaluate_perplexity
 from compressor.intervals import paired_difference
 from compressor.methods import get_method
 from compressor.models import load_model
-from compressor.pipeline import compress_model
+from compressor.pipeline import _measure_sensitivity, compress_model, sensitivity_projections
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
 from compressor.session import (
     calibration_token_windows,
@@ -29,6 +29,14 @@ from compressor.session import (
     peak_rss_gb,
     read_texts,
     resolve_run,
+)
+from compressor.stats_cache import (
+    load_sensitivity,
+    load_stats,
+    model_fingerprint,
+    save_sensitivity,
+    save_stats,
+    stats_key,
 )
 
 # name -> overrides of the recipe's compression settings
@@ -118,11 +126,31 @@ def prepare_quality(
         log(
             f"original ppl {original.ppl:.3f} ({original.tokens} tokens of {split}, {original.seconds:.0f} s)"
         )
-    stats = collect_statistics(loaded.model, get_adapter(loaded.model), windows, progress=progress, mlp=mlp)
+    stats = cached_statistics(loaded, calib_text, windows, recipe, progress, log, mlp)
     return QualitySetup(
         source, loaded, calibration, calib_text.name, windows, evaluation, eval_windows, eval_name, original,
         stats, recipe,
     )  # fmt: skip
+
+
+def cached_statistics(loaded, calib_text, windows, recipe, progress: bool, log, mlp: bool):
+    """The calibration statistics (and their loss sensitivity) from the cache a `compress` run with the same
+    model, text and windows fills, or collected and cached: the same numbers either way (the cache is keyed by
+    the model's weights, the text and the windows' token ids)."""
+    adapter = get_adapter(loaded.model)
+    key = stats_key(model_fingerprint(loaded.model), calib_text.fingerprint, windows, loaded.dtype, mlp)
+    stats, note = load_stats(key, adapter)
+    if stats is None:
+        stats = collect_statistics(loaded.model, adapter, windows, progress=progress, mlp=mlp)
+        note = f"computed and cached in {save_stats(stats, key)}"
+    log(f"calibration statistics: {note}")
+    samples = min(recipe.compression.sensitivity_samples, stats.windows)
+    expected = {(layer, p) for layer in range(adapter.num_layers) for p in sensitivity_projections(mlp)}
+    stats.sensitivity = load_sensitivity(key, samples, expected)
+    if stats.sensitivity is None:
+        _measure_sensitivity(loaded.model, adapter, stats, windows, samples, progress)
+        save_sensitivity(stats.sensitivity, key)
+    return stats
 
 
 def build_variant(

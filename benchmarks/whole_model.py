@@ -104,7 +104,9 @@ def _other_texts(result: dict, ratio: float, variants: list[str], texts, split: 
     at = {name: models[variant_key(name, ratio)] for name in variants}
     out = {}
     for text in texts:
-        evaluation = evaluation_settings(setup.recipe, split, text=text)
+        evaluation = evaluation_settings(
+            setup.recipe, split, max_tokens=setup.evaluation.max_tokens, text=text
+        )
         log(f"whole model at {ratio:.4f} of attn+mlp on {text} ({split})")
         scores = score(setup, at, evaluation, progress=False)
         differences = {
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--headline-variants", default="", help="variants measured at 0.2 of the model only")
     parser.add_argument("--split", default="test")
     parser.add_argument("--no-other-texts", action="store_true", help="skip the second text domain")
+    parser.add_argument("--eval-max-tokens", type=int, help="evaluation tokens per text (default: all)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     ratios = [float(r) for r in args.model_ratios.split(",")]
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         args.variants.split(","), ratios, args.split, headline=0.2 if 0.2 in ratios else None,
         other_texts=() if args.no_other_texts else ("shakespeare",),
         headline_variants=tuple(v for v in args.headline_variants.split(",") if v),
+        eval_max_tokens=args.eval_max_tokens,
     )  # fmt: skip
     payload["command"] = "python -m benchmarks.whole_model " + " ".join(
         sys.argv[1:] if argv is None else argv
