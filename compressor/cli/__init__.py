@@ -64,32 +64,9 @@ def eval_command(
             help="Text (default: the recipe's), e.g. wikipedia, a file",
         ),
     ] = None,
-    split: Annotated[
-        str | None,
-        typer.Option(
-            "--split", metavar="SPLIT", rich_help_panel=EVALUATION, help="test (default) or validation."
-        ),
-    ] = None,
-    seq_len: Annotated[
-        int | None,
-        typer.Option(
-            "--seq-len",
-            min=8,
-            metavar="T",
-            rich_help_panel=EVALUATION,
-            help="Tokens per window (default: the recipe's, else 512).",
-        ),
-    ] = None,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--max-tokens",
-            min=0,
-            metavar="N",
-            rich_help_panel=EVALUATION,
-            help="Cap on tokens (default: all).",
-        ),
-    ] = None,
+    split: o.Split = None,
+    seq_len: o.EvalWindowLen = None,
+    max_tokens: o.MaxTokens = None,
     against: Annotated[
         str | None,
         typer.Option(
@@ -99,14 +76,7 @@ def eval_command(
             help="Reference model (default: a checkpoint's source).",
         ),
     ] = None,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare/--no-compare",
-            rich_help_panel=EVALUATION,
-            help="KL and top-1 against the reference",
-        ),
-    ] = True,
+    compare: o.Compare = True,
     tasks: Annotated[
         str | None,
         typer.Option(

@@ -70,42 +70,14 @@ def compress_command(
             help="Evaluation text (default: the recipe's).",
         ),
     ] = None,
-    eval_split: Annotated[
-        o.Opt[str],
-        typer.Option(
-            "--eval-split", metavar="SPLIT", rich_help_panel=CALIBRATION, help="test (default) or validation."
-        ),
-    ] = None,
-    eval_seq_len: Annotated[
-        o.Opt[int],
-        typer.Option(
-            "--eval-seq-len",
-            min=8,
-            metavar="T",
-            rich_help_panel=CALIBRATION,
-            help="Tokens per evaluation window (default: the recipe's).",
-        ),
-    ] = None,
-    eval_max_tokens: Annotated[
-        o.Opt[int],
-        typer.Option(
-            "--eval-max-tokens",
-            min=0,
-            metavar="N",
-            rich_help_panel=CALIBRATION,
-            help="Cap on evaluated tokens (default: all).",
-        ),
-    ] = None,
+    eval_split: o.EvalSplit = None,
+    eval_seq_len: o.EvalSeqLen = None,
+    eval_max_tokens: o.EvalMaxTokens = None,
     no_eval: Annotated[
         bool,
         typer.Option("--no-eval", rich_help_panel=CALIBRATION, help="Skip the perplexity before and after."),
     ] = False,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare/--no-compare", rich_help_panel=CALIBRATION, help="KL and top-1 against the original."
-        ),
-    ] = True,
+    compare: o.CompareInRun = True,
     allow_overlap: Annotated[
         bool,
         typer.Option(

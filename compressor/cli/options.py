@@ -14,7 +14,7 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from compressor.cli.help import ATOMS, CALIBRATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
+from compressor.cli.help import ATOMS, CALIBRATION, EVALUATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
 from compressor.methods import REGISTRY
 from compressor.recipes.schema import CompressionSettings
 
@@ -282,6 +282,44 @@ Seed = Annotated[
         "--seed", metavar="N", rich_help_panel=CALIBRATION, help="Seed of the windows' sampling (default: 0)."
     ),
 ]
+
+
+# -- evaluation: `compress` names them --eval-* (its --seq-len is the calibration's), `eval` plainly ---------
+def _evaluation_options(prefix: str, panel: str) -> tuple:
+    """The evaluation text's split, window length and token cap, under `--{prefix}split` etc."""
+    split = typer.Option(
+        f"--{prefix}split", metavar="SPLIT", rich_help_panel=panel, help="test (default) or validation."
+    )
+    seq_len = typer.Option(
+        f"--{prefix}seq-len", min=8, metavar="T", rich_help_panel=panel,
+        help="Tokens per evaluation window (default: the recipe's, else 512).",
+    )  # fmt: skip
+    max_tokens = typer.Option(
+        f"--{prefix}max-tokens",
+        min=0,
+        metavar="N",
+        rich_help_panel=panel,
+        help="Cap on evaluated tokens (default: all).",
+    )
+    return Annotated[Opt[str], split], Annotated[Opt[int], seq_len], Annotated[Opt[int], max_tokens]
+
+
+EvalSplit, EvalSeqLen, EvalMaxTokens = _evaluation_options("eval-", CALIBRATION)
+Split, EvalWindowLen, MaxTokens = _evaluation_options("", EVALUATION)
+
+
+def _compare(panel: str):
+    return Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            rich_help_panel=panel,
+            help="KL and top-1 against the reference (the original).",
+        ),
+    ]
+
+
+CompareInRun, Compare = _compare(CALIBRATION), _compare(EVALUATION)
 
 # -- hardware -------------------------------------------------------------------------------------------------
 BatchSize = Annotated[
