@@ -115,6 +115,30 @@ def test_checkpoint_round_trip_with_both_loaders(compressed_run):
         assert generated.shape[1] == ids.shape[1] + 5
 
 
+def test_loading_the_checkpoints_tokenizer_logs_no_warning(compressed_run):
+    """transformers, reading config.json's `masa_llama` type for the tokenizer, warns that it instantiates "a
+    model of type ``" (with the bundled model's tokenizer, not with the tests' tiny ones): `eval CHECKPOINT`
+    must not show a user that."""
+    import logging
+
+    from compressor.checkpoint import load_compressed
+
+    class Collect(logging.Handler):
+        records: list[str] = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    library = logging.getLogger("transformers")  # the library's root: it does not propagate further
+    library.addHandler(handler)
+    try:
+        load_compressed(compressed_run.summary["out"], with_tokenizer=True)
+    finally:
+        library.removeHandler(handler)
+    assert not [m for m in handler.records if "model of type" in m], handler.records
+
+
 def test_eval_of_the_checkpoint_matches_the_run(compressed_run, capsys):
     out = compressed_run.summary["out"]
     main(["eval", out, "--max-tokens", "1024", "--seq-len", "256", "--json"])

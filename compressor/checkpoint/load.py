@@ -262,10 +262,20 @@ def _load_tokenizer(path: Path, config: dict):
     if not config.get("tokenizer", False):
         raise CheckpointError(f"{path / MASA_CONFIG}: the checkpoint was saved without a tokenizer")
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # AutoTokenizer reads config.json, whose model_type is `masa_<family>`, into a plain config and warns that
+    # "a model of type `masa_llama`" instantiates "a model of type ``": true and harmless (only the tokenizer
+    # is loaded, and it is the base model's). Handing it the base config instead would change which tokenizer
+    # class it picks, so that one logger is quieted for the call.
+    config_logger = hf_logging.get_logger("transformers.configuration_utils")
+    level = config_logger.level
+    config_logger.setLevel(hf_logging.ERROR)
     try:
         # The tokenizer is standard: no remote code (config.json's auto_map would otherwise make
         # transformers ask on stdin whether to run it).
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: could not load the tokenizer ({str(err).splitlines()[0]})") from err
+    finally:
+        config_logger.setLevel(level)
