@@ -124,12 +124,14 @@ def test_loading_the_checkpoints_tokenizer_logs_no_warning(compressed_run):
     from compressor.checkpoint import load_compressed
 
     class Collect(logging.Handler):
-        records: list[str] = []
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.records: list[str] = []
 
         def emit(self, record):
             self.records.append(record.getMessage())
 
-    handler = Collect(logging.WARNING)
+    handler = Collect()
     library = logging.getLogger("transformers")  # the library's root: it does not propagate further
     library.addHandler(handler)
     try:
