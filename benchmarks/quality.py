@@ -21,7 +21,7 @@ from compressor.evaluate import evaluate_against, evaluate_perplexity
 from compressor.intervals import paired_difference
 from compressor.methods import get_method
 from compressor.models import load_model
-from compressor.pipeline import _measure_sensitivity, compress_model, sensitivity_projections
+from compressor.pipeline import compress_model, sensitivity_projections
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
 from compressor.session import (
     calibration_token_windows,
@@ -30,14 +30,7 @@ from compressor.session import (
     read_texts,
     resolve_run,
 )
-from compressor.stats_cache import (
-    load_sensitivity,
-    load_stats,
-    model_fingerprint,
-    save_sensitivity,
-    save_stats,
-    stats_key,
-)
+from compressor.stats_cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
 
 # name -> overrides of the recipe's compression settings
 VARIANTS: dict[str, dict] = {
@@ -83,6 +76,9 @@ class QualitySetup:
     original: object  # PerplexityResult of the original on eval_windows (None until scored)
     stats: object
     recipe: object
+    stats_key: str  # the statistics' cache key, which their loss sensitivity is cached under
+    # Whether `stats.sensitivity` is in the cache (else saved once a variant measures it).
+    sensitivity_cached: bool
 
 
 def evaluation_settings(
@@ -126,31 +122,19 @@ def prepare_quality(
         log(
             f"original ppl {original.ppl:.3f} ({original.tokens} tokens of {split}, {original.seconds:.0f} s)"
         )
-    stats = cached_statistics(loaded, calib_text, windows, recipe, progress, log, mlp)
+    # The cache a `compress` run with the same model, text and windows fills: the same numbers either way.
+    adapter = get_adapter(loaded.model)
+    stats, note, key = cached_statistics(
+        loaded.model, adapter, calib_text.fingerprint, windows, loaded.dtype, mlp,
+        lambda: collect_statistics(loaded.model, adapter, windows, progress=progress, mlp=mlp),
+    )  # fmt: skip
+    log(f"calibration statistics: {note}")
+    samples, projections = recipe.compression.sensitivity_samples, sensitivity_projections(mlp)
+    cached = attach_cached_sensitivity(stats, key, samples, adapter.num_layers, projections)
     return QualitySetup(
         source, loaded, calibration, calib_text.name, windows, evaluation, eval_windows, eval_name, original,
-        stats, recipe,
+        stats, recipe, key, cached,
     )  # fmt: skip
-
-
-def cached_statistics(loaded, calib_text, windows, recipe, progress: bool, log, mlp: bool):
-    """The calibration statistics (and their loss sensitivity) from the cache a `compress` run with the same
-    model, text and windows fills, or collected and cached: the same numbers either way (the cache is keyed by
-    the model's weights, the text and the windows' token ids)."""
-    adapter = get_adapter(loaded.model)
-    key = stats_key(model_fingerprint(loaded.model), calib_text.fingerprint, windows, loaded.dtype, mlp)
-    stats, note = load_stats(key, adapter)
-    if stats is None:
-        stats = collect_statistics(loaded.model, adapter, windows, progress=progress, mlp=mlp)
-        note = f"computed and cached in {save_stats(stats, key)}"
-    log(f"calibration statistics: {note}")
-    samples = min(recipe.compression.sensitivity_samples, stats.windows)
-    expected = {(layer, p) for layer in range(adapter.num_layers) for p in sensitivity_projections(mlp)}
-    stats.sensitivity = load_sensitivity(key, samples, expected)
-    if stats.sensitivity is None:
-        _measure_sensitivity(loaded.model, adapter, stats, windows, samples, progress)
-        save_sensitivity(stats.sensitivity, key)
-    return stats
 
 
 def build_variant(
@@ -172,6 +156,10 @@ def build_variant(
         windows=setup.windows,
     )
     seconds = time.perf_counter() - start
+    if setup.stats.sensitivity is not None and not setup.sensitivity_cached:
+        # The first variant that reads the loss sensitivity measured it on the shared statistics: cache it.
+        save_sensitivity(setup.stats.sensitivity, setup.stats_key)
+        setup.sensitivity_cached = True
     row = {
         "method": name,
         "ratio": ratio,

@@ -50,14 +50,7 @@ from compressor.session import (
     read_texts,
     resolve_run,
 )
-from compressor.stats_cache import (
-    load_sensitivity,
-    load_stats,
-    model_fingerprint,
-    save_sensitivity,
-    save_stats,
-    stats_key,
-)
+from compressor.stats_cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
 
 __all__ = ["CompressOptions", "EvalSettings", "compress", "evaluate"]
 
@@ -307,19 +300,19 @@ def _calibration_statistics(
     with_mlp: bool,
     options: CompressOptions,
     progress,
-) -> tuple[CalibrationStats, str]:
+) -> tuple[CalibrationStats, str, str | None]:
     """The calibration statistics, from the validated cache when it holds them for this model, text and
     windows; a note saying where they came from; and their cache key (None with the cache off)."""
+
+    def collect() -> CalibrationStats:
+        return collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
+
     if not options.stats_cache:
-        stats = collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
-        return stats, "statistics cache off", None
-    key = stats_key(model_fingerprint(loaded.model), text.fingerprint, windows, loaded.dtype, with_mlp)
-    stats, cache_note = load_stats(key, adapter)
-    note(f"[dim]calibration: {cache_note}[/]", progress)
-    if stats is None:
-        stats = collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
-        cache_note = f"computed and cached in {save_stats(stats, key)}"
-    return stats, cache_note, key
+        return collect(), "statistics cache off", None
+    return cached_statistics(
+        loaded.model, adapter, text.fingerprint, windows, loaded.dtype, with_mlp, collect,
+        on_lookup=lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress),
+    )  # fmt: skip
 
 
 def _cached_sensitivity(stats: CalibrationStats, key: str | None, settings, adapter, with_mlp: bool) -> bool:
@@ -328,9 +321,9 @@ def _cached_sensitivity(stats: CalibrationStats, key: str | None, settings, adap
     if key is None or not reads_loss_sensitivity(get_method(settings.method).effective_settings(settings)):
         return False
     projections = sensitivity_projections(with_mlp)
-    expected = {(layer, p) for layer in range(adapter.num_layers) for p in projections}
-    stats.sensitivity = load_sensitivity(key, min(settings.sensitivity_samples, stats.windows), expected)
-    return stats.sensitivity is not None
+    return attach_cached_sensitivity(
+        stats, key, settings.sensitivity_samples, adapter.num_layers, projections
+    )
 
 
 def _summary(

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -153,6 +154,40 @@ def load_sensitivity(key: str, windows: int, expected: set[tuple[int, str]]) -> 
     if not valid or set(weights) != expected or not all(math.isfinite(v) for v in weights.values()):
         return None
     return Sensitivity(weights, int(record["tokens"]), windows, 0.0)
+
+
+def cached_statistics(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    text_fingerprint: str,
+    windows: torch.Tensor,
+    dtype: torch.dtype,
+    mlp: bool,
+    collect: Callable[[], CalibrationStats],
+    on_lookup: Callable[[str], None] = lambda note: None,
+) -> tuple[CalibrationStats, str, str]:
+    """The calibration statistics of `model` on `windows`: from the validated cache when it holds them, else
+    `collect()`-ed and cached. Returns them, a note saying where they came from, and their cache key (which
+    the loss sensitivity measured with them is cached under). `on_lookup` hears the lookup's outcome before a
+    long collection starts. What `compress` and the benchmark harness both call, so both share one cache."""
+    key = stats_key(model_fingerprint(model), text_fingerprint, windows, dtype, mlp)
+    stats, note = load_stats(key, adapter)
+    on_lookup(note)
+    if stats is None:
+        stats = collect()
+        note = f"computed and cached in {save_stats(stats, key)}"
+    return stats, note, key
+
+
+def attach_cached_sensitivity(
+    stats: CalibrationStats, key: str, samples: int, num_layers: int, projections: tuple[str, ...]
+) -> bool:
+    """Put on `stats` the cached loss sensitivity measured with them on their first `samples` windows (capped
+    at the windows they have) over `projections` of every layer, when the cache holds it; whether it did. A
+    run that then measures it saves it with `save_sensitivity(stats.sensitivity, key)`."""
+    expected = {(layer, p) for layer in range(num_layers) for p in projections}
+    stats.sensitivity = load_sensitivity(key, min(samples, stats.windows), expected)
+    return stats.sensitivity is not None
 
 
 def _kinds(mlp: bool) -> tuple[str, ...]:

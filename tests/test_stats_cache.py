@@ -127,3 +127,39 @@ def test_the_loss_sensitivity_is_cached_beside_its_statistics(monkeypatch, tmp_p
         cached.write_text("{not json")
     run()
     assert measured == [1, 1, 1]
+
+
+def test_cached_statistics_collects_once_then_reads_the_same_numbers(monkeypatch, tmp_path):
+    """The one lookup `compress` and the benchmark harness share: the first call collects and caches, the
+    second reads identical statistics under the same key without collecting."""
+    from compressor.sensitivity import Sensitivity
+    from compressor.stats_cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
+
+    model, adapter, windows, stats, _ = _setup(monkeypatch, tmp_path)
+    collected, lookups = [], []
+
+    def collect():
+        collected.append(1)
+        return stats
+
+    def lookup(**kw):
+        return cached_statistics(
+            model, adapter, "text-sha", windows, torch.float32, False, collect, on_lookup=lookups.append
+        )
+
+    first, first_note, key = lookup()
+    second, second_note, second_key = lookup()
+    assert collected == [1] and key == second_key
+    assert first_note.startswith("computed and cached") and second_note.startswith("reused cached")
+    assert lookups[0] == "no cached statistics"
+    for a, b in zip(first.attn_autocorr, second.attn_autocorr, strict=True):
+        assert torch.equal(a, b)
+
+    projections = ("q_proj", "o_proj")
+    assert not attach_cached_sensitivity(second, key, 8, adapter.num_layers, projections)
+    weights = {(layer, p): 1.0 + layer for layer in range(adapter.num_layers) for p in projections}
+    save_sensitivity(Sensitivity(weights, 100, min(8, second.windows), 0.5), key)
+    assert attach_cached_sensitivity(second, key, 8, adapter.num_layers, projections)
+    assert second.sensitivity.weights == weights
+    # Other projections than were measured: not attached (measured again by the run).
+    assert not attach_cached_sensitivity(second, key, 8, adapter.num_layers, ("q_proj", "down_proj"))
