@@ -120,8 +120,39 @@ def whole_model_latency_lines(results: dict) -> list[str]:
         "weight read once per token, is 1/(1 − 0.2) = 1.25x) and **prefill "
         f"{results['whole_model_prefill_speedup']:.3f}x** (target: not slower). The original's row is the one timed "
         "beside the default checkpoint.",
+        *_decode_ceiling_lines(timed.get("default", {})),
     ]
     return lines
+
+
+def decode_speedup_ceiling(lat: dict) -> float | None:
+    """The decode speed-up the compressed model could reach if the time inside its layers' weight-reading
+    modules (attention projections and MLPs) fell exactly in proportion to the layer parameters removed and the
+    rest of a step (output head, norms, rotary, attention over the cache, Python) stayed the original's."""
+    o, k = lat.get("original", {}), lat.get("compressed", {})
+    if "decode_mlp_ms" not in o or not o.get("layer_params") or "layer_params" not in k:
+        return None
+    removed = 1 - k["layer_params"] / o["layer_params"]
+    saved = (o["decode_projection_ms"] + o["decode_mlp_ms"]) * removed
+    return o["decode_ms"] / (o["decode_ms"] - saved)
+
+
+def _decode_ceiling_lines(lat: dict) -> list[str]:
+    ceiling = decode_speedup_ceiling(lat)
+    if ceiling is None:
+        return []
+    o = lat["original"]
+    layers = o["decode_projection_ms"] + o["decode_mlp_ms"]
+    other = o["decode_ms"] - layers - o["decode_lm_head_ms"]
+    removed = 1 - lat["compressed"]["layer_params"] / o["layer_params"]
+    return [
+        f"- Where the original's {o['decode_ms']:.0f} ms of decode go (hooks, separate runs): "
+        f"{o['decode_projection_ms']:.0f} ms in the attention projections, {o['decode_mlp_ms']:.0f} ms in the "
+        f"MLPs, {o['decode_lm_head_ms']:.0f} ms in the output head (not compressed), and {other:.0f} ms elsewhere "
+        "(norms, rotary, attention over the cache, Python), which no weight compression shrinks. Removing "
+        f"{100 * removed:.1f}% of the layers' parameters saves at most {100 * removed:.1f}% of their "
+        f"{layers:.0f} ms: **the ceiling of the decode speed-up on this machine is {ceiling:.3f}x**, not 1.25x.",
+    ]
 
 
 # -- the choices behind the defaults ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@
   a compression run uses: the unavoidable part of calibration, the denominator of `compress_over_forward`.
 - `latency`: the original model vs a compressed checkpoint reloaded with `load_compressed`, in one process,
   measured alternately: prefill of P real tokens (median of several runs after warm-up) and D greedy decoded
-  tokens with a KV cache; plus the time spent inside the attention projections during a prefill.
+  tokens with a KV cache; plus the time spent inside the attention projections, the MLPs and the output head (hooks, separate runs).
 - `memory`: one model alone in a process: RSS after loading and peak RSS over a prefill + decode.
 
 Run as `python -m benchmarks.speed {forward,latency,memory} ...`; each prints one JSON object on stdout.
@@ -37,20 +37,19 @@ def _load(spec_or_checkpoint: str):
     from compressor.checkpoint import MASA_CONFIG, load_compressed
 
     if (Path(spec_or_checkpoint) / MASA_CONFIG).is_file():
-        from transformers import AutoTokenizer
-
-        # Not `with_tokenizer=True`: its AutoTokenizer call sees the checkpoint's remote-code config and asks
-        # "Do you wish to run the custom code? [y/N]" on stdout. The tokenizer needs no remote code.
-        tokenizer = AutoTokenizer.from_pretrained(spec_or_checkpoint, trust_remote_code=False)
-        return load_compressed(spec_or_checkpoint), tokenizer
+        return load_compressed(spec_or_checkpoint, with_tokenizer=True)
     return _load_original(spec_or_checkpoint)
 
 
 def model_size(model: torch.nn.Module) -> dict:
     """Stored parameters, each shared tensor counted once (`parameters()` deduplicates)."""
+    from compressor.adapters import get_adapter
+
     params = list(model.parameters())
+    layers = {id(p): p for layer in get_adapter(model).layers for p in layer.parameters()}
     return {
         "params": sum(p.numel() for p in params),
+        "layer_params": sum(p.numel() for p in layers.values()),  # the decoder layers' (what is compressed)
         "param_gib": sum(p.numel() * p.element_size() for p in params) / GIB,
     }
 
@@ -128,12 +127,25 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int) 
     return time.perf_counter() - start, tokens
 
 
-@contextmanager
-def projection_timer(model: torch.nn.Module) -> Iterator[list[float]]:
-    """Seconds spent inside the q/k/v/o projection modules while the block runs (hooks around each)."""
+PARTS, PHASES = ("projection", "mlp", "lm_head"), ("prefill", "decode")
+
+
+def timed_parts(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """The modules that read the weights, by kind: the attention projections, the MLPs, the output head."""
     from compressor.adapters import PROJECTIONS, get_adapter
 
     adapter = get_adapter(model)
+    layers = range(adapter.num_layers)
+    return {
+        "projection": [adapter.projection(layer, name) for layer in layers for name in PROJECTIONS],
+        "mlp": [adapter.layers[layer].mlp for layer in layers],
+        "lm_head": [model.get_output_embeddings()],
+    }
+
+
+@contextmanager
+def module_timer(modules: list[torch.nn.Module]) -> Iterator[list[float]]:
+    """Seconds spent inside `modules` while the model runs (hooks around each)."""
     spent, started, handles = [0.0], {}, []
 
     def enter(module, args):
@@ -142,10 +154,8 @@ def projection_timer(model: torch.nn.Module) -> Iterator[list[float]]:
     def leave(module, args, output):
         spent[0] += time.perf_counter() - started[module]
 
-    for layer in range(adapter.num_layers):
-        for name in PROJECTIONS:
-            module = adapter.projection(layer, name)
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    for module in modules:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
         yield spent
     finally:
@@ -154,15 +164,15 @@ def projection_timer(model: torch.nn.Module) -> Iterator[list[float]]:
 
 
 @torch.no_grad()
-def projection_split(model: torch.nn.Module, prompt: torch.Tensor, decode: int) -> tuple[float, float]:
-    """Time inside the attention projections during one prefill, and during one decode of `decode` tokens
-    (separate, untimed runs: the hooks cost a little)."""
-    with projection_timer(model) as spent:
+def time_split(model: torch.nn.Module, modules: list[torch.nn.Module], prompt: torch.Tensor, decode: int):
+    """Time inside `modules` during one prefill, and during one decode of `decode` tokens (separate, untimed
+    runs: the hooks cost a little)."""
+    with module_timer(modules) as spent:
         prefill_seconds(model, prompt)
     prefill = spent[0]
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    with projection_timer(model) as spent:
+    with module_timer(modules) as spent:
         for _ in range(decode):
             out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -175,7 +185,8 @@ def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, r
     models = {"original": _load(original), "compressed": _load(checkpoint)}
     prompt = prompt_tokens(models["original"][1], prefill)
     runs: dict[str, dict[str, list]] = {
-        name: {"prefill": [], "decode": [], "proj_prefill": [], "proj_decode": []} for name in models
+        name: {"prefill": [], "decode": [], **{f"{kind}_{phase}": [] for kind in PARTS for phase in PHASES}}
+        for name in models
     }
     tokens: dict[str, list[int]] = {}
     for model, _ in models.values():  # warm-up: one prefill and a short decode each
@@ -191,9 +202,10 @@ def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, r
             runs[name]["decode"].append(seconds)
     for _ in range(min(repeats, 3)):
         for name, (model, _) in models.items():
-            in_prefill, in_decode = projection_split(model, prompt, decode)
-            runs[name]["proj_prefill"].append(in_prefill)
-            runs[name]["proj_decode"].append(in_decode)
+            for kind, modules in timed_parts(model).items():
+                in_prefill, in_decode = time_split(model, modules, prompt, decode)
+                runs[name][f"{kind}_prefill"].append(in_prefill)
+                runs[name][f"{kind}_decode"].append(in_decode)
     result: dict = {
         "prefill_tokens": int(prompt.shape[1]),
         "decode_tokens": decode,
@@ -204,8 +216,14 @@ def measure_latency(original: str, checkpoint: str, prefill: int, decode: int, r
         result[name] = {
             "prefill_ms": 1e3 * statistics.median(runs[name]["prefill"]),
             "prefill_ms_runs": [1e3 * s for s in runs[name]["prefill"]],
-            "prefill_projection_ms": 1e3 * statistics.median(runs[name]["proj_prefill"]),
-            "decode_projection_ms": 1e3 * statistics.median(runs[name]["proj_decode"]),
+            # Time inside the attention projections, the MLPs and the output head (hooks, separate runs): what
+            # reads the weights; the rest of a decode step (norms, rotary, attention over the cache, Python) does
+            # not shrink with the weights.
+            **{
+                f"{phase}_{kind}_ms": 1e3 * statistics.median(runs[name][f"{kind}_{phase}"])
+                for kind in PARTS
+                for phase in PHASES
+            },
             "decode_ms": 1e3 * statistics.median(runs[name]["decode"]),
             "decode_ms_per_token": 1e3 * statistics.median(runs[name]["decode"]) / decode,
             "decode_ms_runs": [1e3 * s for s in runs[name]["decode"]],

@@ -387,3 +387,18 @@ def test_report_renders_the_whole_model_and_its_targets(tmp_path):
     assert "(`whole_model_prefill_speedup`) | 1.000x | ≥ 1x | met |" in doc
     assert "| 20% | masa (default)" in doc and "− svd-llm-attn-mlp: -3.000 [-4.000, -2.000]" in doc
     assert "on **shakespeare**" in doc and "| 1.000x | 1.067x |" in doc
+
+
+def test_the_decode_ceiling_counts_only_the_time_that_reads_layer_weights():
+    """With 40 of 100 ms inside the layers' projections and MLPs and a quarter of the layer parameters removed,
+    at most 10 ms can go: the ceiling is 100/90, whatever the parameter ratio of the whole model."""
+    from benchmarks.report_sections import _decode_ceiling_lines, decode_speedup_ceiling
+
+    original = {"decode_ms": 100.0, "decode_projection_ms": 10.0, "decode_mlp_ms": 30.0,
+                "decode_lm_head_ms": 15.0, "layer_params": 400}  # fmt: skip
+    lat = {"original": original, "compressed": {"layer_params": 300}}
+    assert decode_speedup_ceiling(lat) == pytest.approx(100 / 90)
+    line = _decode_ceiling_lines(lat)[0]
+    assert "45 ms elsewhere" in line and "1.111x" in line
+    # Measured before the breakdown existed: no claim.
+    assert decode_speedup_ceiling({"original": {"decode_ms": 1.0}, "compressed": {}}) is None
