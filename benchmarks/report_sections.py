@@ -226,8 +226,23 @@ def _anchored(doc: Path) -> list[str]:
     ]
 
 
+# The attention-form comparisons, in the order they were measured (each file its own calibration and windows).
+ATTENTION_FORM_FILES = ("attention-forms-validation.json", "attention-forms-validation-round2.json")
+
+
 def _attention_forms(doc: Path) -> list[str]:
-    path, data = _load("attention-forms-validation.json")
+    tables = [_attention_forms_table(doc, *_load(name)) for name in ATTENTION_FORM_FILES]
+    tables = [table for table in tables if table]
+    if not tables:
+        return []
+    return [
+        "### The attention's form of sharing (`--sharing`, `--basis-layers`) under the loss-aware allocation",
+        "",
+        *(line for table in tables for line in table),
+    ]
+
+
+def _attention_forms_table(doc: Path, path: Path, data: dict | None) -> list[str]:
     if data is None:
         return []
     rows = data["quality"]
@@ -237,8 +252,6 @@ def _attention_forms(doc: Path) -> list[str]:
     at = {(r["method"], r["ratio"]): r for r in rows}
     key = f"{first}_minus_this"
     lines = [
-        "### The attention's form of sharing (`--sharing`, `--basis-layers`) under the loss-aware allocation",
-        "",
         f"From {_link(path, doc)}: attention only, at each ratio one calibration and one scoring pass; original "
         f"{data['original_ppl']:.3f}. Each cell: perplexity, then `{first}` minus it (paired; negative: `{first}` "
         "is better).",
