@@ -2,11 +2,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch as pip gets it from PyPI: on Linux, torch==2.13.0 is the CUDA build (several GB with its NVIDIA
-# libraries); on macOS and Windows, the CPU build. The CPU-only build on Linux (what CI uses) comes from
-# PyTorch's own index:  make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Which torch build. PyPI's Linux wheel of torch==2.13.0 is the CUDA build (several GB with its NVIDIA
+# libraries), so on Linux without an NVIDIA GPU (no nvidia-smi) the CPU build comes from PyTorch's own index;
+# `make demo GPU=1` (or `make install GPU=1`) takes PyPI's CUDA build instead. macOS and Windows: PyPI's.
+# Both stay overridable: make install TORCH_SPEC=... TORCH_INDEX=...
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+GPU ?= $(if $(shell command -v nvidia-smi 2>/dev/null),1,0)
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(and $(filter 0,$(GPU)),$(filter Linux,$(shell uname -s))),$(CPU_TORCH_INDEX))
 RATIO ?= 0.2
 
 .PHONY: install demo test test-fast lint format bench bench-quick clean
