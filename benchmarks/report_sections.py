@@ -226,7 +226,7 @@ def _anchored(doc: Path) -> list[str]:
     ]
 
 
-# The attention-form comparisons, in the order they were measured (each file its own calibration and windows).
+# The attention-form comparisons, in the order they were measured (each file records its calibration and windows).
 ATTENTION_FORM_FILES = ("attention-forms-validation.json", "attention-forms-validation-round2.json")
 
 
