@@ -4,7 +4,8 @@
   a compression run uses: the unavoidable part of calibration, the denominator of `compress_over_forward`.
 - `latency`: the original model vs a compressed checkpoint reloaded with `load_compressed`, in one process,
   measured alternately: prefill of P real tokens (median of several runs after warm-up) and D greedy decoded
-  tokens with a KV cache; plus the time spent inside the attention projections, the MLPs and the output head (hooks, separate runs).
+  tokens with a KV cache; plus the time spent inside the attention projections, the MLPs and the output head
+  (hooks, separate runs).
 - `memory`: one model alone in a process: RSS after loading and peak RSS over a prefill + decode.
 
 Run as `python -m benchmarks.speed {forward,latency,memory} ...`; each prints one JSON object on stdout.
