@@ -308,18 +308,19 @@ EvalSplit, EvalSeqLen, EvalMaxTokens = _evaluation_options("eval-", CALIBRATION)
 Split, EvalWindowLen, MaxTokens = _evaluation_options("", EVALUATION)
 
 
-def _compare(panel: str):
+def _compare(panel: str, reference: str):
     return Annotated[
         bool,
         typer.Option(
             "--compare/--no-compare",
             rich_help_panel=panel,
-            help="KL and top-1 against the reference (the original).",
+            help=f"KL and top-1 against {reference}.",
         ),
     ]
 
 
-CompareInRun, Compare = _compare(CALIBRATION), _compare(EVALUATION)
+CompareInRun = _compare(CALIBRATION, "the original")
+Compare = _compare(EVALUATION, "the reference (--against, else a checkpoint's source)")
 
 # -- hardware -------------------------------------------------------------------------------------------------
 BatchSize = Annotated[
