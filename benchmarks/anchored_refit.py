@@ -24,13 +24,13 @@ from torch import nn
 
 from benchmarks.quality import build_variant, prepare_quality
 from benchmarks.whole_model import model_ratio_as_targets
-from compressor.adapters import get_adapter
-from compressor.capture import add_gram, token_mean
-from compressor.device import float64_zeros
-from compressor.evaluate import evaluate_against
-from compressor.intervals import paired_difference
-from compressor.sequential import LayerRunner
-from compressor.whitening import whitening_factor
+from compressor.evaluation.intervals import paired_difference
+from compressor.evaluation.perplexity import evaluate_against
+from compressor.math.whitening import whitening_factor
+from compressor.modeling.adapters import get_adapter
+from compressor.runtime.device import float64_zeros
+from compressor.statistics.capture import add_gram, token_mean
+from compressor.statistics.partly_compressed import LayerRunner
 
 
 class _Capture:

@@ -14,6 +14,23 @@ from pathlib import Path
 
 GIB = 1024**3
 
+#: The bundled SmolLM2-135M's width (its depth is 30 layers).
+BUNDLED_WIDTH = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+}
+#: A narrow model for the quick mode.
+NARROW_WIDTH = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+
 
 def log(message: str) -> None:
     """Progress lines go to stderr, so a child's stdout carries only its JSON answer."""
@@ -75,7 +92,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from compressor.device import resolve_device
+    from compressor.runtime.device import resolve_device
 
     try:
         usable = len(os.sched_getaffinity(0))

@@ -6,15 +6,15 @@ import os
 from pathlib import Path
 
 
-def _f(value, digits: int = 2) -> str:
+def number(value, digits: int = 2) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
-def _ci(values, digits: int = 2) -> str:
+def interval(values, digits: int = 2) -> str:
     return "" if not values else f" [{values[0]:.{digits}f}, {values[1]:.{digits}f}]"
 
 
-def _difference(diff: dict | None) -> str:
+def difference(diff: dict | None) -> str:
     """`−5.31 [−5.62, −5.01]`, or `tie` where the paired interval contains 0."""
     if not diff:
         return "—"
@@ -22,16 +22,16 @@ def _difference(diff: dict | None) -> str:
     return f"{diff['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" (tie)" if diff["tie"] else "")
 
 
-def _mib(d: dict, key: str):
+def mib(d: dict, key: str):
     return None if key not in d else d[key] * 1024
 
 
-def _link(path: Path, doc: Path) -> str:
+def link(path: Path, doc: Path) -> str:
     rel = Path(os.path.relpath(path, doc.parent)).as_posix()
     return f"[`{rel}`]({rel})"
 
 
-def _sources(paths: list[Path], doc: Path) -> str:
+def sources(paths: list[Path], doc: Path) -> str:
     return ", ".join(
         f"[`{Path(os.path.relpath(p, doc.parent)).as_posix()}`]({Path(os.path.relpath(p, doc.parent)).as_posix()})"
         for p in paths

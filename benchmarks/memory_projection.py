@@ -1,7 +1,8 @@
 """Projected peak memory of `masa-compress --layerwise` for models too large to measure here.
 
-A model of what the layer-sequential pipeline holds at its peak, read off the code (`compressor/layerwise/`:
-`passes.py`, `offload.py`, `spill.py`; `methods/masa/basis.py`, `whitening.py`): every term is computed from the model's
+A model of what the layer-sequential pipeline holds at its peak, read off the code (`compressor/api/layerwise.py`:
+`statistics/layer_stream.py`, `modeling/offload.py`, `methods/offloaded_context.py`; `methods/masa/basis.py`,
+`math/whitening.py`): every term is computed from the model's
 shapes and the run's settings, except the runtime base R0 (Python, torch, transformers, the model's skeleton),
 which is taken from the measured scaling run. It is checked against the measured overheads of the scaling
 section (`validation_rows`) before it is applied to Llama shapes (`projection_rows`). The section's other
@@ -381,8 +382,8 @@ def projection_section(runs: list[dict], deep: dict | None = None) -> list[str]:
     return [
         "### Projected memory for larger models",
         "",
-        "What `--layerwise` holds at its peak, read off the code (`compressor/layerwise/`: `passes.py`, `offload.py`, "
-        "`spill.py`; `methods/masa/basis.py`, `whitening.py`; symbols: H hidden, A = heads·head_dim, "
+        "What `--layerwise` holds at its peak, read off the code (`compressor/api/layerwise.py`: `statistics/layer_stream.py`, "
+        "`modeling/offload.py`, `methods/offloaded_context.py`; `methods/masa/basis.py`, `math/whitening.py`; symbols: H hidden, A = heads·head_dim, "
         "K = kv_heads·head_dim, I intermediate, V vocabulary, L layers, N×T calibration windows × tokens, S "
         "sensitivity windows, B basis layers per run, Tₑ evaluation tokens per window, d bytes per element of "
         "the model dtype; fp64 is 8 bytes):",

@@ -1,12 +1,12 @@
-"""Which neurons to keep, and how much ridge: the selection rules of `compressor.neurons` on the validation split.
+"""Which neurons to keep, and how much ridge: the selection rules of `compressor.math.neurons` on the validation split.
 
 Every MLP keeps the same fraction of its neurons (attention untouched), down_proj refit by least squares; every
 variant and the original scored in one pass over the same validation windows (paired differences). This chose the
 default order and ridge of the neuron form (`--mlp neurons`); the others need not stay.
 
 `python -m benchmarks.neuron_selection [--keep 0.75,0.6] [--variants rule:order_ridge:refit_ridge,...]
-[--max-tokens 16384] [--out F]`. Round 1 (16,384 tokens; every rule and ridge): `benchmarks/neuron-selection-round1.json`;
-round 2 (the whole validation split; the leading rules): `benchmarks/neuron-selection-round2.json`.
+[--max-tokens 16384] [--out F]`. Round 1 (16,384 tokens; every rule and ridge): `benchmarks/results/choices/neuron-selection-round1.json`;
+round 2 (the whole validation split; the leading rules): `benchmarks/results/choices/neuron-selection-round2.json`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from benchmarks.quality import prepare_quality
-from compressor.adapters import get_adapter
-from compressor.evaluate import evaluate_against
-from compressor.intervals import paired_difference
-from compressor.neurons import neuron_order, order_tail, refit_down
+from compressor.evaluation.intervals import paired_difference
+from compressor.evaluation.perplexity import evaluate_against
+from compressor.math.neurons import neuron_order, order_tail, refit_down
+from compressor.modeling.adapters import get_adapter
 
 
 def prune_uniform(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.common import BUNDLED_WIDTH
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: Acceptance targets (issues 4 and 7, and the layer-sequential pipeline's): key in results.json -> (bound, what it bounds).
@@ -209,7 +211,6 @@ def _plot_scaling_time(ax, runs: list[dict]) -> None:
 
 
 def _width_name(width: dict) -> str:
-    from benchmarks.scaling import BUNDLED_WIDTH
 
     return "the bundled model's width" if width == BUNDLED_WIDTH else "a narrow width for the quick mode"
 

@@ -14,23 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
-from compressor.config import CompressOptions
-from compressor.evaluate import evaluate_against, evaluate_perplexity
-from compressor.intervals import paired_difference
-from compressor.methods import get_method
-from compressor.models import load_model
-from compressor.pipeline import compress_model, sensitivity_projections
-from compressor.recipes.schema import CompressionSettings, EvaluationSettings
-from compressor.session import (
+from compressor.api.model_loading import load_model
+from compressor.api.pipeline import compress_model, sensitivity_projections
+from compressor.api.run_options import CompressOptions
+from compressor.api.session import (
     calibration_token_windows,
     evaluation_token_windows,
     peak_rss_gb,
     read_texts,
     resolve_run,
 )
-from compressor.stats_cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
+from compressor.evaluation.intervals import paired_difference
+from compressor.evaluation.perplexity import evaluate_against, evaluate_perplexity
+from compressor.methods import get_method
+from compressor.modeling.adapters import get_adapter
+from compressor.recipes.schema import CompressionSettings, EvaluationSettings
+from compressor.statistics.cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
+from compressor.statistics.capture import collect_statistics
 
 # name -> overrides of the recipe's compression settings
 VARIANTS: dict[str, dict] = {
@@ -107,7 +107,7 @@ def prepare_quality(
     split: str = "test",
     evaluate_original: bool = True,
 ) -> QualitySetup:
-    # The same resolution, text and windows as a `compress` run with these options (`compressor.session`).
+    # The same resolution, text and windows as a `compress` run with these options (`compressor.api.session`).
     run = resolve_run(model, CompressOptions(calib_samples=calib_samples, seq_len=seq_len))
     source, recipe, calibration = run.source, run.recipe, run.calibration
     evaluation = evaluation_settings(recipe, split, eval_seq_len, eval_max_tokens)

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.markdown import _ci, _difference, _f, _mib
+from benchmarks.markdown import difference, interval, mib, number
 from benchmarks.memory_projection import (
     LARGER_THAN_MEMORY_BOUND,
     larger_than_memory_section,
@@ -78,8 +78,8 @@ def _quality_table(results: dict) -> list[str]:
     for r in sorted(rows, key=lambda r: (r["ratio"], r["method"] != default)):
         kl, top1 = r.get("kl_to_original"), r.get("top1_agreement")
         lines.append(
-            f"| `{r['method']}` | {r['ratio']:g} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f}{_ci(r.get('ppl_ci95'))} "
-            f"| {_f(kl, 4)} | {'—' if top1 is None else f'{top1:.1%}'} | {_difference(r.get('default_minus_this'))} |"
+            f"| `{r['method']}` | {r['ratio']:g} | {r['achieved_ratio']:.4f} | {r['ppl']:.3f}{interval(r.get('ppl_ci95'))} "
+            f"| {number(kl, 4)} | {'—' if top1 is None else f'{top1:.1%}'} | {difference(r.get('default_minus_this'))} |"
         )
     return lines
 
@@ -101,9 +101,9 @@ def _headline_table(results: dict) -> list[str]:
         ev, models = h["evaluation"], h["models"]
         lines.append(
             f"| {ev['text']}, {ev['seq_len']}-token windows | {ev['tokens']:,} | {h['original']['ppl']:.3f}"
-            f"{_ci(h['original']['ppl_ci95'])} | {models[default]['ppl']:.3f}{_ci(models[default]['ppl_ci95'])} | "
-            f"{models[baseline]['ppl']:.3f}{_ci(models[baseline]['ppl_ci95'])} | "
-            f"{_difference(h.get('default_minus_baseline'))} |"
+            f"{interval(h['original']['ppl_ci95'])} | {models[default]['ppl']:.3f}{interval(models[default]['ppl_ci95'])} | "
+            f"{models[baseline]['ppl']:.3f}{interval(models[baseline]['ppl_ci95'])} | "
+            f"{difference(h.get('default_minus_baseline'))} |"
         )
     return [*lines, ""]
 
@@ -131,7 +131,7 @@ def _quality_section(results: dict, rel) -> list[str]:
         "column is a *paired* bootstrap of the difference on the same windows, and a difference whose interval "
         "contains 0 is a tie. KL from original: mean KL(p_original ‖ p_model) in nats per predicted token.",
         "",
-        f"Original model: perplexity **{results['original_ppl']:.3f}**{_ci(results.get('original_ppl_ci95'))}.",
+        f"Original model: perplexity **{results['original_ppl']:.3f}**{interval(results.get('original_ppl_ci95'))}.",
         "",
         *_quality_table(results),
         "",
@@ -188,7 +188,7 @@ def _latency_section(results: dict, rel) -> list[str]:
 
     def row(label, a, b, digits=1):
         ratio = "—" if not a or b is None else f"{b / a:.3f}x"
-        return f"| {label} | {_f(a, digits)} | {_f(b, digits)} | {ratio} |"
+        return f"| {label} | {number(a, digits)} | {number(b, digits)} | {ratio} |"
 
     lines = [
         "## 4. Inference: the reloaded compressed checkpoints vs the original",
@@ -248,8 +248,8 @@ def _latency_rows(lat: dict, mem: dict) -> list[tuple]:
         ("parameters (millions, shared tensors once)", o["params"] / 1e6, k["params"] / 1e6, 2),
         ("parameter memory (MiB)", o["param_gib"] * 1024, k["param_gib"] * 1024),
         ("weights on disk (MiB, safetensors)", mem.get("original_file_mib"), mem.get("compressed_file_mib")),
-        ("RSS after loading (MiB)", _mib(mo, "rss_after_load_gib"), _mib(mk, "rss_after_load_gib")),
-        ("peak RSS over load + prefill + decode (MiB)", _mib(mo, "peak_rss_gib"), _mib(mk, "peak_rss_gib")),
+        ("RSS after loading (MiB)", mib(mo, "rss_after_load_gib"), mib(mk, "rss_after_load_gib")),
+        ("peak RSS over load + prefill + decode (MiB)", mib(mo, "peak_rss_gib"), mib(mk, "peak_rss_gib")),
     ]
 
 

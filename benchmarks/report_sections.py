@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.markdown import _ci, _difference, _f, _link
+from benchmarks.markdown import difference, interval, link, number
 from benchmarks.plots import CURVE_STYLE, REPO
 
 CHOICES = REPO / "benchmarks" / "results" / "choices"
@@ -31,7 +31,7 @@ def whole_model_section(results: dict, rel) -> list[str]:
         f"numbers from every linear projection of its layers. One calibration ({cal['samples']}×{cal['seq_len']} "
         f"tokens of {cal['text']}, MLP inputs included), every model scored with the original in one pass over "
         f"the {ev['tokens']:,} tokens of the **{ev['split']}** split (original **{w['original_ppl']:.3f}**"
-        f"{_ci(w['original_ppl_ci95'])}). Size: the model's float32 weights ({w['model_mib_before']:.1f} MiB "
+        f"{interval(w['original_ppl_ci95'])}). Size: the model's float32 weights ({w['model_mib_before']:.1f} MiB "
         "before). Variants: the default (the MLP keeps a subset of its neurons, `down_proj` refit by least "
         "squares, each layer's width from the loss-aware allocation); `--uniform-mlp` (the same width in every "
         "layer: the base architecture with a smaller `intermediate_size`, which `export-dense` writes as a "
@@ -46,15 +46,13 @@ def whole_model_section(results: dict, rel) -> list[str]:
     for row in sorted(w["quality"], key=lambda r: (r["model_ratio"], list(CURVE_STYLE).index(r["method"])
                                                      if r["method"] in CURVE_STYLE else 99)):  # fmt: skip
         diffs = "; ".join(
-            f"− {k.removeprefix('minus_')}: {_difference(v)}"
-            for k, v in row.items()
-            if k.startswith("minus_")
+            f"− {k.removeprefix('minus_')}: {difference(v)}" for k, v in row.items() if k.startswith("minus_")
         )
         if "rise_ratio_vs_svd_llm" in row:
             diffs += f"; rise ratio {row['rise_ratio_vs_svd_llm']:.3f}"
         lines.append(
             f"| {row['model_ratio']:.0%} | {_label(row['method'])} | {row['model_mib']:.1f} | {row['ppl']:.3f}"
-            f"{_ci(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {_f(row.get('kl_to_original'), 3)} | "
+            f"{interval(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {number(row.get('kl_to_original'), 3)} | "
             f"{row['top1_agreement']:.1%} | {diffs or '—'} |"
         )
     lines += ["", f"![perplexity vs model size]({rel('whole_model')})", "", *_other_texts(w)]
@@ -68,19 +66,19 @@ def _other_texts(w: dict) -> list[str]:
         lines += [
             f"The same models at {scored['targets_ratio']:.4f} of attn+mlp (the model 20% smaller) on **{text}** "
             f"({ev['tokens']:,} tokens of its {ev['split']} split, never calibrated on; original "
-            f"{scored['original']['ppl']:.3f}{_ci(scored['original']['ppl_ci95'])}):",
+            f"{scored['original']['ppl']:.3f}{interval(scored['original']['ppl_ci95'])}):",
             "",
             "| variant | perplexity [95% CI] | KL | top-1 |",
             "|---|---|---|---|",
             *[
-                f"| {_label(name)} | {m['ppl']:.3f}{_ci(m['ppl_ci95'])} | {m['kl_to_original']:.3f} | "
+                f"| {_label(name)} | {m['ppl']:.3f}{interval(m['ppl_ci95'])} | {m['kl_to_original']:.3f} | "
                 f"{m['top1_agreement']:.1%} |"
                 for name, m in scored["models"].items()
             ],
             "",
             "Paired differences there: "
             + "; ".join(
-                f"{k.replace('_minus_', ' − ')}: {_difference(v)}" for k, v in scored["differences"].items()
+                f"{k.replace('_minus_', ' − ')}: {difference(v)}" for k, v in scored["differences"].items()
             )
             + ".",
             "",
@@ -186,10 +184,10 @@ def _neuron_order(doc: Path) -> list[str]:
     lines = [
         "### Which neurons the MLP keeps (`--neuron-order`)",
         "",
-        f"From {_link(path, doc)}: every MLP keeps the same fraction of its neurons, attention untouched, "
+        f"From {link(path, doc)}: every MLP keeps the same fraction of its neurons, attention untouched, "
         f"`down_proj` refit; original {data['original']['ppl']:.3f}. Orders: `greedy` (forward selection by output "
         "energy explained), `energy` (each neuron's own output energy), `leverage` (MoDeGPT's ridge leverage, "
-        f"with its λ); the refit has no ridge (round 1, {_link(CHOICES / 'neuron-selection-round1.json', doc)}, "
+        f"with its λ); the refit has no ridge (round 1, {link(CHOICES / 'neuron-selection-round1.json', doc)}, "
         "on the first 16,384 validation tokens: a ridge of 0.01 or 0.1 of mean(diag C) tied for `energy` and "
         "hurt `greedy`). Build times: the 30 layers' orders and tails on 2 shared cores (compare within the "
         "table).",
@@ -201,8 +199,8 @@ def _neuron_order(doc: Path) -> list[str]:
         lam = f" ({r['order_ridge']:g})" if r["rule"] == "leverage" else ""
         is_reference = r["variant"].split("@")[0] == reference.removeprefix("minus_")
         lines.append(
-            f"| {r['keep']:.0%} | `{r['rule']}`{lam} | {r['ppl']:.3f}{_ci(r['ppl_ci95'])} | "
-            f"{r['kl_to_original']:.3f} | {'—' if is_reference else _difference(r[reference])} | "
+            f"| {r['keep']:.0%} | `{r['rule']}`{lam} | {r['ppl']:.3f}{interval(r['ppl_ci95'])} | "
+            f"{r['kl_to_original']:.3f} | {'—' if is_reference else difference(r[reference])} | "
             f"{r['build_seconds']:.0f} |"
         )
     return [*lines, "", "`greedy` is the default; `energy` (about 15× cheaper to compute) is the option.", ""]
@@ -216,10 +214,10 @@ def _anchored(doc: Path) -> list[str]:
     return [
         "### An anchored refit of `down_proj` (not kept)",
         "",
-        f"From {_link(path, doc)}, the model 20% smaller: every `down_proj` refit, layer by layer in one "
+        f"From {link(path, doc)}, the model 20% smaller: every `down_proj` refit, layer by layer in one "
         "sequential pass, to map the compressed model's own kept activations to the original model's MLP output "
-        f"(AA-SVD's closed form). Default {d['ppl']:.3f}{_ci(d['ppl_ci95'])}, anchored "
-        f"{a['ppl']:.3f}{_ci(a['ppl_ci95'])}: **{_difference(data['anchored_minus_default'])} worse** "
+        f"(AA-SVD's closed form). Default {d['ppl']:.3f}{interval(d['ppl_ci95'])}, anchored "
+        f"{a['ppl']:.3f}{interval(a['ppl_ci95'])}: **{difference(data['anchored_minus_default'])} worse** "
         f"(original {data['original']['ppl']:.3f}). It fits the calibration's compounded errors and loses on held-out "
         "text; the tool does not offer it.",
         "",
@@ -252,7 +250,7 @@ def _attention_forms_table(doc: Path, path: Path, data: dict | None) -> list[str
     at = {(r["method"], r["ratio"]): r for r in rows}
     key = f"{first}_minus_this"
     lines = [
-        f"From {_link(path, doc)}: attention only, at each ratio one calibration and one scoring pass; original "
+        f"From {link(path, doc)}: attention only, at each ratio one calibration and one scoring pass; original "
         f"{data['original_ppl']:.3f}. Each cell: perplexity, then `{first}` minus it (paired; negative: `{first}` "
         "is better).",
         "",
@@ -264,7 +262,7 @@ def _attention_forms_table(doc: Path, path: Path, data: dict | None) -> list[str
         for m in methods:
             r = at.get((m, ratio))
             cells.append(
-                "—" if r is None else f"{r['ppl']:.3f}" + (f", {_difference(r[key])}" if key in r else "")
+                "—" if r is None else f"{r['ppl']:.3f}" + (f", {difference(r[key])}" if key in r else "")
             )
         lines.append(f"| {ratio:g} | " + " | ".join(cells) + " |")
     tokens = data.get("evaluation", {}).get("tokens")
@@ -279,17 +277,17 @@ def _whole_model_forms(doc: Path) -> list[str]:
     lines = [
         "### The whole model's form (the model 20% smaller)",
         "",
-        f"From {_link(path, doc)}; original {data['original_ppl']:.3f}.",
+        f"From {link(path, doc)}; original {data['original_ppl']:.3f}.",
         "",
         "| variant | perplexity [95% CI] | KL | differences (paired) |",
         "|---|---|---|---|",
     ]
     for r in data["quality"]:
         diffs = "; ".join(
-            f"− {k.removeprefix('minus_')}: {_difference(v)}" for k, v in r.items() if k.startswith("minus_")
+            f"− {k.removeprefix('minus_')}: {difference(v)}" for k, v in r.items() if k.startswith("minus_")
         )
         lines.append(
-            f"| `{r['method']}` ({_label(r['method'])}) | {r['ppl']:.3f}{_ci(r['ppl_ci95'])} | "
+            f"| `{r['method']}` ({_label(r['method'])}) | {r['ppl']:.3f}{interval(r['ppl_ci95'])} | "
             f"{r['kl_to_original']:.3f} | {diffs or '—'} |"
         )
     return [*lines, ""]

@@ -37,10 +37,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import log, machine_info, non_finite
-from benchmarks.report import MIN_TARGETS, REPO, TARGETS, render
-from benchmarks.scaling import BUNDLED_WIDTH, NARROW_WIDTH
-from benchmarks.sections import (
+from benchmarks.common import BUNDLED_WIDTH, NARROW_WIDTH, log, machine_info, non_finite
+from benchmarks.measurements import (
     MODEL,
     section_compression,
     section_headline,
@@ -49,6 +47,7 @@ from benchmarks.sections import (
     section_scaling,
     section_whole_model,
 )
+from benchmarks.report import MIN_TARGETS, REPO, TARGETS, render
 
 SECTIONS = ("quality", "headline", "whole_model", "compression", "latency", "scaling")
 
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, sections, out_dir, doc = _configure(args, parser)
     results_path = out_dir / "results.json"
 
-    from compressor.models import _quiet_transformers
+    from compressor.api.model_loading import _quiet_transformers
 
     _quiet_transformers()
     results: dict = {}

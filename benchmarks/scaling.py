@@ -20,24 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GIB, current_rss_gib, log, peak_rss_gib, run_json_child
-
-#: The bundled SmolLM2-135M's width (its depth is 30 layers).
-BUNDLED_WIDTH = {
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-}
-#: A narrow model for the quick mode.
-NARROW_WIDTH = {
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-}
+from benchmarks.common import BUNDLED_WIDTH, GIB, current_rss_gib, log, peak_rss_gib, run_json_child
 
 
 def _config(width: dict, layers: int, seq_len: int):
@@ -94,11 +77,11 @@ def child(
 
     import torch
 
-    from compressor.adapters import PROJECTIONS
+    from compressor.api.pipeline import compress_model
     from compressor.checkpoint import save_compressed
-    from compressor.layerwise.offload import load_offloaded
-    from compressor.layerwise.passes import collect_sensitivity_layerwise, collect_statistics_layerwise
-    from compressor.pipeline import compress_model
+    from compressor.modeling.adapters import PROJECTIONS
+    from compressor.modeling.offload import load_offloaded
+    from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
 
     rss: dict[str, float] = {"start": current_rss_gib()}
     seconds: dict[str, float] = {}
@@ -169,10 +152,10 @@ def in_memory_child(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from compressor.adapters import get_adapter
-    from compressor.capture import collect_statistics
+    from compressor.api.pipeline import compress_model
     from compressor.checkpoint import save_compressed
-    from compressor.pipeline import compress_model
+    from compressor.modeling.adapters import get_adapter
+    from compressor.statistics.capture import collect_statistics
 
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -202,7 +185,7 @@ def in_memory_child(
 def evaluate_child(checkpoint: str, width: dict, samples: int, seq_len: int) -> dict:
     """Load a written checkpoint with the library's loader and measure its perplexity on random windows."""
     from compressor.checkpoint import load_compressed
-    from compressor.evaluate import evaluate_perplexity
+    from compressor.evaluation.perplexity import evaluate_perplexity
 
     t = time.perf_counter()
     model = load_compressed(checkpoint)

@@ -27,7 +27,7 @@ from benchmarks.common import GIB, current_rss_gib, log, peak_rss_gib
 
 
 def _load_original(spec: str, device: str = "cpu"):
-    from compressor.models import load_model, resolve_model
+    from compressor.api.model_loading import load_model, resolve_model
 
     loaded = load_model(resolve_model(spec), device=device, dtype="auto", progress=False)
     return loaded.model, loaded.tokenizer
@@ -44,7 +44,7 @@ def _load(spec_or_checkpoint: str):
 
 def model_size(model: torch.nn.Module) -> dict:
     """Stored parameters, each shared tensor counted once (`parameters()` deduplicates)."""
-    from compressor.adapters import get_adapter
+    from compressor.modeling.adapters import get_adapter
 
     params = list(model.parameters())
     layers = {id(p): p for layer in get_adapter(model).layers for p in layer.parameters()}
@@ -61,9 +61,9 @@ def checkpoint_bytes(directory: str | Path) -> int:
 
 def calibration_token_windows(spec: str, tokenizer, samples: int | None, seq_len: int | None) -> torch.Tensor:
     """Exactly the windows `compressor.api.compress` builds for this model (recipe settings + overrides)."""
+    from compressor.api.model_loading import resolve_model
     from compressor.calibration.sources import load_documents
     from compressor.calibration.windows import bos_token_id_for, calibration_windows, tokenize_documents
-    from compressor.models import resolve_model
     from compressor.recipes.schema import CalibrationSettings
 
     recipe = resolve_model(spec).recipe
@@ -80,8 +80,8 @@ def calibration_token_windows(spec: str, tokenizer, samples: int | None, seq_len
 
 def prompt_tokens(tokenizer, n_tokens: int) -> torch.Tensor:
     """The first `n_tokens`-token window of the held-out evaluation text, shape (1, n_tokens)."""
+    from compressor.api.session import evaluation_token_windows
     from compressor.recipes.schema import EvaluationSettings
-    from compressor.session import evaluation_token_windows
 
     windows, _ = evaluation_token_windows(
         tokenizer, EvaluationSettings(seq_len=n_tokens, max_tokens=2 * n_tokens)
@@ -133,7 +133,7 @@ PARTS, PHASES = ("projection", "mlp", "lm_head"), ("prefill", "decode")
 
 def timed_parts(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     """The modules that read the weights, by kind: the attention projections, the MLPs, the output head."""
-    from compressor.adapters import PROJECTIONS, get_adapter
+    from compressor.modeling.adapters import PROJECTIONS, get_adapter
 
     adapter = get_adapter(model)
     layers = range(adapter.num_layers)
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     memory.add_argument("--decode", type=int, default=64)
     args = parser.parse_args(argv)
 
-    from compressor.models import _quiet_transformers
+    from compressor.api.model_loading import _quiet_transformers
 
     _quiet_transformers()
     if args.what == "forward":

@@ -5,7 +5,8 @@ with the original in ONE pass over the same windows (paired differences); the mo
 scored again on a second text domain. `make bench`'s `whole_model` section runs `measure_whole_model`.
 
 `python -m benchmarks.whole_model [--model-ratios 0.1,0.2,0.3,0.4] [--variants ...] [--split test] [--out F]`
-(`--split validation` for choices: `benchmarks/results/choices/whole-model-validation.json`).
+(`--split validation` for choices; `--out benchmarks/results/choices/whole-model-validation.json` keeps one, which
+BENCHMARKS.md then renders in its choices section: none is kept today).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from benchmarks.quality import (
     strip_windows,
     variant_key,
 )
-from compressor.adapters import target_projections
-from compressor.config import CompressOptions
+from compressor.api.preview import model_parameter_count, read_model_config
+from compressor.api.run_options import CompressOptions
+from compressor.api.session import resolve_run
+from compressor.math.accounting import targets_ratio
 from compressor.methods import ModelShape
-from compressor.plan import targets_ratio
-from compressor.planning import model_parameter_count, read_model_config
-from compressor.session import resolve_run
+from compressor.modeling.adapters import target_projections
 
 MODEL = "smollm2-135m"
 #: The default (the MLP by neuron selection, widths per layer), the MLP by low-rank factors (the former default),

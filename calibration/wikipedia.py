@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from compressor.calibration.cache import atomic_write_bytes, cache_dir
-from compressor.errors import UserError
+from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.errors import UserError
 
 #: The pinned wheel that carries the dump. A wheel on PyPI never changes once published.
 GENSIM_VERSION = "4.4.0"

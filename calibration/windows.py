@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from compressor.errors import UserError
+from compressor.runtime.errors import UserError
 
 #: Characters per tokenizer call. Large enough that the per-call overhead vanishes, small enough
 #: that a batch of chunks is spread over the fast tokenizer's threads.

@@ -9,7 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from compressor.errors import UserError
+from compressor.runtime.errors import UserError
 
 
 class _Strict(BaseModel):

@@ -2,11 +2,14 @@
 
 - no import loops between modules of `compressor/`, `calibration/`, `recipes/`, `benchmarks/` (imports inside
   functions count: a loop hidden in a function is still a loop);
+- the package's floors (`FLOORS`): a module imports from its own subpackage or from a floor below, never up;
+- `compressor/` holds at most 10 entries (besides `__init__.py`, `__main__.py`), and the repository no symlink;
+- `calibration` and `recipes` imported only as `compressor.calibration` / `compressor.recipes` (one import path);
 - no file over 450 lines;
 - no function over 80 lines, except pure option declarations (a function whose body is only `...` or a
   docstring, with its signature holding typer options);
 - no block of six or more identical lines (ignoring blank lines and comments) shared between
-  `compressor/remote_code/` and the rest of the package.
+  `compressor/modeling/remote_code/` and the rest of the package.
 """
 
 from __future__ import annotations
@@ -22,19 +25,29 @@ MAX_FUNCTION_LINES = 80
 SHARED_BLOCK = 6
 
 
+MAX_TOP_ENTRIES = 10
+#: The floors of the package, bottom first. A module may import its own subpackage's modules and anything on a
+#: lower floor; packages on one floor do not import each other. `compressor` is the root's face (`__version__`,
+#: the moved-module aliases), importing nothing of the package.
+FLOORS = (
+    ("compressor", "compressor.runtime"),
+    ("compressor.modeling",),
+    ("compressor.recipes", "compressor.calibration"),
+    ("compressor.math", "compressor.evaluation"),
+    ("compressor.statistics",),
+    ("compressor.checkpoint", "compressor.report"),
+    ("compressor.methods",),
+    ("compressor.api",),
+    ("compressor.cli",),
+    ("compressor.__main__",),
+    ("benchmarks",),
+)
+#: Folders of the checkout that are not the project's own files.
+NOT_OURS = {".git", ".venv", "out", "build", ".pytest_cache", ".ruff_cache", "__pycache__"}
+
+
 def source_files() -> list[Path]:
-    files = []
-    for package in PACKAGES:
-        base = ROOT / package
-        # compressor/calibration and compressor/recipes may be links to the top-level folders: skip them.
-        files += [p for p in sorted(base.rglob("*.py")) if not _through_link(p, base)]
-    return files
-
-
-def _through_link(path: Path, base: Path) -> bool:
-    return any(parent.is_symlink() for parent in path.relative_to(base).parents if str(parent) != ".") or any(
-        (base / part).is_symlink() for part in path.relative_to(base).parts[:-1]
-    )
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
 
 
 def module_name(path: Path) -> str:
@@ -90,6 +103,70 @@ def import_loops(files: list[Path]) -> list[list[str]]:
         if node not in state:
             visit(node, [node])
     return loops
+
+
+def floor_of(module: str) -> tuple[int, str]:
+    """(floor, package) of a module: its first-level subpackage of `compressor`, or `benchmarks`."""
+    parts = module.split(".")
+    package = parts[0] if parts[0] != "compressor" else ".".join(parts[:2])
+    for floor, packages in enumerate(FLOORS):
+        if package in packages:
+            return floor, package
+    raise KeyError(f"{module}: its package {package} is on no floor of FLOORS (tests/check_structure.py)")
+
+
+def imports_up(files: list[Path]) -> list[str]:
+    """Imports that point up the floors, or sideways into another package of the same floor."""
+    known = {module_name(p) for p in files}
+    found = []
+    for p in files:
+        name = module_name(p)
+        floor, package = floor_of(name)
+        for target in sorted(imports_of(p, known)):
+            target_floor, target_package = floor_of(target)
+            if target_package != package and target_floor >= floor:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def top_entries() -> list[str]:
+    """The entries of `compressor/` beyond `MAX_TOP_ENTRIES`, when there are too many (all of them then)."""
+    entries = sorted(
+        p.name
+        for p in (ROOT / "compressor").iterdir()
+        if p.name not in ("__init__.py", "__main__.py", "__pycache__")
+    )
+    return entries if len(entries) > MAX_TOP_ENTRIES else []
+
+
+def symlinks() -> list[str]:
+    found = []
+    for path in sorted(ROOT.iterdir()):
+        if path.name in NOT_OURS:
+            continue
+        candidates = [path] + (sorted(path.rglob("*")) if path.is_dir() and not path.is_symlink() else [])
+        found += [
+            str(c.relative_to(ROOT)) for c in candidates if c.is_symlink() and not NOT_OURS & set(c.parts)
+        ]
+    return found
+
+
+def bare_imports(files: list[Path]) -> list[str]:
+    """`import calibration` / `from recipes import ...`: a second import path to modules of the package."""
+    found = []
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            found += [
+                f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("calibration", "recipes")
+            ]
+    return found
 
 
 def long_files(files: list[Path]) -> list[str]:
@@ -148,6 +225,10 @@ def problems() -> dict[str, list]:
     files = source_files()
     return {
         "import loops": [" -> ".join(loop) for loop in import_loops(files)],
+        "imports up the floors or across one": imports_up(files),
+        f"entries of compressor/ (at most {MAX_TOP_ENTRIES})": top_entries(),
+        "symlinks": symlinks(),
+        "bare imports of calibration/ or recipes/": bare_imports(files),
         f"files over {MAX_FILE_LINES} lines": long_files(files),
         f"functions over {MAX_FUNCTION_LINES} lines": long_functions(files),
         f"blocks of {SHARED_BLOCK}+ lines repeated between remote_code/ and the library": shared_blocks(

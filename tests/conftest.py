@@ -83,7 +83,7 @@ def pytest_runtest_setup(item):
 def no_bundled_weights_in_fast_tests():
     """Outside `@pytest.mark.slow`, loading (or converting) the bundled model's weights fails the test.
 
-    Every load of the bundled weights goes through `compressor.models.bundled_model_dir` (`load_model` calls it
+    Every load of the bundled weights goes through `compressor.api.model_loading.bundled_model_dir` (`load_model` calls it
     for the bundled model, as do `eval --tasks` and the benchmarks; all look it up on the module at call time),
     so it is replaced here for the whole session by a guard that lets slow tests through and fails any other.
     Reading the bundled model's config only (`read_config`) stays allowed. The guard decides by the test that
@@ -91,9 +91,9 @@ def no_bundled_weights_in_fast_tests():
     caught too. It raises pytest's `Failed`, a BaseException: the CLI's error handling (`except Exception`)
     does not turn it into a one-line user error.
     """
-    import compressor.models
+    import compressor.api.model_loading
 
-    original = compressor.models.bundled_model_dir
+    original = compressor.api.model_loading.bundled_model_dir
 
     def guarded(*args, **kwargs):
         item = _running["item"]
@@ -103,7 +103,7 @@ def no_bundled_weights_in_fast_tests():
         pytest.fail(f"{where} loads the bundled model's weights: {FAST_TESTS_RULE}")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compressor.models, "bundled_model_dir", guarded)
+        patch.setattr(compressor.api.model_loading, "bundled_model_dir", guarded)
         yield
 
 
@@ -119,7 +119,7 @@ def random_windows(n: int = 8, seq_len: int = 32, vocab: int = 256, seed: int = 
 
 def plant_identical_layers(model, projections) -> None:
     """Copy layer 0's weights of `projections` into every other layer: a sharing one atom holds exactly."""
-    from compressor.adapters import get_adapter
+    from compressor.modeling.adapters import get_adapter
 
     adapter = get_adapter(model)
     for layer in range(1, adapter.num_layers):
@@ -130,8 +130,8 @@ def plant_identical_layers(model, projections) -> None:
 def relative_whitened_error(original, compressed, stats, projections) -> float:
     """Σ over layers and `projections` of ‖(W − Ŵ) S‖² / ‖W S‖², computed independently of the pipeline as
     tr(E C Eᵀ) / tr(W C Wᵀ) with C = S Sᵀ the input autocorrelation (exact when no damping was needed)."""
-    from compressor.adapters import INPUT_OF, get_adapter
-    from compressor.remote_code.masa_modules import dense_weight
+    from compressor.modeling.adapters import INPUT_OF, get_adapter
+    from compressor.modeling.remote_code.masa_modules import dense_weight
 
     before, after = get_adapter(original), get_adapter(compressed)
     total = 0.0

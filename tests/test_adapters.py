@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.errors import UserError
-from compressor.models import check_architecture
+from compressor.api.model_loading import check_architecture
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
+from compressor.runtime.errors import UserError
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "mistral"])

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from compressor.allocation import (
+from compressor.math.allocation import (
     PairSplit,
     Steps,
     allocate_global,
@@ -21,7 +21,7 @@ from compressor.allocation import (
     step_cost,
     step_limit,
 )
-from compressor.whitening import discarded_energy
+from compressor.math.whitening import discarded_energy
 
 
 def _random_tail(rng: random.Random, shape: tuple[int, int], flat_tail: bool = False) -> torch.Tensor:

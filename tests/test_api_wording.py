@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from compressor.api import CompressOptions, compress
+from compressor.api.session import check_output_dir
 from compressor.cli import main
-from compressor.errors import UserError, cli_wording, wording
-from compressor.session import check_output_dir
+from compressor.runtime.errors import UserError, cli_wording, wording
 
 
 def test_the_api_names_its_arguments(tmp_path):

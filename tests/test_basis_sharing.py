@@ -6,15 +6,15 @@ import pytest
 import torch
 from conftest import random_windows, reloaded_identically, tiny_model
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
+from compressor.math.whitening import shared_basis_factors, whitening_factor
 from compressor.methods import get_method
 from compressor.methods.base import ModelShape
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
+from compressor.modeling.remote_code.masa_modules import LowRankLinear, SharedInputLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear, SharedInputLinear
-from compressor.whitening import shared_basis_factors, whitening_factor
+from compressor.statistics.capture import collect_statistics
 
 
 def _whitening(n: int, seed: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from compressor.api.model_loading import load_model
 from compressor.cli import main
-from compressor.models import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from compressor.calibration import wikipedia
-from compressor.calibration.cache import cache_dir
 from compressor.calibration.sources import load_documents, split_by_title
 from compressor.calibration.windows import (
     _chunk_text,
@@ -25,7 +24,8 @@ from compressor.calibration.windows import (
     evaluation_windows,
     tokenize_documents,
 )
-from compressor.errors import UserError
+from compressor.runtime.cache_root import cache_dir
+from compressor.runtime.errors import UserError
 
 # Llama 3's pre-tokenizer regex: glues punctuation to the newlines after it, unlike GPT-2's.
 LLAMA3_PATTERN = (

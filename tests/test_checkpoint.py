@@ -14,7 +14,6 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from compressor.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, get_adapter
 from compressor.checkpoint import (
     ATOMS_KEY,
     BASIS_KEY,
@@ -26,11 +25,12 @@ from compressor.checkpoint import (
     save_compressed,
 )
 from compressor.checkpoint import files as checkpoint_files
-from compressor.errors import CheckpointError, UserError
-from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan
-from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
+from compressor.math.accounting import CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.modeling.adapters import PROJECTIONS, SUPPORTED_MODEL_TYPES, get_adapter
+from compressor.modeling.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
+from compressor.runtime.errors import CheckpointError, UserError
 
-REMOTE_CODE_DIR = Path(__file__).parents[1] / "compressor" / "remote_code"
+REMOTE_CODE_DIR = Path(__file__).parents[1] / "compressor" / "modeling" / "remote_code"
 REMOTE_CODE_FILES = [REMOTE_CODE_DIR / "modeling_masa.py", REMOTE_CODE_DIR / "masa_modules.py"]
 VOCAB = 128
 # Residual / low-rank ranks per (layer, projection), rank 0 included; layer 0 stays dense, 1-2 share atoms.

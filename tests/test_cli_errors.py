@@ -62,7 +62,7 @@ def _full_disk(tmp: Path, monkeypatch) -> str:
 
 def _no_network(monkeypatch) -> None:
     """The hub out of reach, as the probe finds it on a machine without network (and nothing in its cache)."""
-    from compressor import hub
+    from compressor.runtime import hub
 
     monkeypatch.setattr(hub, "offline_by_env", lambda: None)
     monkeypatch.setattr(hub, "_verdict", {})
@@ -76,11 +76,11 @@ def _damaged_checkpoint(tmp: Path, damage: str) -> str:
 
     from conftest import random_windows, tiny_model
 
-    from compressor.adapters import get_adapter
-    from compressor.capture import collect_statistics
+    from compressor.api.pipeline import compress_model
     from compressor.checkpoint import save_compressed
-    from compressor.pipeline import compress_model
+    from compressor.modeling.adapters import get_adapter
     from compressor.recipes.schema import CompressionSettings
+    from compressor.statistics.capture import collect_statistics
 
     model = tiny_model("llama")
     adapter = get_adapter(model)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import random_windows, tiny_model
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
 
 
 def _digests(directory: Path) -> dict[str, str]:

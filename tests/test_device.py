@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import random_windows, tiny_model
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import _Accumulator, collect_statistics
-from compressor.device import add_in_float64, float64_zeros, statistics_device
 from compressor.methods.base import MethodContext, ModelShape
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.statistics.capture import _Accumulator, collect_statistics
 
 MPS = torch.device("mps")
 

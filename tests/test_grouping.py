@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from compressor.errors import UserError
-from compressor.grouping import consecutive_kl, group_layers, local_maxima
+from compressor.math.grouping import consecutive_kl, group_layers, local_maxima
+from compressor.runtime.errors import UserError
 
 
 def test_kl_of_identical_distributions_is_zero_and_positive_otherwise():

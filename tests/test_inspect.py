@@ -10,16 +10,16 @@ import torch
 from conftest import random_windows, tiny_config, tiny_model
 from PIL import Image
 
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, geometry_from_config, get_adapter
-from compressor.capture import collect_block_means, collect_statistics
-from compressor.errors import UserError
-from compressor.grouping import assumed_groups, group_layers
-from compressor.inspection import inspect_statistics, parse_group_counts
+from compressor.api.inspection import inspect_statistics, parse_group_counts
+from compressor.api.pipeline import compress_model
+from compressor.api.preview import plan_from_config
+from compressor.math.accounting import shared_plan
+from compressor.math.grouping import assumed_groups, group_layers
 from compressor.methods import ModelShape
-from compressor.pipeline import compress_model
-from compressor.plan import shared_plan
-from compressor.planning import plan_from_config
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, geometry_from_config, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_block_means, collect_statistics
 
 COUNT_KEYS = (
     "target_params_before",

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from compressor.intervals import paired_difference, perplexity_interval, resample_indices
+from compressor.evaluation.intervals import paired_difference, perplexity_interval, resample_indices
 
 
 def _windows(n: int = 40, seed: int = 1, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

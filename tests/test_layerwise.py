@@ -13,20 +13,20 @@ import pytest
 import torch
 from conftest import random_windows, tiny_model, tiny_model_dir
 
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
-from compressor.evaluate import evaluate_against
-from compressor.layerwise.offload import load_offloaded
-from compressor.layerwise.passes import (
+from compressor.evaluation.perplexity import evaluate_against
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter
+from compressor.modeling.offload import load_offloaded
+from compressor.modeling.remote_code.masa_modules import LowRankLinear
+from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
+from compressor.statistics.layer_stream import (
     collect_sensitivity_layerwise,
     collect_statistics_layerwise,
     evaluate_layerwise,
     spill_original_outputs,
 )
-from compressor.pipeline import compress_model
-from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear
 
 CPU = torch.device("cpu")
 
@@ -120,7 +120,7 @@ def test_onloaded_materialises_a_layer_and_gives_back_the_same_meta_tensors(tmp_
 
 
 def test_a_shared_tensor_stays_one_tensor_through_spilling_and_onloading(tmp_path):
-    from compressor.layerwise.spill import CompressedLayers
+    from compressor.methods.offloaded_context import CompressedLayers
 
     _, om = _offloaded(tmp_path, layers=2)
     shared = torch.nn.Parameter(torch.randn(3, 64), requires_grad=False)
@@ -219,9 +219,9 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
     import shutil
     from collections import namedtuple
 
-    from compressor.errors import UserError, cli_wording
-    from compressor.layerwise.run import check_spill_disk
+    from compressor.api.layerwise import check_spill_disk
     from compressor.methods import ModelShape
+    from compressor.runtime.errors import UserError, cli_wording
 
     _, om = _offloaded(tmp_path)
     shape = ModelShape.from_adapter(om.adapter, PROJECTIONS)
@@ -240,7 +240,7 @@ def test_device_map_puts_every_decoder_layer_on_disk_and_the_rest_on_the_device(
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from compressor.layerwise.offload import layer_device_map
+    from compressor.modeling.offload import layer_device_map
 
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=3))

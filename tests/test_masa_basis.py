@@ -16,17 +16,17 @@ from conftest import (
     tiny_model,
 )
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
-from compressor.errors import UserError
+from compressor.math.whitening import refit_on_basis, refit_tail, shared_basis_factors, whitening_factor
 from compressor.methods import get_method
-from compressor.methods.allocators import GlobalAllocator
+from compressor.methods.allocation_policies import GlobalAllocator
 from compressor.methods.base import ModelShape
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
+from compressor.modeling.remote_code.masa_modules import SharedInputLinear, dense_weight
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import SharedInputLinear, dense_weight
-from compressor.whitening import refit_on_basis, refit_tail, shared_basis_factors, whitening_factor
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
 
 BASIS = CompressionSettings(method="masa", sharing="basis", basis_layers=4)
 

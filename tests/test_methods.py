@@ -10,15 +10,15 @@ import pytest
 import torch
 from conftest import random_windows, tiny_config, tiny_model
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
-from compressor.errors import UserError
+from compressor.api.pipeline import compress_model
+from compressor.api.preview import plan_from_config
+from compressor.math.accounting import CompressionPlan, lowrank_plan
 from compressor.methods import REGISTRY, Method, MethodContext, register
-from compressor.pipeline import compress_model
-from compressor.plan import CompressionPlan, lowrank_plan
-from compressor.planning import plan_from_config
+from compressor.modeling.adapters import get_adapter
+from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
 
 
 class ExampleSvd(Method):

@@ -1,4 +1,4 @@
-"""The MLP's `neurons` form: the pure math of `compressor.neurons` on planted data, then the form in the pipeline
+"""The MLP's `neurons` form: the pure math of `compressor.math.neurons` on planted data, then the form in the pipeline
 on tiny random models of every supported family (budget, exact accounting, save→load identical logits)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 import torch
 from conftest import random_windows, reloaded_identically, tiny_model
 
-from compressor.adapters import MLP_PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
+from compressor.math.accounting import NEURON_READER
+from compressor.math.neurons import ORDERS, greedy_order, neuron_order, order_tail, output_error, refit_down
 from compressor.methods.masa.mlp import RIDGE
-from compressor.neurons import ORDERS, greedy_order, neuron_order, order_tail, output_error, refit_down
-from compressor.pipeline import compress_model
-from compressor.plan import NEURON_READER
+from compressor.modeling.adapters import MLP_PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
 
 
 def _activations(tokens=400, neurons=24, hidden=8, seed=0):

@@ -18,12 +18,12 @@ import pytest
 import torch
 from conftest import random_windows, tiny_model
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import load_compressed, save_compressed
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import get_adapter
+from compressor.modeling.remote_code.masa_modules import dense_weight
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import dense_weight
+from compressor.statistics.capture import collect_statistics
 
 #: Every RMSNorm weight: the inputs of q/k/v and gate/up have scale ~10, as in real models.
 ACTIVATION_SCALE = 10.0

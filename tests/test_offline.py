@@ -1,5 +1,5 @@
 """Without network, a hub model fails at once, on the model, in one line; `plan ALIAS` needs no network at all;
-a hub text fails at once too. The hub is probed once, briefly (`compressor.hub`)."""
+a hub text fails at once too. The hub is probed once, briefly (`compressor.runtime.hub`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from compressor import hub
 from compressor.cli import main
-from compressor.errors import UserError
+from compressor.runtime import hub
+from compressor.runtime.errors import UserError
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def no_network(monkeypatch):
     def no_text(*args, **kwargs):
         raise AssertionError("a text was read before the model was checked")
 
-    monkeypatch.setattr("compressor.session.load_documents", no_text)
-    monkeypatch.setattr("compressor.api.load_documents", no_text)
+    monkeypatch.setattr("compressor.api.session.load_documents", no_text)
+    monkeypatch.setattr("compressor.api.run.load_documents", no_text)
 
 
 def _fails(argv, capsys) -> tuple[int, str]:
@@ -74,7 +74,7 @@ def test_hf_hub_offline_is_honoured_without_a_probe(monkeypatch, capsys):
 
 
 def test_a_cached_hub_model_loads_from_the_cache(no_network, monkeypatch):
-    from compressor.models import read_config, resolve_model
+    from compressor.api.model_loading import read_config, resolve_model
 
     monkeypatch.setattr(hub, "cached_config", lambda repo, revision: repo == "Qwen/Qwen2.5-0.5B")
     source = resolve_model("qwen2.5-0.5b")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.errors import NumericalError
-from compressor.pca import captured_energy_fraction, matrix_pca, reconstruct_from_atoms
+from compressor.math.pca import captured_energy_fraction, matrix_pca, reconstruct_from_atoms
+from compressor.runtime.errors import NumericalError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -136,7 +136,7 @@ def test_invalid_inputs() -> None:
 
 
 def test_whitened_pca_with_identity_whitening_is_plain_pca():
-    from compressor.pca import whitened_matrix_pca
+    from compressor.math.pca import whitened_matrix_pca
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(5, 6, 4, generator=g, dtype=torch.float64)
@@ -149,7 +149,7 @@ def test_whitened_pca_with_identity_whitening_is_plain_pca():
 
 def test_whitened_pca_minimizes_the_group_output_error():
     """Its shared part has a smaller output error under C_g than plain PCA's (and is optimal)."""
-    from compressor.pca import whitened_matrix_pca
+    from compressor.math.pca import whitened_matrix_pca
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(6, 8, 5, generator=g, dtype=torch.float64)
@@ -169,7 +169,7 @@ def test_whitened_pca_minimizes_the_group_output_error():
 
 
 def test_refit_coefficients_are_optimal_per_layer():
-    from compressor.pca import refit_coefficients
+    from compressor.math.pca import refit_coefficients
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
@@ -188,7 +188,7 @@ def test_refit_coefficients_are_optimal_per_layer():
 def test_shared_input_basis_energy_is_own_for_a_common_subspace_and_never_above_it():
     """Matrices reading one common `size`-dim input subspace: one shared basis captures all their energy, as
     their own bases do. Unrelated matrices: the shared basis captures less than each one's own."""
-    from compressor.pca import shared_input_basis_energy
+    from compressor.math.pca import shared_input_basis_energy
 
     g = torch.Generator().manual_seed(0)
     common = torch.randn(3, 12, generator=g, dtype=torch.float64)

@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import plant_identical_layers, random_windows, tiny_model
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
-from compressor.errors import UserError
+from compressor.api.pipeline import compress_model
 from compressor.methods import REGISTRY
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
 
 
 def _compress(model, method="masa", ratio=0.3, windows=None, **settings):
@@ -148,7 +148,7 @@ def test_global_allocation_spends_the_budget_better_than_the_paper_split():
 def test_sequential_statistics_of_an_uncompressed_model_equal_the_original(family):
     """The layer runner reproduces the model's own forward: with nothing compressed, its statistics equal
     the hooks' ones layer after layer (Gemma: per-layer kwargs such as sliding-window masks)."""
-    from compressor.sequential import LayerRunner
+    from compressor.statistics.partly_compressed import LayerRunner
 
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -183,7 +183,7 @@ def test_whitened_atoms_report_the_damping_of_the_group_cholesky():
 
 
 def test_non_finite_activations_are_reported_with_the_layer():
-    from compressor.errors import NumericalError
+    from compressor.runtime.errors import NumericalError
 
     model = tiny_model("llama")
     with torch.no_grad():
@@ -193,7 +193,7 @@ def test_non_finite_activations_are_reported_with_the_layer():
 
 
 def test_non_finite_weights_are_reported_with_the_module_name():
-    from compressor.errors import NumericalError
+    from compressor.runtime.errors import NumericalError
 
     model = tiny_model("llama")
     adapter = get_adapter(model)
@@ -213,7 +213,7 @@ def test_an_all_zero_projection_compresses_to_zero_within_the_budget(method):
         adapter.projection(2, "k_proj").weight.zero_()
     outcome = _compress(model, method, ratio=0.3)
     assert adapter.target_parameter_count() == outcome.plan.params_after() <= outcome.plan.budget
-    from compressor.remote_code.masa_modules import dense_weight
+    from compressor.modeling.remote_code.masa_modules import dense_weight
 
     assert torch.count_nonzero(dense_weight(adapter.projection(2, "k_proj"))) == 0
     assert torch.isfinite(model(input_ids=random_windows(1, 16)).logits).all()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from compressor.errors import UserError
+from compressor.api.preview import plan_from_config
 from compressor.methods import REGISTRY
-from compressor.planning import plan_from_config
 from compressor.recipes.schema import builtin_recipe, builtin_recipe_names
+from compressor.runtime.errors import UserError
 
 # recipe -> (config class, hidden, layers, heads, kv heads, head_dim, intermediate)
 SHAPES = {

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from compressor import progress
-from compressor.progress import progress_bar
+from compressor.runtime import progress
+from compressor.runtime.progress import progress_bar
 
 
 class FakeClock:

@@ -7,10 +7,10 @@ import pytest
 from conftest import tiny_config, tiny_model, tiny_model_dir
 
 from compressor.api import compress
-from compressor.config import CompressOptions
-from compressor.errors import UserError
-from compressor.plan import targets_ratio
-from compressor.planning import model_parameter_count, plan_compression
+from compressor.api.preview import model_parameter_count, plan_compression
+from compressor.api.run_options import CompressOptions
+from compressor.math.accounting import targets_ratio
+from compressor.runtime.errors import UserError
 
 
 def test_targets_ratio_converts_a_model_ratio_and_refuses_what_the_targets_cannot_hold():

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model_dir
 
+from compressor.api.session import default_output_dir
 from compressor.cli import main
-from compressor.session import default_output_dir
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from compressor.models import read_config, recipe_config, resolve_model
-from compressor.planning import model_parameter_count, plan_from_config
+from compressor.api.model_loading import read_config, recipe_config, resolve_model
+from compressor.api.preview import model_parameter_count, plan_from_config
 from compressor.recipes.schema import CompressionSettings, builtin_recipe, builtin_recipe_names
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

@@ -10,9 +10,8 @@ import torch
 from conftest import random_windows, tiny_model
 from PIL import Image
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
-from compressor.pipeline import compress_model
+from compressor.api.pipeline import compress_model
+from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings
 from compressor.report import (
     ALLOCATION_EXTRA_INCHES,
@@ -31,6 +30,7 @@ from compressor.report import (
     pooled_energy,
     write_run_report,
 )
+from compressor.statistics.capture import collect_statistics
 
 
 def _run_summary(method: str = "masa", **settings) -> dict:

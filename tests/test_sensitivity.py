@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from conftest import random_windows, tiny_model
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
-from compressor.pipeline import compress_model
+from compressor.api.pipeline import compress_model
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
-from compressor.sensitivity import collect_sensitivity
+from compressor.statistics.capture import collect_statistics
+from compressor.statistics.sensitivity import collect_sensitivity
 
 ALL = PROJECTIONS + ("gate_proj", "up_proj", "down_proj")
 

@@ -8,7 +8,7 @@ import pytest
 
 from compressor.calibration import shakespeare
 from compressor.calibration.sources import load_documents, split_by_title
-from compressor.errors import UserError
+from compressor.runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")

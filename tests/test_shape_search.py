@@ -7,10 +7,10 @@ import copy
 import pytest
 from conftest import plant_identical_layers, random_windows, relative_whitened_error, tiny_model
 
-from compressor.adapters import PROJECTIONS, get_adapter
-from compressor.capture import collect_statistics
-from compressor.pipeline import compress_model
+from compressor.api.pipeline import compress_model
+from compressor.modeling.adapters import PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
 
 
 def _run(model, stats, windows, ratio=0.3, **settings):

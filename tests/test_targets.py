@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import plant_identical_layers, random_windows, relative_whitened_error, tiny_model
 
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter, target_projections
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import load_compressed, save_compressed
-from compressor.errors import UserError
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter, target_projections
+from compressor.modeling.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
 
 
 def _compress(model, ratio=0.3, windows=None, **settings):

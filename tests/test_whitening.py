@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.errors import NumericalError
-from compressor.whitening import (
+from compressor.math.whitening import (
     discarded_energy,
     low_rank_factors,
     plain_svd,
@@ -14,6 +13,7 @@ from compressor.whitening import (
     whitened_svd,
     whitening_factor,
 )
+from compressor.runtime.errors import NumericalError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

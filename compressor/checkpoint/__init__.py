@@ -30,7 +30,7 @@ from compressor.checkpoint.layout import (
 )
 from compressor.checkpoint.load import load_compressed, read_masa_config
 from compressor.checkpoint.save import save_compressed
-from compressor.remote_code.masa_modules import ATOMS_KEY, BASIS_KEY
+from compressor.modeling.remote_code.masa_modules import ATOMS_KEY, BASIS_KEY
 
 __all__ = [
     "ATOMS_KEY",

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compressor.adapters import get_adapter
 from compressor.checkpoint.files import _atomic_directory
 from compressor.checkpoint.layout import DEFAULT_MAX_SHARD_BYTES
 from compressor.checkpoint.load import _load_tokenizer, load_compressed, read_masa_config
-from compressor.errors import UserError
+from compressor.modeling.adapters import get_adapter
+from compressor.runtime.errors import UserError
 
 
 @dataclass(frozen=True)

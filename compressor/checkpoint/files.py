@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAME, _storage_names
-from compressor.errors import UserError, wording
+from compressor.runtime.errors import UserError, wording
 
 
 @dataclass(frozen=True)

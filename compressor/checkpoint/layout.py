@@ -9,9 +9,9 @@ from pathlib import Path
 
 from torch import nn
 
-from compressor.adapters import DecoderAdapter
-from compressor.plan import NEURON_READER, CompressionPlan, with_legacy_keys
-from compressor.remote_code.masa_modules import (
+from compressor.math.accounting import NEURON_READER, CompressionPlan, with_legacy_keys
+from compressor.modeling.adapters import DecoderAdapter
+from compressor.modeling.remote_code.masa_modules import (
     ATOMS_KEY,
     BASIS_KEY,
     LowRankLinear,

@@ -15,7 +15,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from compressor import __version__
-from compressor.adapters import DecoderAdapter
 from compressor.checkpoint.files import ALIGNMENT, _sha256
 from compressor.checkpoint.layout import (
     FORMAT_VERSION,
@@ -24,8 +23,9 @@ from compressor.checkpoint.layout import (
     WEIGHTS_NAME,
     _storage_names,
 )
-from compressor.errors import CheckpointError
-from compressor.remote_code.masa_modules import group_tensor, projection_module
+from compressor.modeling.adapters import DecoderAdapter
+from compressor.modeling.remote_code.masa_modules import group_tensor, projection_module
+from compressor.runtime.errors import CheckpointError
 
 
 def load_compressed(

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from compressor import __version__
-from compressor.adapters import SUPPORTED_MODEL_TYPES, get_adapter
 from compressor.checkpoint.files import _atomic_directory, _stored_tensors, _write_json, _write_weights
 from compressor.checkpoint.layout import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -25,8 +24,9 @@ from compressor.checkpoint.layout import (
     _layout,
     _transformers_config,
 )
-from compressor.errors import UserError
-from compressor.plan import CompressionPlan
+from compressor.math.accounting import CompressionPlan
+from compressor.modeling.adapters import SUPPORTED_MODEL_TYPES, get_adapter
+from compressor.runtime.errors import UserError
 
 
 def save_compressed(
@@ -66,7 +66,9 @@ def save_compressed(
             tmp / "config.json", _transformers_config(base_config, type(model.config).__name__, layout)
         )
         for name in REMOTE_CODE:
-            (tmp / name).write_text(resources.files("compressor.remote_code").joinpath(name).read_text())
+            (tmp / name).write_text(
+                resources.files("compressor.modeling.remote_code").joinpath(name).read_text()
+            )
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:

@@ -14,15 +14,15 @@ from rich.console import Console
 from rich.table import Table
 
 import compressor.cli.options as o
-from compressor import __version__
+from compressor import SUMMARY, __version__
 from compressor.cli.help import EVALUATION, TASKS, HelpCommand, HelpGroup
-from compressor.errors import NumericalError, UserError, cli_wording
+from compressor.runtime.errors import NumericalError, UserError, cli_wording
 
 app = typer.Typer(
     name="masa-compress",
     cls=HelpGroup,
     help=(
-        "Training-free compression of LLM weights by sharing them across layers (MASA).\n\n"
+        f"{SUMMARY}\n\n"
         "MODEL: a recipe alias (`masa-compress recipes`; smollm2-135m is bundled and works offline), a local "
         "Hugging Face directory, a .gguf file, or a hub id (with network)."
     ),
@@ -49,7 +49,7 @@ def _root(
         ),
     ] = None,
 ) -> None:
-    """Training-free compression of LLM weights by sharing them across layers (MASA)."""
+    """The `masa-compress` command group (its help is the app's, above)."""
 
 
 @app.command("eval", cls=HelpCommand)
@@ -147,9 +147,9 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
     """`eval MODEL --tasks ...`: lm-evaluation-harness on a checkpoint or model directory."""
     from pathlib import Path
 
-    from compressor.device import resolve_device, resolve_dtype
-    from compressor.harness import run_tasks
-    from compressor.models import bundled_model_dir, resolve_model
+    from compressor.api.model_loading import bundled_model_dir, resolve_model
+    from compressor.evaluation.lm_eval_tasks import run_tasks
+    from compressor.runtime.device import resolve_device, resolve_dtype
 
     source = resolve_model(model)
     if source.kind == "bundled":

@@ -11,15 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 import compressor.cli.options as o
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
+from compressor.api.inspection import describe_checkpoint
 from compressor.checkpoint import export_dense
 from compressor.cli.help import HelpCommand
-from compressor.errors import UserError
-from compressor.inspection import describe_checkpoint
+from compressor.math.accounting import NEURON_READER
 from compressor.methods import get_method
-from compressor.plan import NEURON_READER
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.recipes.schema import CompressionSettings
 from compressor.report import basis_label, group_label
+from compressor.runtime.errors import UserError
 
 console = Console()
 

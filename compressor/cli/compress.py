@@ -11,10 +11,10 @@ from rich.table import Table
 
 import compressor.cli.options as o
 from compressor.api import compress
+from compressor.api.run_options import CompressOptions
 from compressor.cli.help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli.inspect import show_plan
-from compressor.config import CompressOptions
-from compressor.plan import NEURON_READER
+from compressor.math.accounting import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type
 
 console = Console()

@@ -11,18 +11,18 @@ import typer
 from rich.console import Console
 
 import compressor.cli.options as o
-from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
-from compressor.config import CompressOptions
-from compressor.errors import UserError
-from compressor.inspection import (
+from compressor.api.inspection import (
     INSPECT_CALIB_SAMPLES,
     InspectOptions,
     inspect_model,
     parse_group_counts,
     write_inspect_outputs,
 )
-from compressor.planning import plan_compression
+from compressor.api.preview import plan_compression
+from compressor.api.run_options import CompressOptions
+from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
 from compressor.report import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
+from compressor.runtime.errors import UserError
 
 console = Console()
 

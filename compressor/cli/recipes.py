@@ -13,7 +13,6 @@ from rich.table import Table
 
 import compressor.cli.options as o
 from compressor.cli.help import HelpCommand
-from compressor.errors import UserError
 from compressor.recipes.schema import (
     CalibrationSettings,
     CompressionSettings,
@@ -24,6 +23,7 @@ from compressor.recipes.schema import (
     builtin_recipe_names,
     load_recipe_file,
 )
+from compressor.runtime.errors import UserError
 
 console = Console()
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10

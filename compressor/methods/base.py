@@ -18,20 +18,20 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from compressor.adapters import (
+from compressor.math.accounting import CompressionPlan, layer_dense_params
+from compressor.math.grouping import Grouping, consecutive_kl, group_layers, logit_lens_distributions
+from compressor.math.whitening import WhiteningFactor, whitening_factor
+from compressor.modeling.adapters import (
     INPUT_OF,
     PROJECTIONS,
     DecoderAdapter,
     ProjectionGeometry,
     geometry_from_config,
 )
-from compressor.capture import CalibrationStats
-from compressor.device import statistics_device
-from compressor.errors import NumericalError, UserError
-from compressor.grouping import Grouping, consecutive_kl, group_layers, logit_lens_distributions
-from compressor.plan import CompressionPlan, layer_dense_params
 from compressor.recipes.schema import CompressionSettings
-from compressor.whitening import WhiteningFactor, whitening_factor
+from compressor.runtime.device import statistics_device
+from compressor.runtime.errors import NumericalError, UserError
+from compressor.statistics.capture import CalibrationStats
 
 #: Groups for a group count: the calibrated KL grouping in a run, assumed groups in a preview.
 GroupsOf = Callable[[int], list[list[int]]]
@@ -179,7 +179,7 @@ class MethodContext:
         """What one unit of the matrix's whitened error ‖(W − Ŵ) S‖² costs in the global allocation's objective:
         1 (`global`), 1 / ‖W S‖² (`global-relative`: its share of the output energy; an all-zero weight has
         nothing to approximate and keeps weight 1 rather than 1/0), or the mean squared loss gradient at the
-        matrix's output (`global-loss`: `compressor.sensitivity`)."""
+        matrix's output (`global-loss`: `compressor.statistics.sensitivity`)."""
         allocation = self.settings.allocation
         if allocation == "global-loss":
             if self.stats.sensitivity is None:

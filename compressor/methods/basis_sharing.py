@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 
-from compressor.grouping import consecutive_runs
+from compressor.math.accounting import CompressionPlan, GroupPlan, ProjectionPlan, uniform_rank
+from compressor.math.grouping import consecutive_runs
+from compressor.math.whitening import shared_basis_factors, whitening_factor
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape, numerical_context
 from compressor.methods.lowrank import install_lowrank
-from compressor.plan import CompressionPlan, GroupPlan, ProjectionPlan, uniform_rank
-from compressor.progress import progress_bar
+from compressor.modeling.remote_code.masa_modules import SharedInputLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import SharedInputLinear
-from compressor.whitening import shared_basis_factors, whitening_factor
+from compressor.runtime.progress import progress_bar
 
 #: Projection types whose input basis a pair of layers shares (the paper's choice).
 SHARED_TYPES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

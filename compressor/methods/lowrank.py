@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
+from compressor.math.accounting import CompressionPlan, ProjectionPlan, lowrank_plan
+from compressor.math.whitening import low_rank_factors, plain_svd_factors, whitened_svd
 from compressor.methods.base import Method, MethodContext, numerical_context
-from compressor.plan import CompressionPlan, ProjectionPlan, lowrank_plan
-from compressor.progress import progress_bar
-from compressor.remote_code.masa_modules import LowRankLinear
-from compressor.whitening import low_rank_factors, plain_svd_factors, whitened_svd
+from compressor.modeling.remote_code.masa_modules import LowRankLinear
+from compressor.runtime.progress import progress_bar
 
 
 def install_lowrank(ctx: MethodContext, pp: ProjectionPlan, whitened: bool, dtype, device) -> None:

@@ -8,10 +8,10 @@ import time
 import torch
 from torch import nn
 
-from compressor.errors import UserError
+from compressor.math.accounting import CompressionPlan, shared_plan
 from compressor.methods.base import Method, MethodContext
-from compressor.plan import CompressionPlan, shared_plan
-from compressor.remote_code.masa_modules import SharedBasisLinear
+from compressor.modeling.remote_code.masa_modules import SharedBasisLinear
+from compressor.runtime.errors import UserError
 
 
 class SharedMean(Method):

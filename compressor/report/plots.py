@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
-from compressor.plan import NEURON_READER
+from compressor.math.accounting import NEURON_READER
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.report.records import kept_fractions, pooled_energy, present_projections
 
 DPI = 100

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from compressor.adapters import MLP_PROJECTIONS, PROJECTIONS
-from compressor.pca import captured_energy_fraction
-from compressor.plan import NEURON_READER
+from compressor.math.accounting import NEURON_READER
+from compressor.math.pca import captured_energy_fraction
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
 
 ENERGY_CURVE_MAX_ATOMS = 8
 

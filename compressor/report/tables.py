@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from compressor.adapters import PROJECTIONS
+from compressor.modeling.adapters import PROJECTIONS
 from compressor.report.records import format_groups, group_label
 
 

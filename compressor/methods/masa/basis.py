@@ -22,20 +22,26 @@ import time
 
 import torch
 
-from compressor.adapters import MLP_PROJECTIONS
-from compressor.errors import UserError
-from compressor.grouping import consecutive_runs
-from compressor.methods.allocators import GlobalAllocator, allocator_for
+from compressor.math.accounting import NEURON_READER, CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.math.grouping import consecutive_runs
+from compressor.math.neurons import NeuronTail
+from compressor.math.whitening import (
+    refit_on_basis,
+    refit_tail,
+    whitened_basis,
+    whitened_svd,
+    whitening_factor,
+)
+from compressor.methods.allocation_policies import GlobalAllocator, allocator_for
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
 from compressor.methods.masa.choice import Shared, choose_shared
 from compressor.methods.masa.mlp import install_neurons, neuron_tails, tails_for_allocation
 from compressor.methods.masa.stages import install_projection, residual_tail
-from compressor.neurons import NeuronTail
-from compressor.plan import NEURON_READER, CompressionPlan, GroupPlan, ProjectionPlan
-from compressor.progress import progress_bar
+from compressor.modeling.adapters import MLP_PROJECTIONS
+from compressor.modeling.remote_code.masa_modules import SharedInputLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import SharedInputLinear
-from compressor.whitening import refit_on_basis, refit_tail, whitened_basis, whitened_svd, whitening_factor
+from compressor.runtime.errors import UserError
+from compressor.runtime.progress import progress_bar
 
 #: The input-basis forms (the other form, `atoms`, is `masa.stages`').
 BASIS_FORMS = ("basis", "qkv", "none", "auto")

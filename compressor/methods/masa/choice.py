@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from compressor.allocation import cost_at_price, marginal_price
-from compressor.methods.allocators import ErrorWeight, GlobalAllocator
-from compressor.plan import CompressionPlan
+from compressor.math.accounting import CompressionPlan
+from compressor.math.allocation import cost_at_price, marginal_price
+from compressor.methods.allocation_policies import ErrorWeight, GlobalAllocator
 
 #: Per run index, its shared bases: basis name -> the projection types reading it.
 Shared = dict[int, dict[str, tuple[str, ...]]]

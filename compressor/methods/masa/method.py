@@ -11,9 +11,8 @@ import time
 
 from torch import nn
 
-from compressor.adapters import MLP_PROJECTIONS, target_projections
-from compressor.errors import UserError
-from compressor.methods.allocators import allocator_for
+from compressor.math.accounting import NEURON_READER, CompressionPlan, check_feasible_before_calibration
+from compressor.methods.allocation_policies import allocator_for
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape
 from compressor.methods.masa.basis import (
     BASIS_FORMS,
@@ -33,10 +32,11 @@ from compressor.methods.masa.stages import (
     residual,
     residual_tail,
 )
-from compressor.plan import NEURON_READER, CompressionPlan, check_feasible_before_calibration
-from compressor.progress import progress_bar
+from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 from compressor.recipes.schema import CompressionSettings
-from compressor.sequential import install_sequentially
+from compressor.runtime.errors import UserError
+from compressor.runtime.progress import progress_bar
+from compressor.statistics.partly_compressed import install_sequentially
 
 #: The settings of the MLP's form, read only when the targets hold the MLP.
 MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "neuron_order"})

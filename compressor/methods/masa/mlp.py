@@ -1,6 +1,6 @@
 """The MLP in `neurons` form (`--mlp neurons`, the default whenever the targets hold the MLP): every layer keeps
 a subset of its intermediate neurons, their gate/up rows unchanged and down_proj refit by least squares on the
-calibration statistics (`compressor.neurons`), so the MLP stays a plain one, only narrower.
+calibration statistics (`compressor.math.neurons`), so the MLP stays a plain one, only narrower.
 
 Per layer the neurons are put in one order (`--neuron-order`), and the output error at every width is exact for that
 order (`neurons.order_tail`); that tail, weighted by the loss sensitivity at down_proj's output, is one unit of
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from compressor.math.accounting import NEURON_READER, CompressionPlan
+from compressor.math.neurons import NeuronTail, neuron_order, order_tail, refit_down
 from compressor.methods.base import MethodContext, numerical_context
-from compressor.neurons import NeuronTail, neuron_order, order_tail, refit_down
-from compressor.plan import NEURON_READER, CompressionPlan
-from compressor.progress import progress_bar
+from compressor.runtime.progress import progress_bar
 
 #: The ridge of the refit (`neurons.regularized`): none, chosen on the bundled model's validation split with the
 #: order (`settings.neuron_order`): a ridge of 0.01 or 0.1 of mean(diag C) was a tie for the `energy` order and

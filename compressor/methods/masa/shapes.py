@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from compressor.errors import UserError
-from compressor.methods.allocators import allocator_for
+from compressor.math.accounting import NEURON_READER
+from compressor.methods.allocation_policies import allocator_for
 from compressor.methods.base import MethodContext
 from compressor.methods.masa.mlp import neuron_layers, neuron_tails
 from compressor.methods.masa.stages import group_atoms, masa_layout, residual_tail, shared_part
-from compressor.plan import NEURON_READER
-from compressor.progress import progress_bar
+from compressor.runtime.errors import UserError
+from compressor.runtime.progress import progress_bar
 
 MAX_GROUPS = 8
 MAX_BASES = 2

@@ -8,20 +8,20 @@ import time
 import torch
 from torch import nn
 
-from compressor.adapters import MLP_PROJECTIONS
-from compressor.methods.base import MethodContext, ModelShape, numerical_context
-from compressor.pca import captured_energy_fraction, matrix_pca, refit_coefficients, whitened_matrix_pca
-from compressor.plan import CompressionPlan, shared_plan
-from compressor.progress import progress_bar
-from compressor.recipes.schema import CompressionSettings
-from compressor.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
-from compressor.whitening import (
+from compressor.math.accounting import CompressionPlan, shared_plan
+from compressor.math.pca import captured_energy_fraction, matrix_pca, refit_coefficients, whitened_matrix_pca
+from compressor.math.whitening import (
     WhiteningFactor,
     discarded_energy,
     low_rank_factors,
     whitened_svd,
     whitening_factor,
 )
+from compressor.methods.base import MethodContext, ModelShape, numerical_context
+from compressor.modeling.adapters import MLP_PROJECTIONS
+from compressor.modeling.remote_code.masa_modules import LowRankLinear, SharedBasisLinear
+from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.progress import progress_bar
 
 Atoms = dict[
     tuple[int, str], tuple[torch.Tensor, torch.Tensor]

@@ -1,0 +1,278 @@
+"""The sections of `make bench` (see `benchmarks/run.py`): each takes the run's settings and returns its keys of
+results.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import log, run_json_child, run_module_measured
+from benchmarks.scaling import run_larger_than_memory, run_scaling
+
+MODEL = "smollm2-135m"
+
+
+def section_quality(s: dict) -> dict:
+    from benchmarks.quality import VARIANTS, compare, run_quality
+    from benchmarks.quality import variant_key as key
+
+    result = run_quality(
+        MODEL,
+        {name: VARIANTS[name] for name in s["methods"]},
+        s["ratios"],
+        calib_samples=s["calib_samples"],
+        seq_len=s["seq_len"],
+        eval_seq_len=s["eval_seq_len"],
+        eval_max_tokens=s["eval_max_tokens"],
+        progress=False,
+        log=log,
+        split=s["eval_split"],
+        extra_variants=s["extra_variants"],
+    )
+    scores = result["_scores"]
+    default, baseline = s["methods"][0], s["methods"][1]
+    rows = []
+    for r in result["quality"]:
+        row = {k: r[k] for k in ("method", "ratio", "ppl", "ppl_ci95", "kl_to_original", "top1_agreement",
+                                 "achieved_ratio", "target_params_after", "compress_seconds", "groups")}  # fmt: skip
+        row["rise_ci95"] = compare(scores, key(r["method"], r["ratio"]), "original")["ci95"]
+        if r["method"] != default:
+            # Paired: the default minus this row's method at the same ratio, on the same windows.
+            row["default_minus_this"] = compare(
+                scores, key(default, r["ratio"]), key(r["method"], r["ratio"])
+            )
+        rows.append(row)
+    first = rows[0]
+    details = {k: result[k] for k in ("model", "calibration", "evaluation", "calibration_seconds")}
+    details["target_params_before"] = round(first["target_params_after"] / (1 - first["achieved_ratio"]))
+    details["peak_rss_gib"] = result["peak_rss_gb"]
+    details["default"], details["baseline"] = default, baseline
+    return {
+        "quality": rows,
+        "original_ppl": result["original_ppl"],
+        "original_ppl_ci95": result["original_ppl_ci95"],
+        "quality_details": details,
+    }
+
+
+def section_headline(s: dict) -> dict:
+    """The headline pair (default and baseline at the headline ratio) on other windows and text.
+
+    Its own section, with its own calibration and compression (the same settings, so the same models), so
+    that a new text or window length does not re-measure the whole quality table.
+    """
+    from benchmarks.quality import (
+        VARIANTS,
+        build_variant,
+        compare,
+        evaluation_settings,
+        prepare_quality,
+        score,
+        strip_windows,
+    )
+
+    setup = prepare_quality(
+        MODEL, s["calib_samples"], s["seq_len"], progress=False, log=log, evaluate_original=False
+    )
+    default, baseline = s["methods"][0], s["methods"][1]
+    pair = {
+        name: build_variant(setup, name, VARIANTS[name], s["headline_ratio"], progress=False)[0]
+        for name in (default, baseline)
+    }
+    headline = {}
+    for spec in s["extra_evaluations"]:
+        evaluation = evaluation_settings(
+            setup.recipe, s["eval_split"], spec.get("seq_len", s["eval_seq_len"]),
+            spec.get("max_tokens", s["eval_max_tokens"]), spec.get("text"),
+        )  # fmt: skip
+        log(f"headline pair on {evaluation.source} {evaluation.split}, {evaluation.seq_len}-token windows")
+        extra = score(setup, pair, evaluation, progress=False)
+        extra["default_minus_baseline"] = compare(extra, default, baseline)
+        headline[f"{evaluation.source}@{evaluation.seq_len}"] = strip_windows(extra)
+        log(
+            f"  original {extra['original']['ppl']:.3f}, {default} {extra['models'][default]['ppl']:.3f}, "
+            f"{baseline} {extra['models'][baseline]['ppl']:.3f} ({extra['evaluation']['tokens']} tokens)"
+        )
+    return {
+        "headline_evaluations": headline,
+        "headline_details": {"default": default, "baseline": baseline, "ratio": s["headline_ratio"]},
+    }
+
+
+def section_compression(s: dict, checkpoint: Path) -> dict:
+    """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
+    one plain forward pass over the same calibration windows in another fresh process."""
+    # --no-stats-cache: the calibration capture is part of what is timed, never read from a cache.
+    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", "--no-stats-cache"]
+    args += ["--out", str(checkpoint), "--overwrite"]
+    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            args += [flag, str(s[key])]
+            forward_args += [flag, str(s[key])]
+    command = "masa-compress " + " ".join(args).replace(str(checkpoint), "<tmp>")
+    log(f"compression run: {command}")
+    summary = run_module_measured("compressor", args, "the compression run")
+    peak = summary["process"]["peak_rss_gib"]
+    seconds = summary["seconds"]
+    stages = {
+        k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds
+    }
+    compress_seconds = sum(stages.values())
+    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {peak:.2f} GiB")
+    log("plain forward pass over the same calibration windows (fresh process)")
+    forward = run_json_child(forward_args, "the plain forward pass")
+    calibration = summary["settings"]["calibration"]
+    if (forward["windows"], forward["seq_len"]) != (calibration["samples"], calibration["seq_len"]):
+        raise RuntimeError(f"the forward pass ran other windows than the compression run: {forward}")
+    from benchmarks.speed import checkpoint_bytes
+
+    return {
+        "compression": {
+            "command": command,
+            "ratio": s["stage_ratio"],
+            "achieved_ratio": summary["achieved_ratio"],
+            "calibration": {k: calibration[k] for k in ("samples", "seq_len", "seed", "text")},
+            "stage_seconds": stages,
+            "compress_seconds": compress_seconds,
+            "load_seconds": seconds.get("load", 0.0),
+            "other_seconds": seconds["total"] - seconds.get("load", 0.0) - compress_seconds,
+            "total_seconds": seconds["total"],
+            "peak_rss_gib": peak,
+            "cli_reported_peak_rss_gb": summary["peak_rss_gb"],
+            "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
+            "forward": forward,
+            "forward_seconds": forward["seconds"],
+            "compress_over_forward_wall": (seconds["total"] - seconds.get("load", 0.0)) / forward["seconds"],
+            "dominant_stage": max(stages, key=stages.get),
+            "summary_seconds": seconds,
+        },
+        "compress_over_forward": compress_seconds / forward["seconds"],
+    }
+
+
+def section_whole_model(s: dict) -> dict:
+    """The whole model (`--targets attn,mlp --ratio-of model`): the curve of `benchmarks.whole_model` on the test
+    split (the default, the low-rank MLP, uniform MLP widths, SVD-LLM), and the headline fraction on a second
+    text domain."""
+    from benchmarks.whole_model import DEFAULT, measure_whole_model
+
+    w = s["whole_model"]
+    result = measure_whole_model(
+        w["variants"], w["model_ratios"], s["eval_split"], headline=w["headline"], other_texts=tuple(w["texts"]),
+        log=log, headline_variants=tuple(w.get("headline_variants", ())), calib_samples=s["calib_samples"], seq_len=s["seq_len"], eval_seq_len=s["eval_seq_len"],
+        eval_max_tokens=s["eval_max_tokens"],
+    )  # fmt: skip
+    headline = next(
+        r for r in result["quality"] if r["method"] == DEFAULT and r["model_ratio"] == w["headline"]
+    )
+    return {"whole_model": result, "whole_model_ppl_ratio": headline["ppl"] / result["original_ppl"]}
+
+
+def section_latency(s: dict, checkpoint: Path) -> dict:
+    """The attention-only checkpoint of section `compression` reloaded against the original (prefill, decode,
+    memory); then the whole model 20% smaller (`whole_model_checkpoints`) the same way: its speed-ups."""
+    from benchmarks.speed import checkpoint_bytes
+    from compressor.api.model_loading import bundled_model_dir, resolve_model
+
+    log(f"latency: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens (fresh process)")
+    latency = _latency(s, checkpoint)
+    log(f"  prefill ratio {latency['prefill_ratio']:.3f}, decode ratio {latency['decode_ratio']:.3f}")
+    memory = {}
+    for name, spec in (("original", MODEL), ("compressed", str(checkpoint))):
+        log(f"inference memory of the {name} model (fresh process)")
+        memory[name] = run_json_child(
+            ["-m", "benchmarks.speed", "memory", "--model", spec]
+            + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])],
+            f"the memory measurement ({name})",
+        )
+    memory["original_file_mib"] = checkpoint_bytes(bundled_model_dir(resolve_model(MODEL), False)) / 1024**2
+    memory["compressed_file_mib"] = checkpoint_bytes(checkpoint) / 1024**2
+    whole = whole_model_checkpoints(s, checkpoint.parent)
+    timed = {name: _latency(s, path) for name, path in whole["paths"].items()}
+    default = timed["default"]
+    for name, lat in timed.items():
+        log(
+            f"  whole model ({name}): decode {1 / lat['decode_ratio']:.3f}x, prefill {1 / lat['prefill_ratio']:.3f}x faster"
+        )
+    return {
+        "latency": latency,
+        "inference_memory": memory,
+        "prefill_latency_ratio": latency["prefill_ratio"],
+        "decode_latency_ratio": latency["decode_ratio"],
+        "whole_model_latency": {**timed, "commands": whole["commands"], "mib": whole["mib"]},
+        # The original's time over the checkpoint's: above 1, the smaller model is faster.
+        "whole_model_decode_speedup": 1 / default["decode_ratio"],
+        "whole_model_prefill_speedup": 1 / default["prefill_ratio"],
+    }
+
+
+def _latency(s: dict, checkpoint: Path) -> dict:
+    return run_json_child(
+        ["-m", "benchmarks.speed", "latency", "--model", MODEL, "--checkpoint", str(checkpoint)]
+        + ["--prefill", str(s["prefill_tokens"]), "--decode", str(s["decode_tokens"])]
+        + ["--repeats", str(s["latency_repeats"])],
+        f"the latency measurement of {checkpoint.name}",
+    )
+
+
+def whole_model_checkpoints(s: dict, work: Path) -> dict:
+    """The model 20% smaller (`--targets attn,mlp --ratio R --ratio-of model`), as the CLI writes it; and with one
+    MLP width in every layer, exported by `export-dense` to the base architecture (plain transformers, no remote
+    code). Paths, commands and sizes (MiB on disk)."""
+    from benchmarks.speed import checkpoint_bytes
+
+    base = [
+        MODEL,
+        "--targets",
+        "attn,mlp",
+        "--ratio",
+        str(s["whole_model"]["headline"]),
+        "--ratio-of",
+        "model",
+    ]
+    base += ["--json", "--no-eval", "--overwrite"]
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            base += [flag, str(s[key])]
+    paths = {"default": work / "whole-model", "uniform": work / "whole-model-uniform"}
+    commands = {}
+    for name, extra in (("default", []), ("uniform", ["--uniform-mlp"])):
+        args = [*base, *extra, "--out", str(paths[name])]
+        commands[name] = "masa-compress " + " ".join(args).replace(str(work), "<tmp>")
+        log(f"whole-model checkpoint ({name}): {commands[name]}")
+        run_module_measured("compressor", args, f"the whole-model run ({name})")
+    exported = work / "whole-model-uniform-dense"
+    args = ["export-dense", str(paths["uniform"]), str(exported), "--overwrite", "--json"]
+    commands["uniform-dense"] = "masa-compress " + " ".join(args).replace(str(work), "<tmp>")
+    run_module_measured("compressor", args, "export-dense of the uniform checkpoint")
+    paths["uniform-dense"] = exported
+    return {
+        "paths": paths,
+        "commands": commands,
+        "mib": {name: checkpoint_bytes(path) / 2**20 for name, path in paths.items()},
+    }
+
+
+def section_scaling(s: dict) -> dict:
+    """The layer-sequential pipeline at several depths (memory flat with depth, the checkpoint identical to the
+    in-memory one), then one deep model whose weights exceed what the run may hold (`benchmarks.scaling`)."""
+    scaling = run_scaling(
+        s["scaling_width"], s["scaling_layers"], s["scaling_samples"], s["scaling_seq_len"], s["stage_ratio"],
+        s["scaling_sensitivity"],
+    )  # fmt: skip
+    deep = s["deep"]
+    larger = run_larger_than_memory(
+        s["scaling_width"], deep["layers"], deep["samples"], deep["seq_len"], s["stage_ratio"],
+        deep["sensitivity"], deep["eval_samples"],
+    )  # fmt: skip
+    runs = {r["layers"]: r for r in scaling["runs"]}
+    first, depths = scaling["runs"][0], scaling["peak_ratio_depths"]
+    return {
+        "scaling": scaling,
+        "depth_memory_ratio": scaling["peak_ratio"],
+        "depth_overhead_growth": scaling["overhead_growth"],
+        # The overhead at 2x the first depth (the older key, beside depth_memory_ratio's depths).
+        "depth_memory_overhead_ratio": runs[depths[1]]["overhead_gib"] / first["overhead_gib"],
+        "depth_time_ratio": scaling["time_ratio"],
+        "larger_than_memory": larger,
+    }

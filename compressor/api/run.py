@@ -1,0 +1,399 @@
+"""The library API that the CLI wraps: evaluate a model, compress a model.
+
+Options and their resolution against the recipe are `run_options.py`'s; the setup every run shares (resolution,
+texts, windows, output checks) is `session.py`'s; the methods are `methods/`'s. This module orchestrates.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from compressor import __version__
+from compressor.api.layerwise import compress_layerwise, stored_tensors
+from compressor.api.model_loading import LoadedModel, ModelSource, load_model, resolve_model
+from compressor.api.pipeline import (
+    CompressionOutcome,
+    compress_model,
+    reads_loss_sensitivity,
+    sensitivity_projections,
+)
+from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
+from compressor.api.session import (
+    RunSpec,
+    check_free_disk,
+    check_output_dir,
+    default_output_dir,
+    evaluation_token_windows,
+    peak_rss_gb,
+    prepare_run,
+    read_texts,
+    resolve_run,
+)
+from compressor.calibration.sources import TextSource, load_documents
+from compressor.checkpoint import read_masa_config, save_compressed
+from compressor.evaluation.perplexity import (
+    Faithfulness,
+    PerplexityResult,
+    evaluate_against,
+    evaluate_perplexity,
+    quality_summary,
+)
+from compressor.math.accounting import with_legacy_keys
+from compressor.methods import get_method
+from compressor.modeling.adapters import get_adapter
+from compressor.recipes.schema import EvaluationSettings
+from compressor.report import write_run_report
+from compressor.runtime.errors import UserError, wording
+from compressor.runtime.hub import check_hub_model
+from compressor.runtime.progress import note
+from compressor.statistics.cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
+from compressor.statistics.capture import CalibrationStats, collect_statistics
+
+__all__ = ["CompressOptions", "EvalSettings", "compress", "evaluate"]
+
+
+@dataclass
+class Evaluation:
+    """What `evaluate` measured: the model's perplexity and, when compared, its faithfulness to a reference."""
+
+    result: PerplexityResult
+    loaded: LoadedModel
+    evaluation: EvaluationSettings
+    faithfulness: Faithfulness | None = None
+    reference: PerplexityResult | None = None
+    reference_name: str | None = None
+    compare_note: str = "not a compressed checkpoint: nothing to compare with"
+
+    def to_dict(self) -> dict:
+        payload = {
+            "model": self.loaded.source.describe(),
+            **self.result.to_dict(),
+            "split": self.evaluation.split,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "load_seconds": round(self.loaded.seconds, 3),
+            "compared_with": self.reference_name,
+            "compare_note": self.compare_note,
+        }
+        if self.faithfulness is not None:
+            payload.update(self.faithfulness.to_dict())
+            payload["ppl_original"] = self.reference.ppl
+            payload["ppl_original_ci95"] = self.reference.ppl_ci95
+        return payload
+
+
+def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[ModelSource | None, str]:
+    """The model to compare with (``--against``, else a checkpoint's recorded source), or why there is none."""
+    if settings.against:
+        return resolve_model(settings.against), f"--against {settings.against}"
+    if not settings.compare:
+        return None, "comparison off (--no-compare)"
+    if source.kind != "compressed":
+        return None, "not a compressed checkpoint: nothing to compare with (pass --against MODEL)"
+    recorded = read_masa_config(source.location).get("metadata", {}).get("source") or {}
+    for spec in (recorded.get("spec"), recorded.get("location")):
+        if not spec:
+            continue
+        try:
+            found = resolve_model(spec)
+            check_hub_model(found)  # a hub model without network is not available here either
+            return found, f"the checkpoint's source {spec}"
+        except UserError:
+            continue
+    return None, (
+        f"the checkpoint's source model ({recorded.get('spec') or 'unrecorded'}) is not available here: "
+        + wording("pass --against MODEL to compare", "pass against=MODEL to compare")
+    )
+
+
+def evaluate(
+    model: str,
+    settings: EvalSettings | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> Evaluation:
+    """Resolve, load and evaluate a model spec (alias, path, hub id or compressed checkpoint).
+
+    A compressed checkpoint is scored in one pass together with its source model (or ``against``), which
+    adds the KL divergence from the original and the top-1 agreement to the perplexity.
+    """
+    settings = settings or EvalSettings()
+    source = resolve_model(model)
+    evaluation = resolve_eval_settings(settings, source.recipe)
+    # Everything the user named is checked before any weights are read: the model first.
+    check_hub_model(source)
+    documents = load_documents(evaluation.source, split=evaluation.split)
+    reference, note = reference_source(source, settings)
+    if reference is not None:
+        check_hub_model(reference)
+    loaded = load_model(source, device=device, dtype=dtype, progress=progress)
+    windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation, documents)
+    if reference is None:
+        result = evaluate_perplexity(loaded.model, windows, batch_size=settings.batch_size, progress=progress)
+        result.text, result.split = text_name, evaluation.split
+        return Evaluation(result, loaded, evaluation, compare_note=note)
+    original = load_model(reference, device=device, dtype=dtype, progress=progress)
+    if original.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
+        raise UserError(
+            f"cannot compare with {reference.describe()}: its tokenizer differs from the model's "
+            "(pass --against the model it was compressed from, or --no-compare)"
+        )
+    ref, scored = evaluate_against(
+        original.model, {"model": loaded.model}, windows, settings.batch_size, progress
+    )
+    result, faith = scored["model"]
+    for r in (ref, result):
+        r.text, r.split = text_name, evaluation.split
+    return Evaluation(result, loaded, evaluation, faith, ref, reference.describe(), note)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Compression
+
+
+@dataclass
+class CompressionRun:
+    """The result of `compress`: numbers for the summary table and `--json`, and the compressed model."""
+
+    summary: dict
+    model: object = None
+    tokenizer: object = None
+    outcome: CompressionOutcome | None = None
+
+
+def compress(
+    model: str,
+    options: CompressOptions,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> CompressionRun:
+    """The main job: calibrate, compress, evaluate before/after, and write the checkpoint."""
+    start_all = time.perf_counter()
+    run = resolve_run(model, options)
+    out = options.out or default_output_dir(
+        run.recipe_name or run.source.location, run.compression.method, options.ratio, options.ratio_of
+    )
+    if options.layerwise:
+        return _compress_layerwise(run, options, out, device, dtype, progress, start_all)
+    if options.save:
+        check_output_dir(out, options.overwrite)
+    calib_text, eval_text = read_texts(run, options.evaluate, options.allow_overlap)
+
+    t = time.perf_counter()
+    loaded = load_model(run.source, device=device, dtype=dtype, progress=progress)
+    seconds = {"load": time.perf_counter() - t}
+    adapter = get_adapter(loaded.model)
+    prepared = prepare_run(run, options, loaded.model, adapter, loaded.tokenizer, calib_text, eval_text)
+    ratio, with_mlp, model_params_before = prepared.ratio, prepared.with_mlp, prepared.model_params_before
+    calib_windows, eval_windows, eval_name = prepared.calib_windows, prepared.eval_windows, prepared.eval_name
+    if options.save:
+        removed = ratio * prepared.shape.params_before
+        check_free_disk(out, int((model_params_before - removed) * prepared.element_size))
+    before = None
+    if options.evaluate and not options.compare:
+        before = evaluate_perplexity(
+            loaded.model, eval_windows, options.batch_size, progress, "Perplexity (original)"
+        )
+        seconds["eval_before"] = before.seconds
+
+    stats, cache_note, key = _calibration_statistics(
+        loaded, adapter, calib_text, calib_windows, with_mlp, options, progress
+    )
+    seconds["calibration"] = stats.seconds
+    cached_sensitivity = _cached_sensitivity(stats, key, run.compression, adapter, with_mlp)
+    outcome = compress_model(
+        loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows
+    )
+    if key is not None and stats.sensitivity is not None and not cached_sensitivity:
+        save_sensitivity(stats.sensitivity, key)
+    seconds.update(outcome.seconds)
+    del stats
+
+    quality = {}
+    if options.evaluate:
+        t = time.perf_counter()
+        quality = _evaluate_after(loaded, run.source, before, eval_windows, options, device, dtype, progress)
+        seconds["eval"] = time.perf_counter() - t
+        quality["evaluation_text"] = eval_name
+    summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
+    summary["calibration_cache"] = cache_note
+    _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress)
+    return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)
+
+
+def _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress, on_disk=None) -> None:
+    """Save the checkpoint (when asked), then the timings, peak memory and the run report into `summary`."""
+    if options.save:
+        t = time.perf_counter()
+        summary["out"] = _save(run, loaded, outcome, summary, out, options.overwrite, on_disk)
+        summary["checkpoint_bytes"] = sum(
+            p.stat().st_size for p in Path(summary["out"]).glob("*.safetensors")
+        )
+        seconds["save"] = time.perf_counter() - t
+        note(f"[green]Wrote[/] {summary['out']}", progress)
+    seconds["total"] = time.perf_counter() - start_all
+    summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    summary["peak_rss_gb"] = round(peak_rss_gb(), 3)
+    if summary["out"]:
+        # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
+        summary["report_files"] = [str(p) for p in write_run_report(Path(summary["out"]), summary)]
+
+
+def _compress_layerwise(run, options, out, device, dtype, progress, start_all) -> CompressionRun:
+    """`compress` with `--layerwise` (`layerwise_run`): the same summary, report and checkpoint."""
+    loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before, spill = (
+        compress_layerwise(run, options, out, device, dtype, progress)
+    )
+    try:
+        summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
+        summary["calibration_cache"] = "not used with --layerwise"
+        summary["layerwise"] = True
+        _finish(
+            run,
+            options,
+            loaded,
+            outcome,
+            summary,
+            out,
+            seconds,
+            start_all,
+            progress,
+            stored_tensors(loaded, outcome),
+        )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    return CompressionRun(summary=summary, model=None, tokenizer=loaded.tokenizer, outcome=outcome)
+
+
+def _evaluate_after(loaded, source, before, windows, options, device, dtype, progress) -> dict:
+    """Perplexity of the compressed model and, with `options.compare`, its faithfulness to the original.
+
+    The original is loaded again (the compressed model was changed in place) and both models see every
+    window in one pass: the original's next-token distributions are far too large to keep for a later pass.
+    Without comparison, `before` is the perplexity measured before compression.
+    """
+    if options.compare:
+        reference = load_model(source, device=device, dtype=dtype, progress=progress)
+        before, scored = evaluate_against(
+            reference.model, {"compressed": loaded.model}, windows, options.batch_size, progress
+        )
+        after, faith = scored["compressed"]
+        del reference
+    else:
+        after = evaluate_perplexity(
+            loaded.model, windows, options.batch_size, progress, "Perplexity (compressed)"
+        )
+        faith = None
+    return quality_summary(before, after, faith)
+
+
+def _calibration_statistics(
+    loaded: LoadedModel,
+    adapter,
+    text: TextSource,
+    windows,
+    with_mlp: bool,
+    options: CompressOptions,
+    progress,
+) -> tuple[CalibrationStats, str, str | None]:
+    """The calibration statistics, from the validated cache when it holds them for this model, text and
+    windows; a note saying where they came from; and their cache key (None with the cache off)."""
+
+    def collect() -> CalibrationStats:
+        return collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
+
+    if not options.stats_cache:
+        return collect(), "statistics cache off", None
+    return cached_statistics(
+        loaded.model, adapter, text.fingerprint, windows, loaded.dtype, with_mlp, collect,
+        on_lookup=lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress),
+    )  # fmt: skip
+
+
+def _cached_sensitivity(stats: CalibrationStats, key: str | None, settings, adapter, with_mlp: bool) -> bool:
+    """Put the cached loss sensitivity of these statistics on `stats` when the run reads one and the cache
+    holds it for the same number of windows; whether it did."""
+    if key is None or not reads_loss_sensitivity(get_method(settings.method).effective_settings(settings)):
+        return False
+    projections = sensitivity_projections(with_mlp)
+    return attach_cached_sensitivity(
+        stats, key, settings.sensitivity_samples, adapter.num_layers, projections
+    )
+
+
+def _summary(
+    run: RunSpec,
+    options: CompressOptions,
+    loaded: LoadedModel,
+    outcome: CompressionOutcome,
+    quality: dict,
+    calib_text: TextSource,
+    eval_name: str,
+    model_params_before: int,
+) -> dict:
+    """What the run did, for the summary table, `--json` and the checkpoint's metadata."""
+    plan = outcome.plan
+    element = next(loaded.model.parameters()).element_size()
+    model_params_after = sum(p.numel() for p in loaded.model.parameters())
+    return with_legacy_keys({
+        "tool_version": __version__,
+        "model": run.source.describe(),
+        "recipe": run.recipe_name,
+        "method": run.compression.method,
+        "ratio_requested": options.ratio,
+        "ratio_of": options.ratio_of,
+        "targets_ratio": plan.ratio,
+        "targets": run.compression.targets,
+        "achieved_ratio": plan.achieved_ratio(),
+        "target_params_before": plan.params_before,
+        "target_params_after": plan.params_after(),
+        "model_params_before": model_params_before,
+        "model_params_after": model_params_after,
+        # What the weights take at the model's dtype (the written checkpoint's size is added once saved).
+        "weights_bytes_before": model_params_before * element,
+        "weights_bytes_after": model_params_after * element,
+        "ppl_before": quality.get("ppl_before"),
+        "ppl_after": quality.get("ppl_after"),
+        "split": run.evaluation.split if options.evaluate else None,
+        "kl_to_original": quality.get("kl_to_original"),
+        "top1_agreement": quality.get("top1_agreement"),
+        "quality": quality or None,
+        "settings": {
+            "calibration": {
+                **run.calibration.model_dump(),
+                "text": calib_text.name,
+                "fingerprint": calib_text.fingerprint,
+            },
+            "evaluation": {**run.evaluation.model_dump(), "text": eval_name},
+            "compression": run.compression.model_dump(),
+        },
+        "plan": plan.to_dict(),
+        "report": outcome.report,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "out": None,
+    })  # fmt: skip
+
+
+def _save(
+    run: RunSpec, loaded: LoadedModel, outcome, summary: dict, out: str, overwrite: bool, on_disk=None
+) -> str:
+    """Write the checkpoint (atomically) with the summary as its metadata; returns its path."""
+    metadata = {k: v for k, v in summary.items() if k != "plan"}
+    source = run.source
+    metadata["source"] = {
+        "spec": source.spec,
+        "kind": source.kind,
+        "location": source.location,
+        "revision": source.revision,
+    }
+    path = save_compressed(
+        loaded.model, outcome.plan, out, tokenizer=loaded.tokenizer, metadata=metadata, overwrite=overwrite,
+        on_disk=on_disk,
+    )  # fmt: skip
+    return str(path)

@@ -1,0 +1,137 @@
+"""What a run is told, and how it meets the recipe: `CompressOptions` / `EvalSettings` (the CLI's and the API's
+options; None means "the recipe's value"), resolved into the recipe's validated settings by one rule.
+
+Every compression setting is an option of the same name (`CompressionSettings`' fields), so a new setting needs
+its schema field and its CLI flag, nothing here. Options a method does not read are refused by the method
+(`Method.refuse_unread`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from pydantic import ValidationError
+
+from compressor.recipes.schema import CalibrationSettings, CompressionSettings, EvaluationSettings, Recipe
+from compressor.runtime.errors import UserError, wording
+
+#: Option name -> calibration / evaluation setting (the flags carry a prefix; the settings do not).
+CALIBRATION_OPTIONS = {"calib": "source", "calib_samples": "samples", "seq_len": "seq_len", "seed": "seed"}
+EVALUATION_OPTIONS = {"eval_text": "source", "eval_split": "split", "eval_seq_len": "seq_len"}
+
+
+@dataclass
+class CompressOptions:
+    """Everything a compression run (and its `--dry-run` / `plan`) can be told; None means "the recipe's value"."""
+
+    ratio: float = 0.2
+    ratio_of: str = "targets"  # targets: the ratio counts the targeted projections; model: every parameter
+    # compression settings (CompressionSettings' fields)
+    method: str | None = None
+    groups: int | None = None
+    bases: int | None = None
+    largest_group_bases: int | None = None
+    end_boundaries: bool | None = None
+    logit_lens: str | None = None
+    allocation: str | None = None
+    dense_when_cheaper: bool | None = None
+    atoms: str | None = None
+    singletons: str | None = None
+    statistics: str | None = None
+    targets: str | None = None
+    auto_groups: bool | None = None
+    mlp: str | None = None
+    uniform_mlp: bool | None = None
+    neuron_order: str | None = None
+    sharing: str | None = None
+    basis_layers: int | None = None
+    sensitivity_samples: int | None = None
+    # calibration and evaluation text
+    calib: str | None = None
+    calib_samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+    eval_text: str | None = None
+    eval_seq_len: int | None = None
+    eval_max_tokens: int | None = None  # 0: no cap
+    eval_split: str | None = None
+    # the run
+    evaluate: bool = True
+    compare: bool = True  # score the compressed model against the original in one pass (KL, top-1)
+    allow_overlap: bool = False  # accept the same text for calibration and evaluation (a leak)
+    out: str | None = None
+    overwrite: bool = False
+    save: bool = True
+    recipe_file: str | None = None
+    batch_size: int = 1
+    stats_cache: bool = True
+    layerwise: bool = False  # decoder layers on disk, every pass layer by layer (models larger than memory)
+    offload_dir: str | None = None  # where --layerwise keeps its intermediate files (default: beside --out)
+
+    @classmethod
+    def from_values(cls, values: dict) -> CompressOptions:
+        """The options among `values` (e.g. a CLI command's `locals()`), ignoring other names."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def given_compression_settings(self) -> dict[str, object]:
+        """The compression settings the user gave explicitly (not None)."""
+        return {
+            name: getattr(self, name)
+            for name in CompressionSettings.model_fields
+            if getattr(self, name, None) is not None
+        }
+
+
+@dataclass
+class EvalSettings:
+    """What `evaluate` can be told; None means "the recipe's value"."""
+
+    text: str | None = None
+    split: str | None = None  # validation | test (None: the recipe's, else test)
+    seq_len: int | None = None
+    max_tokens: int | None = None
+    batch_size: int = 1
+    compare: bool = True  # score a compressed checkpoint against its source model
+    against: str | None = None  # the reference model (default: the checkpoint's recorded source)
+
+
+def override(settings, **values):
+    """A copy of a pydantic settings object with the non-None values replaced (and re-validated)."""
+    data = settings.model_dump()
+    data.update({k: v for k, v in values.items() if v is not None})
+    try:
+        return type(settings).model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        name = str(first["loc"][0])
+        raise UserError(f"invalid {wording('--' + name.replace('_', '-'), name)}: {first['msg']}") from None
+
+
+def resolve_run_settings(
+    options: CompressOptions, recipe: Recipe | None
+) -> tuple[CalibrationSettings, EvaluationSettings, CompressionSettings]:
+    """Merge recipe and options into validated (calibration, evaluation, compression) settings."""
+    calibration = override(
+        recipe.calibration if recipe else CalibrationSettings(),
+        **{setting: getattr(options, o) for o, setting in CALIBRATION_OPTIONS.items()},
+    )
+    evaluation = override(
+        recipe.evaluation if recipe else EvaluationSettings(),
+        **{setting: getattr(options, o) for o, setting in EVALUATION_OPTIONS.items()},
+    )
+    if options.eval_max_tokens is not None:
+        evaluation = evaluation.model_copy(update={"max_tokens": options.eval_max_tokens or None})
+    compression = override(
+        recipe.compression if recipe else CompressionSettings(), **options.given_compression_settings()
+    )
+    return calibration, evaluation, compression
+
+
+def resolve_eval_settings(settings: EvalSettings, recipe: Recipe | None) -> EvaluationSettings:
+    """User options override the recipe; the recipe overrides the built-in defaults."""
+    base = recipe.evaluation if recipe else EvaluationSettings()
+    resolved = override(base, source=settings.text, split=settings.split, seq_len=settings.seq_len)
+    if settings.max_tokens is not None:
+        resolved = resolved.model_copy(update={"max_tokens": settings.max_tokens})
+    return resolved

@@ -1,0 +1,199 @@
+"""Neuron selection for a gated MLP, with a least-squares refit of `down_proj` (pure math, no model code).
+
+A gated MLP is `y = D z`, `z = act(G x) ⊙ (U x)` (`D`: down_proj `(hidden, I)`, `z`: its input, `I` neurons).
+Keeping a subset `S` of the neurons keeps their rows of G and U unchanged, so `z_S` is exact, and only `D` has
+to change: the `D'` (hidden × |S|) minimising the mean output error `E‖D z − D' z_S‖²` over the calibration
+tokens is, with `C = E[z zᵀ]` (the down_proj input autocorrelation `capture` holds),
+
+    D' = D C[:, S] C[S, S]⁻¹,     error(S) = tr(D C Dᵀ) − tr(D C[:, S] C[S, S]⁻¹ C[S, :] Dᵀ).
+
+The error is in the units of every other whitened error (‖(W − Ŵ) S‖² of `whitening`: the mean squared output
+error per token), so it enters the same allocation. With `ridge > 0` every formula reads `C_λ = C + λ·m·I`
+(`m = mean diag C`) instead of `C`: the refit then minimises `E‖D z − D' z_S‖² + λ m ‖D − D' Π_S‖²`, shrinking
+the kept columns towards their original values, and the errors reported are that objective's.
+
+For a fixed order of the neurons the sets are nested, and one Cholesky factor of `C` in that order gives the
+error at every width `k` at once: with `C[π, π] = L Lᵀ` and `X = D C[:, π] L⁻ᵀ`, the explained energy of the
+first `k` neurons is the sum of the squared norms of X's first `k` columns (`order_tail`). The orders:
+`energy` (each neuron's own output energy `C_jj ‖D_:j‖²`), `leverage` (ridge leverage `[C (C + λI)⁻¹]_jj`,
+MoDeGPT's Nyström selection) and `greedy` (forward selection by the output energy each neuron adds given
+the ones already kept: a pivoted Cholesky whose pivot maximises `‖D R_:j‖² / R_jj`, R the Schur complement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compressor.math.whitening import whitening_factor
+from compressor.runtime.errors import NumericalError
+
+ORDERS = ("greedy", "energy", "leverage")
+
+
+def regularized(autocorr: torch.Tensor, ridge: float) -> torch.Tensor:
+    """`C + ridge·mean(diag C)·I` in fp64, symmetrised (accumulated sums are symmetric up to rounding)."""
+    c = autocorr.detach().to(torch.float64)
+    c = 0.5 * (c + c.T)
+    if ridge > 0:
+        c = c + ridge * float(torch.diagonal(c).mean()) * torch.eye(
+            c.shape[0], dtype=c.dtype, device=c.device
+        )
+    return c
+
+
+def energy_order(autocorr: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Neurons by their own output energy `C_jj ‖D_:j‖²`, largest first (ties: lower index first)."""
+    score = torch.diagonal(autocorr).to(torch.float64) * down.to(torch.float64).square().sum(dim=0)
+    return torch.sort(-score, stable=True).indices
+
+
+def leverage_order(autocorr: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Neurons by ridge leverage `[C (C + λ m I)⁻¹]_jj`, largest first (MoDeGPT; λ ≥ 1e-6 so the solve exists)."""
+    c = regularized(autocorr, 0.0)
+    damped = regularized(c, max(ridge, 1e-6))
+    leverage = torch.diagonal(torch.linalg.solve(damped, c))
+    return torch.sort(-leverage, stable=True).indices
+
+
+def greedy_order(
+    autocorr: torch.Tensor, down: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Forward selection: at every step the neuron whose addition explains the most output energy given the
+    neurons already kept (`‖D R_:j‖² / R_jj`, R = C's Schur complement on the kept set), as a left-looking
+    pivoted Cholesky: O(I² (I + hidden)) in matrix-vector steps. `autocorr` is used as given (regularise first).
+
+    The selection runs in `dtype`, float32 by default: its steps are bound by memory traffic, which float32
+    halves; only the order comes out of it (the errors of that order are then computed in float64 by
+    `order_tail`), and near-ties it may break otherwise than float64 would cost nothing measurable."""
+    c = autocorr.to(dtype)
+    d = down.to(dtype)
+    n = c.shape[0]
+    dc = d @ c  # (hidden, I): D R at the start (R = C)
+    numer = dc.square().sum(dim=0)  # ‖D R_:j‖² for every j
+    diag = torch.diagonal(c).clone()  # R_jj
+    floor = 1e-12 * float(diag.max()) if n else 0.0
+    v_rows = torch.zeros(n, n, dtype=dtype, device=c.device)  # [j, t]: the pivoted Cholesky factor
+    w_rows = torch.zeros(n, d.shape[0], dtype=dtype, device=c.device)  # [t]: D times its column t
+    chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
+    order = torch.empty(n, dtype=torch.long, device=c.device)
+    gain = torch.empty_like(numer)
+    for t in range(n):
+        torch.div(numer, diag.clamp_min(floor), out=gain)
+        gain.masked_fill_(chosen | (diag <= floor), -1.0)
+        p = int(torch.argmax(gain))
+        if chosen[p] or diag[p] <= floor:
+            # Nothing left to explain (fewer calibration tokens than neurons leaves C singular): every gain is
+            # masked, so argmax may name a neuron already kept. The rest follow in their index order.
+            order[t:] = torch.nonzero(~chosen).flatten()
+            break
+        order[t] = p
+        chosen[p] = True
+        column = c[:, p] - v_rows[:, :t] @ v_rows[p, :t]  # R_:p
+        v = column / column[p].sqrt()
+        w = d @ v  # (hidden,)
+        # D R_new_:j = D R_:j − w v_j, so ‖·‖² drops by 2 v_j (wᵀ D R_:j) − v_j² ‖w‖².
+        cross = dc.T @ w - v_rows[:, :t] @ (w_rows[:t] @ w)  # wᵀ D R_:j for every j
+        numer.sub_(2 * v * cross).add_(v.square() * w.square().sum()).clamp_(min=0.0)
+        diag.sub_(v.square()).clamp_(min=0.0)
+        v_rows[:, t], w_rows[t] = v, w
+    return order
+
+
+def neuron_order(rule: str, autocorr: torch.Tensor, down: torch.Tensor, ridge: float) -> torch.Tensor:
+    """The order in which neurons are kept under `rule` (one of ORDERS): a permutation of range(I)."""
+    if rule == "energy":
+        return energy_order(autocorr, down)
+    if rule == "leverage":
+        return leverage_order(autocorr, ridge)
+    if rule == "greedy":
+        return greedy_order(regularized(autocorr, ridge), down)
+    raise ValueError(f"unknown neuron order {rule!r}: one of {', '.join(ORDERS)}")
+
+
+@dataclass(frozen=True)
+class NeuronTail:
+    """The neurons of one MLP in the order they are kept, the output error at every width k, and the damping
+    the Cholesky of `C_λ` in that order needed (0: none; every refit of this MLP uses the same)."""
+
+    order: torch.Tensor  # (I,) permutation: the first k are the kept set at width k
+    tail: torch.Tensor  # (I + 1,) fp64: tail[k] = the (regularised) output error keeping order[:k]
+    damping: float
+    attempts: int  # Cholesky factorizations tried (0: the input was zero at every token)
+
+    @property
+    def input_is_zero(self) -> bool:
+        return self.attempts == 0
+
+    def kept(self, width: int) -> torch.Tensor:
+        """The neurons kept at `width`, in increasing index order (the order they keep in the smaller MLP)."""
+        return torch.sort(self.order[:width]).values
+
+
+def effective(autocorr: torch.Tensor, ridge: float, damping: float) -> torch.Tensor:
+    """C_λ plus the damping its Cholesky needed: the matrix every error and refit of one MLP reads."""
+    c = regularized(autocorr, ridge)
+    if damping:
+        c = c + damping * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    return c
+
+
+def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, ridge: float) -> NeuronTail:
+    """The output error `tail[k]` of keeping the first `k` neurons of `order` with `down_proj` refit, for every
+    k = 0..I at once (one Cholesky of C_λ in that order, damped and retried like any whitening factor)."""
+    c = regularized(autocorr, ridge)
+    d = down.to(torch.float64)
+    factor = whitening_factor(c[order][:, order])
+    c = effective(autocorr, ridge, factor.damping)
+    if factor.input_is_zero:
+        explained = torch.zeros(c.shape[0], dtype=torch.float64, device=c.device)
+    else:
+        # X L⁻ᵀ with X = D C[:, π]: solve L Yᵀ = Xᵀ (L lower).
+        y = torch.linalg.solve_triangular(factor.S, (d @ c[:, order]).T, upper=False).T
+        explained = y.square().sum(dim=0)
+    total = float((d @ c * d).sum())
+    tail = torch.cat(
+        [torch.tensor([total], dtype=torch.float64, device=c.device), total - explained.cumsum(0)]
+    )
+    if not torch.isfinite(tail).all():
+        raise NumericalError(f"non-finite neuron-selection error for a {tuple(d.shape)} down_proj")
+    return NeuronTail(order.clone(), tail.clamp_min(0.0), factor.damping, factor.attempts)
+
+
+def refit_down(
+    autocorr: torch.Tensor, down: torch.Tensor, neurons: NeuronTail, width: int, ridge: float
+) -> torch.Tensor:
+    """`D' = D C_λ[:, S] C_λ[S, S]⁻¹` (hidden × width): the least-squares down_proj on the neurons kept at
+    `width` (`neurons.kept(width)`, in index order). It reads `C_λ` with the damping of the tail's Cholesky,
+    whose leading block is this one's, so the built MLP's error is `neurons.tail[width]`."""
+    d = down.to(torch.float64)
+    if width == 0 or neurons.input_is_zero:
+        return torch.zeros(d.shape[0], width, dtype=torch.float64, device=d.device)
+    c = effective(autocorr, ridge, neurons.damping)
+    kept = neurons.kept(width)
+    factor, info = torch.linalg.cholesky_ex(c[kept][:, kept])
+    if int(info) != 0:  # a leading block of a matrix whose Cholesky succeeded: only rounding can get here
+        raise NumericalError(
+            f"Cholesky of the {width} kept neurons' autocorrelation failed (pivot {int(info)})"
+        )
+    # D' C[S, S] = D C[:, S]  ⇔  C[S, S] D'ᵀ = (D C[:, S])ᵀ (C[S, S] symmetric).
+    return torch.cholesky_solve((d @ c[:, kept]).T, factor, upper=False).T
+
+
+def output_error(
+    autocorr: torch.Tensor,
+    down: torch.Tensor,
+    refit: torch.Tensor,
+    kept: torch.Tensor,
+    ridge: float,
+    damping=0.0,
+) -> float:
+    """The objective for an explicit `D'` on `kept`: tr(E C Eᵀ) with E = D − D' Π_S and C = C_λ + damping·I
+    (a check of the tails: tests and reports)."""
+    c = regularized(autocorr, ridge)
+    if damping:
+        c = c + damping * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    full = down.to(torch.float64).clone()
+    full[:, kept] -= refit.to(torch.float64)
+    return float((full @ c * full).sum())

@@ -1,0 +1,218 @@
+"""Stage 1: calibration capture with hooks that reduce on the fly (never all activations in memory).
+
+Per layer: C_attn = Σ xᵀx / T over the q/k/v input (post input_layernorm), C_o = Σ zᵀz / T over the o_proj
+input (T: the calibration tokens), both accumulated in fp64; and the token-mean of each block's output per window
+(for grouping). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
+down_proj input.
+
+The autocorrelations are means over the tokens, not sums: a sum grows with T, and so would every factor built on
+its Cholesky factor (|A| as √T: fp16 storage overflowed on long calibrations). Every consumer compares errors by
+ratios or minimises them, so the mean changes no choice; the whitened error ‖E S‖² is the mean output error per
+token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compressor.modeling.adapters import DecoderAdapter
+from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.runtime.errors import NumericalError
+from compressor.runtime.progress import progress_bar
+from compressor.statistics.sensitivity import Sensitivity
+
+
+@dataclass
+class CalibrationStats:
+    attn_autocorr: list[torch.Tensor]  # L × (hidden, hidden) fp64: input of q/k/v, the token mean of xᵀx
+    o_autocorr: list[torch.Tensor]  # L × (heads*head_dim, same) fp64: input of o_proj
+    block_output_means: torch.Tensor  # (L, N, hidden) fp32: token-mean of each block's output per window
+    tokens: int  # the calibration tokens each autocorrelation is the mean over
+    windows: int
+    seconds: float = 0.0
+    mlp_autocorr: list[torch.Tensor] | None = None  # L × (hidden, hidden): input of gate/up (mlp=True)
+    down_autocorr: list[torch.Tensor] | None = None  # L × (intermediate, same): input of down_proj
+    sensitivity: Sensitivity | None = None  # loss sensitivity per projection (--allocation global-loss)
+
+    def to(self, device: torch.device) -> CalibrationStats:
+        """The statistics where the fp64 work for a model on `device` runs (the CPU for MPS: no fp64 there)."""
+        device = statistics_device(device)
+
+        def moved(matrices):
+            return None if matrices is None else [c.to(device) for c in matrices]
+
+        return CalibrationStats(
+            moved(self.attn_autocorr),
+            moved(self.o_autocorr),
+            self.block_output_means.to(device),
+            self.tokens,
+            self.windows,
+            self.seconds,
+            moved(self.mlp_autocorr),
+            moved(self.down_autocorr),
+            self.sensitivity,
+        )
+
+    @property
+    def has_mlp(self) -> bool:
+        return self.mlp_autocorr is not None and self.down_autocorr is not None
+
+    def autocorr(self, kind: str, layer: int) -> torch.Tensor:
+        """The autocorrelation of input `kind` (adapters.INPUT_OF) at `layer`."""
+        matrices = {
+            "attn": self.attn_autocorr,
+            "o": self.o_autocorr,
+            "mlp": self.mlp_autocorr,
+            "down": self.down_autocorr,
+        }[kind]
+        if matrices is None:
+            raise ValueError(f"the {kind} input autocorrelations were not collected: pass mlp=True")
+        return matrices[layer]
+
+
+class _Accumulator:
+    """Owns the hooks; always removes them (also on error)."""
+
+    def __init__(
+        self,
+        adapter: DecoderAdapter,
+        n_windows: int,
+        device: torch.device,
+        mlp: bool = False,
+        autocorrelations: bool = True,
+    ):
+        self.adapter = adapter
+        self.autocorrelations = autocorrelations
+        geometry = adapter.geometry
+
+        def zeros(kind: str) -> list[torch.Tensor]:
+            size = geometry.input_size(kind)
+            return [float64_zeros(size, size, device=device) for _ in adapter.layers]
+
+        self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
+        self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
+        self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
+        self.window_offset = 0
+        self.handles: list = []
+
+    def _gram_into(self, target: torch.Tensor, x: torch.Tensor, where: str) -> None:
+        add_gram(target, x, where)
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """Every autocorrelation accumulator the hooks fill."""
+        return self.attn + self.o + (self.mlp or []) + (self.down or [])
+
+    def __enter__(self) -> _Accumulator:
+        # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
+        inputs = [("q_proj", self.attn), ("o_proj", self.o)] if self.autocorrelations else []
+        if self.mlp is not None:
+            inputs += [("gate_proj", self.mlp), ("down_proj", self.down)]
+        for i, layer in enumerate(self.adapter.layers):
+            for name, grams in inputs:
+                self.handles.append(
+                    self.adapter.projection(i, name).register_forward_pre_hook(
+                        lambda m, a, i=i, name=name, grams=grams: self._gram_into(
+                            grams[i], a[0], f"layer {i} {name}"
+                        )
+                    )
+                )
+            self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
+        return self
+
+    def _block_mean(self, i: int, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (B, T, H)
+        n = hidden.shape[0]
+        self.means[i, self.window_offset : self.window_offset + n] = hidden.float().mean(dim=1).cpu()
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
+    """`target += xᵀx` over the tokens of one batch of activations `x (..., d)`, in fp64 (`target`'s device: the
+    CPU for a model on MPS, see `device.float64_zeros`)."""
+    x = x.reshape(-1, x.shape[-1])
+    if not torch.isfinite(x).all():
+        raise NumericalError(f"non-finite activations at the input of {where} during calibration")
+    if x.device.type == "cpu":
+        target.addmm_(x.double().T, x.double())
+    else:  # fp32 on accelerators (fast), summed into the fp64 accumulator per batch
+        add_in_float64(target, x.float().T @ x.float())
+
+
+def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The autocorrelation as the statistics hold it: an accumulated `Σ xᵀx` divided, in place, by its tokens."""
+    if tokens <= 0:
+        raise ValueError(f"an autocorrelation needs calibration tokens, got {tokens}")
+    return gram.div_(tokens)
+
+
+@torch.no_grad()
+def collect_statistics(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    windows: torch.Tensor,
+    batch_size: int = 1,
+    progress: bool = True,
+    mlp: bool = False,
+) -> CalibrationStats:
+    """Run the calibration windows (N, T) through the original model and reduce the statistics
+    (with `mlp`, also the MLP inputs' autocorrelations)."""
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    n = windows.shape[0]
+    if mlp:
+        adapter.check_mlp()
+    with (
+        _Accumulator(adapter, n, device, mlp) as acc,
+        progress_bar("Calibration", total=n, enabled=progress) as bar,
+    ):
+        for first in range(0, n, batch_size):
+            batch = windows[first : first + batch_size].to(device)
+            acc.window_offset = first
+            model(input_ids=batch, use_cache=False)
+            bar.advance(len(batch))
+    tokens = int(windows.numel())  # every position of every window reaches every projection's input
+    for gram in acc.accumulators():
+        token_mean(gram, tokens)
+    return CalibrationStats(
+        attn_autocorr=acc.attn,
+        o_autocorr=acc.o,
+        block_output_means=acc.means,
+        tokens=tokens,
+        windows=n,
+        seconds=time.perf_counter() - start,
+        mlp_autocorr=acc.mlp,
+        down_autocorr=acc.down,
+    )
+
+
+@torch.no_grad()
+def collect_block_means(
+    adapter: DecoderAdapter, windows: torch.Tensor, batch_size: int = 1, progress: bool = True
+) -> tuple[torch.Tensor, float]:
+    """The token-mean of every block's output per window, `(L, N, hidden)` fp32, and the seconds taken.
+
+    `collect_statistics(...).block_output_means` by the same hooks, without what grouping does not need: the
+    autocorrelations (fp64 Grams, ~40% of a CPU calibration) and the unembedding of every position (the decoder
+    runs without the LM head). `inspect` uses it.
+    """
+    device = adapter.projection(0, "q_proj").weight.device
+    start = time.perf_counter()
+    n = windows.shape[0]
+    with (
+        _Accumulator(adapter, n, device, autocorrelations=False) as acc,
+        progress_bar("Calibration (block outputs)", total=n, enabled=progress) as bar,
+    ):
+        for first in range(0, n, batch_size):
+            acc.window_offset = first
+            batch = windows[first : first + batch_size].to(device)
+            adapter.decoder(input_ids=batch, use_cache=False)
+            bar.advance(len(batch))
+    return acc.means, time.perf_counter() - start
