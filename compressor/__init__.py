@@ -83,11 +83,17 @@ class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             FutureWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        # importlib gives the module this alias spec next; its own is put back in `exec_module`.
+        spec.loader_state = module.__spec__
+        return module
 
     def exec_module(self, module) -> None:
-        """A moved module is the new one, already executed; a split package holds nothing."""
-        if module.__name__ in SPLIT_PACKAGES:
+        """A moved module is the new one, already executed: only its own spec goes back (importlib replaced it
+        with the alias's, which would make a package look like a plain module). A split package holds nothing."""
+        if module.__spec__.loader_state is not None:
+            module.__spec__ = module.__spec__.loader_state
+        elif module.__name__ in SPLIT_PACKAGES:
             module.__path__ = []
 
 

@@ -41,6 +41,9 @@ def test_an_old_import_path_is_the_new_module_with_a_warning(old):
     with pytest.warns(FutureWarning, match=f"{old} moved to {new.__name__}"):
         moved = importlib.import_module(old)
     assert moved is new  # one module object: one class identity, one state
+    assert new.__spec__.name == new.__name__  # its own spec, not the alias's (a package stays a package)
+    if hasattr(new, "__path__"):
+        assert new.__spec__.submodule_search_locations
 
 
 def test_an_old_submodule_path_is_not_loaded_twice():
