@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 GIB = 1024**3
 #: The issue's bound on the deep model's peak RSS, as a fraction of its weights' size.
 LARGER_THAN_MEMORY_BOUND = 0.5
-#: The evaluation's chunk of windows advanced together through the layers (`layerwise.passes.evaluate_layerwise`).
+#: The evaluation's chunk of windows advanced together through the layers (`statistics.layer_stream.evaluate_layerwise`).
 EVAL_CHUNK = 32
 #: The calibration of a model without a packaged recipe in this projection (a typical 2048-token calibration; the CLI's
 #: own default without a recipe is 64×512).

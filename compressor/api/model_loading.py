@@ -76,7 +76,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     seconds: float
-    offloaded: object | None = None  # `--layerwise`: the `layerwise.offload.OffloadedModel` (layers on disk)
+    offloaded: object | None = None  # `--layerwise`: the `modeling.offload.OffloadedModel` (layers on disk)
 
 
 def resolve_model(spec: str, recipe: Recipe | None = None) -> ModelSource:

@@ -220,7 +220,7 @@ class MethodContext:
 
     def finished(self, layers: Iterable[int]) -> None:
         """A method says it will install nothing more into `layers` (and that no later module shares a tensor
-        with theirs): with `--layerwise` they are written to disk then (`layerwise.spill.OffloadedContext`)."""
+        with theirs): with `--layerwise` they are written to disk then (`methods.offloaded_context.OffloadedContext`)."""
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -1,7 +1,7 @@
 """Reports: grouping and atom-energy records, rich tables, `report.json` and PNG plots.
 
 Everything here is a pure function of plain dicts (the report of `pipeline.compress_model`, the summary of
-`api.compress`, the results of `inspection.inspect_statistics` / `planning.plan_from_config`), so the same
+`api.compress`, the results of `inspection.inspect_statistics` / `preview.plan_from_config`), so the same
 numbers go to the terminal, to JSON and to the pictures.
 """
 
