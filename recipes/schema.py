@@ -144,7 +144,9 @@ class ModelShapes(_Strict):
 
 class Recipe(_Strict):
     name: str
-    model: str = Field(description="hub id, local path, or 'bundled:smollm2-135m'")
+    model: str = Field(
+        description="hub id, local path, or 'bundled:NAME' (a packaged model: smollm2-135m, qwen2.5-coder-1.5b)"
+    )
     revision: str | None = None
     description: str = ""
     shapes: ModelShapes | None = Field(

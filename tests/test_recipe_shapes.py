@@ -39,6 +39,10 @@ PUBLISHED = {
                      _config("qwen2", 24, 896, 14, 2, 64, 4864, 151936, True), 494_032_768),
     "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B",
                      _config("qwen2", 28, 1536, 12, 2, 128, 8960, 151936, True), 1_543_714_304),
+    # Published with tied embeddings; the registry's GGUF stores the output matrix apart, so the model as loaded
+    # is untied, and its count is the GGUF's tensor elements (checked against the file when it was added).
+    "qwen2.5-coder-1.5b": ("Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                           _config("qwen2", 28, 1536, 12, 2, 128, 8960, 151936, False), 1_777_088_000),
     "mistral-7b": ("mistralai/Mistral-7B-v0.1",
                    _config("mistral", 32, 4096, 32, 8, 128, 14336, 32000, False), 7_241_732_096),
 }  # fmt: skip

