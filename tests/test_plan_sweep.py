@@ -23,6 +23,7 @@ SHAPES = {
     "llama-3.1-8b": (transformers.LlamaConfig, 4096, 32, 32, 8, 128, 14336),
     "qwen2.5-0.5b": (transformers.Qwen2Config, 896, 24, 14, 2, 64, 4864),  # q/k/v biases
     "qwen2.5-1.5b": (transformers.Qwen2Config, 1536, 28, 12, 2, 128, 8960),  # q/k/v biases
+    "qwen2.5-coder-1.5b": (transformers.Qwen2Config, 1536, 28, 12, 2, 128, 8960),  # q/k/v biases
     "mistral-7b": (transformers.MistralConfig, 4096, 32, 32, 8, 128, 14336),
 }
 RATIOS = [round(0.05 * i, 2) for i in range(1, 19)]  # 0.05 ... 0.9
