@@ -32,7 +32,9 @@ def test_every_alias_resolves_to_its_recipe_target():
         if name == "smollm2-135m":
             assert source.kind == "bundled" and source.gguf_file == BUNDLED_GGUF
         elif source.recipe.model.startswith("bundled:"):  # a packaged model fetched on first use
-            assert source.kind == "bundled" and source.packaged == source.recipe.model.removeprefix("bundled:")
+            assert source.kind == "bundled" and source.packaged == source.recipe.model.removeprefix(
+                "bundled:"
+            )
         else:
             assert source.kind == "hub" and source.location == source.recipe.model
 
