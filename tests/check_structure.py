@@ -83,9 +83,13 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_loops(files: list[Path]) -> list[list[str]]:
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports (read once; loops and floors are both checked on it)."""
     known = {module_name(p) for p in files}
-    graph = {module_name(p): imports_of(p, known) for p in files}
+    return {module_name(p): imports_of(p, known) for p in files}
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
     # A package's __init__ is imported by everything below it; edges *to* a package face do not make loops
     # of their own, so only module → module edges are followed.
     loops, state = [], {}
@@ -115,14 +119,12 @@ def floor_of(module: str) -> tuple[int, str]:
     raise KeyError(f"{module}: its package {package} is on no floor of FLOORS (tests/check_structure.py)")
 
 
-def imports_up(files: list[Path]) -> list[str]:
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
     """Imports that point up the floors, or sideways into another package of the same floor."""
-    known = {module_name(p) for p in files}
     found = []
-    for p in files:
-        name = module_name(p)
+    for name, targets in graph.items():
         floor, package = floor_of(name)
-        for target in sorted(imports_of(p, known)):
+        for target in sorted(targets):
             target_floor, target_package = floor_of(target)
             if target_package != package and target_floor >= floor:
                 found.append(f"{name} -> {target}")
@@ -223,9 +225,10 @@ def shared_blocks(files: list[Path]) -> list[str]:
 
 def problems() -> dict[str, list]:
     files = source_files()
+    graph = import_graph(files)
     return {
-        "import loops": [" -> ".join(loop) for loop in import_loops(files)],
-        "imports up the floors or across one": imports_up(files),
+        "import loops": [" -> ".join(loop) for loop in import_loops(graph)],
+        "imports up the floors or across one": imports_up(graph),
         f"entries of compressor/ (at most {MAX_TOP_ENTRIES})": top_entries(),
         "symlinks": symlinks(),
         "bare imports of calibration/ or recipes/": bare_imports(files),

@@ -175,7 +175,7 @@ def check_architecture(config, where: str) -> None:
         )
 
 
-def bundled_cache_dir(name: str = "smollm2-135m") -> Path:
+def bundled_cache_dir(name: str) -> Path:
     """Where a packaged model's converted safetensors copy lives."""
     return cache_dir() / "models" / PACKAGED_MODELS[name].title.lower()
 
