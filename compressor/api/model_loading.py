@@ -338,6 +338,30 @@ def load_model(
     return LoadedModel(model, tokenizer, source, torch_device, torch_dtype, time.perf_counter() - start)
 
 
+ENGINES = ("transformers", "llama.cpp")
+
+
+def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True) -> LoadedModel:
+    """A GGUF file (a user's, an export, a packaged model's) run by llama.cpp, behind the faces evaluation reads
+    (`evaluation/llama_cpp.py`)."""
+    from compressor.evaluation.llama_cpp import LlamaCppCausalLM, LlamaCppTokenizer
+
+    if source.kind not in ("gguf", "bundled"):
+        raise UserError(
+            f"--engine llama.cpp runs GGUF files and '{source.spec}' is not one: write one with "
+            f"`masa-compress export {source.spec} OUT.gguf`"
+        )
+    if source.kind == "bundled":
+        path = ensure_gguf(packaged_model(source.packaged), progress)
+    else:
+        path = Path(source.location) / source.gguf_file
+    start = time.perf_counter()
+    model = LlamaCppCausalLM(path, context)
+    tokenizer = LlamaCppTokenizer(model.server, path)
+    cpu = torch.device("cpu")
+    return LoadedModel(model, tokenizer, source, cpu, torch.float32, time.perf_counter() - start)
+
+
 if __name__ == "__main__":
     # `python -m compressor.api.model_loading`: the set-up step that converts the bundled GGUF once (make install), so that
     # no later command or test pays for it or prints its conversion bars.

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from compressor import __version__
 from compressor.api.layerwise import compress_layerwise, stored_tensors
-from compressor.api.model_loading import LoadedModel, ModelSource, load_model, resolve_model
+from compressor.api.model_loading import (
+    ENGINES,
+    LoadedModel,
+    ModelSource,
+    load_model,
+    load_with_llama_cpp,
+    resolve_model,
+)
 from compressor.api.pipeline import (
     CompressionOutcome,
     compress_model,
@@ -66,10 +73,12 @@ class Evaluation:
     reference: PerplexityResult | None = None
     reference_name: str | None = None
     compare_note: str = "not a compressed checkpoint: nothing to compare with"
+    engine: str = "transformers"
 
     def to_dict(self) -> dict:
         payload = {
             "model": self.loaded.source.describe(),
+            "engine": self.engine,
             **self.result.to_dict(),
             "split": self.evaluation.split,
             "device": str(self.loaded.device),
@@ -91,6 +100,8 @@ def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[Model
         return resolve_model(settings.against), f"--against {settings.against}"
     if not settings.compare:
         return None, "comparison off (--no-compare)"
+    if source.kind == "gguf":
+        return _exported_gguf_source(source)
     if source.kind != "compressed":
         return None, "not a compressed checkpoint: nothing to compare with (pass --against MODEL)"
     recorded = read_masa_config(source.location).get("metadata", {}).get("source") or {}
@@ -109,6 +120,27 @@ def reference_source(source: ModelSource, settings: EvalSettings) -> tuple[Model
     )
 
 
+def _exported_gguf_source(source: ModelSource) -> tuple[ModelSource | None, str]:
+    """The original a GGUF written by `export` records, when it is at hand."""
+    import gguf
+
+    from compressor.api.export import SOURCE_KEY
+
+    fields = gguf.GGUFReader(str(Path(source.location) / source.gguf_file)).fields
+    spec = fields[SOURCE_KEY].contents() if SOURCE_KEY in fields else ""
+    if not spec:
+        return None, "a GGUF without a recorded source: nothing to compare with (pass --against MODEL)"
+    try:
+        found = resolve_model(spec)
+        check_hub_model(found)
+    except UserError:
+        return (
+            None,
+            f"the GGUF's source model ({spec}) is not available here: pass --against MODEL to compare",
+        )
+    return found, f"the GGUF's source {spec}"
+
+
 def evaluate(
     model: str,
     settings: EvalSettings | None = None,
@@ -122,6 +154,8 @@ def evaluate(
     adds the KL divergence from the original and the top-1 agreement to the perplexity.
     """
     settings = settings or EvalSettings()
+    if settings.engine not in ENGINES:
+        raise UserError(f"--engine {settings.engine}: unknown engine: choose one of {', '.join(ENGINES)}")
     source = resolve_model(model)
     evaluation = resolve_eval_settings(settings, source.recipe)
     # Everything the user named is checked before any weights are read: the model first.
@@ -130,12 +164,15 @@ def evaluate(
     reference, note = reference_source(source, settings)
     if reference is not None:
         check_hub_model(reference)
-    loaded = load_model(source, device=device, dtype=dtype, progress=progress)
+    if settings.engine == "llama.cpp":
+        loaded = load_with_llama_cpp(source, evaluation.seq_len, progress)
+    else:
+        loaded = load_model(source, device=device, dtype=dtype, progress=progress)
     windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation, documents)
     if reference is None:
         result = evaluate_perplexity(loaded.model, windows, batch_size=settings.batch_size, progress=progress)
         result.text, result.split = text_name, evaluation.split
-        return Evaluation(result, loaded, evaluation, compare_note=note)
+        return Evaluation(result, loaded, evaluation, compare_note=note, engine=settings.engine)
     original = load_model(reference, device=device, dtype=dtype, progress=progress)
     if original.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
         raise UserError(
@@ -148,7 +185,7 @@ def evaluate(
     result, faith = scored["model"]
     for r in (ref, result):
         r.text, r.split = text_name, evaluation.split
-    return Evaluation(result, loaded, evaluation, faith, ref, reference.describe(), note)
+    return Evaluation(result, loaded, evaluation, faith, ref, reference.describe(), note, settings.engine)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class EvalSettings:
     batch_size: int = 1
     compare: bool = True  # score a compressed checkpoint against its source model
     against: str | None = None  # the reference model (default: the checkpoint's recorded source)
+    engine: str = "transformers"  # or "llama.cpp": a GGUF file run by llama.cpp itself
 
 
 def override(settings, **values):

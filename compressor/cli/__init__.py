@@ -96,6 +96,15 @@ def eval_command(
             "--limit", min=1, metavar="N", rich_help_panel=TASKS, help="At most N examples per task."
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="ENGINE",
+            rich_help_panel=EVALUATION,
+            help="transformers, or llama.cpp for a .gguf (needs [gguf]).",
+        ),
+    ] = "transformers",
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     batch_size: o.BatchSize = 1,
@@ -104,7 +113,8 @@ def eval_command(
 ) -> None:
     """Perplexity of MODEL on held-out text, with a 95% interval.
 
-    For a checkpoint also its KL divergence from the original and top-1 agreement, in the same pass."""
+    For a checkpoint (or a GGUF written by `export`) also its KL divergence from the original and top-1
+    agreement, in the same pass. `--engine llama.cpp` runs a GGUF file in llama.cpp itself."""
     if tasks:
         _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json)
         return
@@ -118,6 +128,7 @@ def eval_command(
         batch_size=batch_size,
         compare=compare,
         against=against,
+        engine=engine,
     )
     run = evaluate(model, settings, device=device, dtype=dtype, progress=not (quiet or as_json))
     payload = run.to_dict()
@@ -138,7 +149,10 @@ def eval_command(
     table.add_row("text", f"{result.text} · split {payload['split']}")
     table.add_row("windows × seq_len", f"{result.windows} × {result.seq_len}")
     table.add_row("predicted tokens", f"{result.tokens:,}")
-    table.add_row("device / dtype", f"{payload['device']} / {payload['dtype']}")
+    if payload["engine"] == "llama.cpp":
+        table.add_row("engine", "llama.cpp (CPU; the file's tensor types, f32 KV cache, no flash attention)")
+    else:
+        table.add_row("device / dtype", f"{payload['device']} / {payload['dtype']}")
     table.add_row("time", f"{result.seconds:.1f} s (+ {run.loaded.seconds:.1f} s load)")
     console.print(table)
 
@@ -191,7 +205,7 @@ def _register_extensions() -> None:
     cli_commands.register(app)
 
 
-KNOWN_COMMANDS = {"eval", "compress", "inspect", "plan", "show", "export-dense", "recipes"}
+KNOWN_COMMANDS = {"eval", "compress", "inspect", "plan", "show", "export", "export-dense", "recipes"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
-"""`masa-compress show` (what a checkpoint holds) and `export-dense` (a standard dense checkpoint for runtimes
-that only take dense models)."""
+"""`masa-compress show` (what a checkpoint holds) and `export` (the model in the form an engine runs: a GGUF for
+llama.cpp, or a dense Hugging Face checkpoint; `export-dense` is `export --format hf` for one more release)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,80 @@ from compressor.runtime.errors import UserError
 console = Console()
 
 
+def export_command(
+    model: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODEL", help="A checkpoint, or an original (alias, folder, .gguf) as the baseline."
+        ),
+    ],
+    out: Annotated[
+        str, typer.Argument(metavar="OUT", help="Where to write: OUT.gguf, or a folder for --format hf.")
+    ],
+    format: Annotated[
+        str, typer.Option("--format", metavar="FORMAT", help="gguf (llama.cpp) or hf (dense, NOT smaller).")
+    ] = "gguf",
+    tensor_type: Annotated[
+        str,
+        typer.Option(
+            "--type",
+            metavar="TYPE",
+            help="GGUF matrices: f32, f16, bf16, q8_0, q5_0, q4_0 (rows that do not fill whole blocks: f16).",
+        ),
+    ] = "f16",
+    tokenizer_from: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer-from",
+            metavar="FILE.gguf",
+            help="A GGUF of the same model whose tokenizer to copy (default: the source's own GGUF).",
+        ),
+    ] = None,
+    overwrite: o.Overwrite = False,
+    as_json: o.Json = False,
+) -> None:
+    """The model in the form an engine runs: a GGUF file for llama.cpp.
+
+    Same shapes in every layer: llama.cpp's own architecture (llama, qwen2); per-layer MLP widths or head
+    counts: its `deci` architecture. Narrower MLPs (--targets mlp) export; a low-rank or shared attention has
+    no engine form and is refused. Score the file with `masa-compress eval OUT.gguf --engine llama.cpp`.
+    """
+    from compressor.api.export import export
+
+    result = export(
+        model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from,
+        overwrite=overwrite, progress=not as_json,
+    )  # fmt: skip
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    if result.format == "hf":
+        _print_dense(result.to_dict())
+        return
+    info = result.details
+    console.print(
+        f"Wrote {result.path}: llama.cpp architecture {info['architecture']}, {info['type']}, "
+        f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB."
+    )
+    if info["fallbacks"]:
+        kinds = sorted(set(info["fallbacks"].values()))
+        console.print(
+            f"{len(info['fallbacks'])} matrices are stored as {', '.join(kinds)}: their rows do not fill whole "
+            f"{info['type']} blocks (first: {next(iter(info['fallbacks']))}); --json lists them."
+        )
+
+
 def export_dense_command(
     path: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress.")],
     out: Annotated[str, typer.Argument(metavar="OUT", help="Where to write the dense checkpoint.")],
     overwrite: o.Overwrite = False,
     as_json: o.Json = False,
 ) -> None:
-    """The checkpoint as a dense Hugging Face model, NOT smaller.
+    """Same as `export CHECKPOINT OUT --format hf` (this name goes in the next release): a dense Hugging Face
+    model, NOT smaller.
 
-    For runtimes that take only dense weights (vLLM, llama.cpp converters): it loads without trust_remote_code
-    and gives the same logits; the savings exist only in the compressed format.
+    For runtimes that take only dense weights: it loads without trust_remote_code and gives the same logits;
+    the savings exist only in the compressed format.
     """
     result = export_dense(path, out, overwrite=overwrite)
     payload = {
@@ -46,10 +110,14 @@ def export_dense_command(
     if as_json:
         print(json.dumps(payload))
         return
+    _print_dense(payload)
+
+
+def _print_dense(payload: dict) -> None:
     console.print(
-        f"Wrote a dense checkpoint to {result.path}: {result.dense_params:,} parameters, "
-        f"{result.dense_bytes / 2**20:.1f} MiB on disk, vs {result.compressed_params:,} parameters and "
-        f"{result.compressed_bytes / 2**20:.1f} MiB compressed. [bold]It is not smaller[/]: use it only for "
+        f"Wrote a dense checkpoint to {payload['out']}: {payload['dense_params']:,} parameters, "
+        f"{payload['dense_bytes'] / 2**20:.1f} MiB on disk, vs {payload['compressed_params']:,} parameters and "
+        f"{payload['compressed_bytes'] / 2**20:.1f} MiB compressed. [bold]It is not smaller[/]: use it only for "
         "runtimes that need dense weights."
     )
 
@@ -201,4 +269,5 @@ def _rank_cell(row: dict, p: str) -> str:
 
 def register(app: typer.Typer) -> None:
     app.command("show", cls=HelpCommand)(show_command)
+    app.command("export", cls=HelpCommand)(export_command)
     app.command("export-dense", cls=HelpCommand)(export_dense_command)

@@ -165,7 +165,7 @@ class HelpGroup(TyperGroup):
     """The top-level group, with `render_group_help`'s `--help` (its commands are registered as `HelpCommand`s),
     listing the commands in the order a newcomer needs them."""
 
-    order = ("compress", "plan", "eval", "inspect", "show", "export-dense", "recipes")
+    order = ("compress", "plan", "eval", "inspect", "show", "export", "export-dense", "recipes")
 
     def list_commands(self, ctx) -> list[str]:
         names = super().list_commands(ctx)

@@ -1,0 +1,340 @@
+"""`write_gguf`: a model of plain projections (the original, or one compressed to engine-native forms: narrower
+MLPs, fewer heads) as a GGUF file that llama.cpp runs as it is.
+
+The architecture written follows the shapes: llama.cpp's own (`llama`, `qwen2`) when every layer has the same
+MLP width and head counts, `deci` (the DeciLM / Nemotron-NAS layout, whose MLP width and head counts are arrays
+with one entry per layer under the same tensor names) when they differ. The tokenizer and chat template are
+copied from a GGUF of the source model (the packaged models are GGUFs; a user's GGUF is one): building a
+llama.cpp vocabulary from a Hugging Face tokenizer needs llama.cpp's converter, which no wheel here ships, so a
+source without one fails in one line naming `--tokenizer-from`.
+
+Weights go through `gguf`'s pure-Python writer. Matrices are stored in the requested type; where a matrix's
+rows do not fill whole quantization blocks (q8_0/q5_0/q4_0: 32 values) it falls back to f16, and every such
+tensor is listed in the result. k-quants (q4_k_m...) have no Python quantizer: llama.cpp's `llama-quantize`
+turns an f16 export into one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.modeling.adapters import get_adapter
+from compressor.runtime.errors import UserError
+
+# --type → (the GGUF tensor type of a matrix, `general.file_type`); 1-D tensors (norms, biases) stay f32 always.
+GGUF_TYPES = {
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+# Types people ask for that need llama.cpp's own quantizer (not shipped in any wheel installed here).
+K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+FALLBACK_TYPE = "F16"
+
+# model_type → llama.cpp architecture when all layers share their shapes, and whether Q/K rows must be
+# permuted (llama.cpp's `llama`/`deci` rotate interleaved pairs; transformers rotates halves; `qwen2` uses
+# the halves layout itself, as transformers does).
+UNIFORM_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+PER_LAYER_ARCHITECTURE = "deci"
+PERMUTED_ROPE = {"llama", "deci"}
+
+
+@dataclass
+class GgufExport:
+    """What a GGUF export wrote: the file, its architecture, and each matrix that could not take the type."""
+
+    path: Path
+    architecture: str
+    tensor_type: str
+    bytes: int
+    parameters: int
+    fallbacks: dict[str, str] = field(default_factory=dict)  # tensor name → the type it was stored in
+    mlp_widths: list[int] = field(default_factory=list)
+    heads: list[int] = field(default_factory=list)
+    kv_heads: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "architecture": self.architecture,
+            "type": self.tensor_type,
+            "bytes": self.bytes,
+            "parameters": self.parameters,
+            "fallbacks": dict(self.fallbacks),
+            "mlp_widths": list(self.mlp_widths),
+            "heads": list(self.heads),
+            "kv_heads": list(self.kv_heads),
+        }
+
+
+def check_gguf_type(tensor_type: str) -> str:
+    """The `--type` value, lower-cased, or a one-line error naming the types there are."""
+    name = tensor_type.lower()
+    if name in K_QUANTS:
+        raise UserError(
+            f"--type {name}: k-quants need llama.cpp's llama-quantize, which no installed wheel ships: export "
+            f"--type f16, then run `llama-quantize OUT.gguf OUT-{name}.gguf {name.upper()}`; or choose one of "
+            f"{', '.join(GGUF_TYPES)}"
+        )
+    if name not in GGUF_TYPES:
+        raise UserError(f"--type {tensor_type}: unknown GGUF type: choose one of {', '.join(GGUF_TYPES)}")
+    return name
+
+
+def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
+    """Per layer: the MLP width, the query heads and the KV heads of a model of plain projections; a projection
+    that is still low-rank or shared has no engine form and is a one-line error."""
+    adapter = get_adapter(model)
+    config = adapter.config
+    head_dim = _head_dim(config)
+    widths, heads, kv_heads = [], [], []
+    for index, layer in enumerate(adapter.layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            module = adapter.projection(index, name)
+            if not isinstance(module, nn.Linear):
+                raise UserError(
+                    f"layer {index} {name} is {type(module).__name__} (a low-rank or shared factor): llama.cpp "
+                    "runs whole heads only: compress with --native (or leave the attention out of --targets)"
+                )
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(layer.mlp, name, None), nn.Linear):
+                raise UserError(
+                    f"layer {index} mlp.{name} is not a plain projection: llama.cpp runs narrower MLPs only: "
+                    "compress with --native (or leave the MLP out of --targets)"
+                )
+        widths.append(layer.mlp.down_proj.in_features)
+        heads.append(adapter.projection(index, "q_proj").out_features // head_dim)
+        kv_heads.append(adapter.projection(index, "k_proj").out_features // head_dim)
+    return widths, heads, kv_heads
+
+
+def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv_heads: list[int]) -> str:
+    """llama.cpp's own architecture for the family when every layer has the same shapes, else `deci`."""
+    if model_type not in UNIFORM_ARCHITECTURE:
+        raise UserError(
+            f"model_type '{model_type}': GGUF export is not implemented for it (it is for "
+            f"{', '.join(UNIFORM_ARCHITECTURE)}): its tensor names and norms need their own llama.cpp mapping"
+        )
+    uniform = len(set(widths)) == 1 and len(set(heads)) == 1 and len(set(kv_heads)) == 1
+    return UNIFORM_ARCHITECTURE[model_type] if uniform else PER_LAYER_ARCHITECTURE
+
+
+def permute_for_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder the rows of a Q or K projection (or its bias) from transformers' rotate-half layout to llama.cpp's
+    interleaved pairs: within each head, row i of the first half and row i of the second half become
+    neighbours (the same permutation as llama.cpp's converter)."""
+    shape = weight.shape
+    return weight.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def llama3_rope_factors(config) -> np.ndarray | None:
+    """The per-frequency factors llama.cpp reads from `rope_freqs.weight` for Llama 3's rope scaling; None for
+    the default rope. Any other scaling is a one-line error (its GGUF keys are not written here)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise UserError(f"rope scaling '{rope_type}': GGUF export writes the default rope and Llama 3's only")
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    dim = _head_dim(config)
+    factor = float(params.get("factor", 8.0))
+    low_freq_factor = float(params.get("low_freq_factor", 1.0))
+    high_freq_factor = float(params.get("high_freq_factor", 4.0))
+    old_context = int(params.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def read_tokenizer_fields(gguf_path: Path) -> list:
+    """The `tokenizer.*` fields of a GGUF file (vocabulary, merges, special tokens, chat template)."""
+    import gguf
+
+    if not gguf_path.is_file():
+        raise UserError(f"{gguf_path}: no such GGUF file to copy the tokenizer from: pass --tokenizer-from")
+    reader = gguf.GGUFReader(str(gguf_path))
+    fields = [f for name, f in reader.fields.items() if name.startswith("tokenizer.")]
+    if not any(f.name == "tokenizer.ggml.tokens" for f in fields):
+        raise UserError(
+            f"{gguf_path}: holds no tokenizer (no tokenizer.ggml.tokens): pass another --tokenizer-from"
+        )
+    return fields
+
+
+def write_gguf(
+    model: nn.Module,
+    tokenizer_gguf: Path,
+    out: str | os.PathLike,
+    *,
+    tensor_type: str = "f16",
+    name: str = "",
+    overwrite: bool = False,
+    extra_fields: dict[str, str] | None = None,
+    on_tensor: Callable[[str], None] | None = None,
+) -> GgufExport:
+    """Write `model` (plain projections, any per-layer widths and head counts) as a GGUF file at `out`,
+    atomically (a temporary sibling renamed into place), with the tokenizer of `tokenizer_gguf` and the string
+    fields `extra_fields` (e.g. the source model's name)."""
+    import gguf
+
+    tensor_type = check_gguf_type(tensor_type)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UserError(f"{out}: already exists: pass --overwrite or choose another path")
+    if out.suffix != ".gguf":
+        raise UserError(f"{out}: a GGUF file's name ends in .gguf: choose OUT.gguf")
+    adapter = get_adapter(model)
+    config = adapter.config
+    widths, heads, kv_heads = layer_shapes(model)
+    architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
+    tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
+    rope_factors = llama3_rope_factors(config)
+    matrix_type, file_type = GGUF_TYPES[tensor_type]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), architecture)
+    fallbacks: dict[str, str] = {}
+    parameters = 0
+    try:
+        _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name)
+        for field_ in tokenizer_fields:
+            _copy_field(writer, field_)
+        for key, value in (extra_fields or {}).items():
+            writer.add_string(key, value)
+        for tensor_name, array in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
+            parameters += array.size
+            stored = _store(writer, tensor_name, array, matrix_type)
+            if stored != matrix_type and array.ndim == 2:
+                fallbacks[tensor_name] = stored
+            if on_tensor is not None:
+                on_tensor(tensor_name)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return GgufExport(
+        path=out,
+        architecture=architecture,
+        tensor_type=tensor_type,
+        bytes=out.stat().st_size,
+        parameters=parameters,
+        fallbacks=fallbacks,
+        mlp_widths=widths,
+        heads=heads,
+        kv_heads=kv_heads,
+    )
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name) -> None:
+    import gguf
+
+    uniform = architecture != PER_LAYER_ARCHITECTURE
+    writer.add_name(name or getattr(config, "_name_or_path", "") or "masa-compress export")
+    writer.add_block_count(len(widths))
+    writer.add_context_length(int(getattr(config, "max_position_embeddings", 2048)))
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(widths[0] if uniform else widths)
+    writer.add_head_count(heads[0] if uniform else heads)
+    writer.add_head_count_kv(kv_heads[0] if uniform else kv_heads)
+    head_dim = _head_dim(config)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    params = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+
+
+def _copy_field(writer, field_) -> None:
+    """Copy one key-value field of a GGUF reader into the writer, with its own value types."""
+    import gguf
+
+    value_type = field_.types[0]
+    sub_type = field_.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field_.name, field_.contents(), value_type, sub_type=sub_type)
+
+
+def _gguf_tensors(model, architecture, heads, kv_heads, rope_factors) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, fp32 array) for every tensor llama.cpp reads, in transformers' order, Q/K rows permuted for
+    the architectures whose rope rotates interleaved pairs."""
+    import gguf
+
+    adapter = get_adapter(model)
+    arch = gguf.MODEL_ARCH[architecture.upper()]
+    names = gguf.get_tensor_name_map(arch, len(adapter.layers))
+    state = model.state_dict()
+    tied = bool(getattr(adapter.config, "tie_word_embeddings", False))
+    if rope_factors is not None:
+        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors
+    for key, tensor in state.items():
+        if key == "lm_head.weight" and tied:
+            continue  # llama.cpp reads the embedding when the file has no output matrix
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        base, _, suffix = key.rpartition(".")
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            raise UserError(f"tensor {key}: no llama.cpp name for it in the {architecture} architecture")
+        array = tensor.detach().to(torch.float32).cpu().numpy()
+        if architecture in PERMUTED_ROPE and base.endswith(("q_proj", "k_proj")):
+            counts = heads if base.endswith("q_proj") else kv_heads
+            array = permute_for_rope(array, counts[_layer_index(base)])
+        yield f"{gguf_name}.{suffix}", array
+
+
+def _layer_index(module_path: str) -> int:
+    parts = module_path.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def _store(writer, tensor_name: str, array: np.ndarray, matrix_type: str) -> str:
+    """Add one tensor in `matrix_type` (1-D ones in f32); a matrix whose rows do not fill whole blocks of a
+    quantized type in f16. Returns the type it was stored in."""
+    import gguf
+    from gguf import quants
+
+    if array.ndim == 1 or matrix_type == "F32":
+        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
+        return "F32"
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if array.shape[-1] % block:
+        qtype = gguf.GGMLQuantizationType[FALLBACK_TYPE]
+    if qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(tensor_name, array.astype(np.float16))
+    else:
+        writer.add_tensor(tensor_name, quants.quantize(array, qtype), raw_dtype=qtype)
+    return qtype.name

@@ -1,0 +1,162 @@
+"""A GGUF file run by llama.cpp itself (the `xllamacpp` wheel: `pip install masa-compress[gguf]`), behind the
+two faces the tool's evaluation reads: a causal LM whose forward returns logits, and a tokenizer.
+
+llama.cpp's server returns per-token hidden states (its embedding endpoint with pooling `none`: the output of
+the final norm); the logits are those states times the file's own output matrix (or its embedding when tied),
+read from the GGUF and dequantized. Every layer runs in llama.cpp; the last matrix product runs in torch.
+
+Exactness: flash attention is off and the KV cache is f32, so that an f32 file gives transformers'
+log-probabilities (within 1e-3 per token, tested): this scores the file, not llama.cpp's speed options
+(its CPU flash attention rounds through f16, ~1e-2 nats).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.runtime.errors import UserError
+
+INSTALL_HINT = "pip install 'masa-compress[gguf]' (the xllamacpp wheel)"
+
+
+def require_llama_cpp():
+    """The `xllamacpp` module, or a one-line error naming the extra that installs it."""
+    try:
+        import xllamacpp
+    except ImportError:
+        raise UserError(f"--engine llama.cpp needs llama.cpp's Python wheel: {INSTALL_HINT}") from None
+    return xllamacpp
+
+
+class LlamaCppServer:
+    """llama.cpp's server in this process, on a local port, for one GGUF file; `close()` stops it."""
+
+    def __init__(self, gguf_path: str | os.PathLike, context: int, threads: int | None = None):
+        xl = require_llama_cpp()
+        path = Path(gguf_path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such GGUF file")
+        params = xl.CommonParams()
+        params.model.path = str(path)
+        params.embedding = True
+        params.pooling_type = xl.llama_pooling_type.LLAMA_POOLING_TYPE_NONE
+        params.embd_normalize = -1  # the states as they are
+        params.n_ctx = params.n_batch = params.n_ubatch = int(context)
+        params.flash_attn_type = xl.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.cache_type_k = params.cache_type_v = xl.ggml_type.GGML_TYPE_F32
+        params.warmup = False
+        threads = threads or os.cpu_count() or 1
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = int(threads)
+        params.verbosity = -1
+        self.path = path
+        try:
+            self._server = xl.Server(params)
+        except RuntimeError as err:  # its reason went to llama.cpp's log, which is off
+            raise UserError(
+                f"{path}: llama.cpp could not load it ({err}): check that it is a complete GGUF of a model "
+                "llama.cpp runs (`masa-compress export` writes one)"
+            ) from None
+        self.address = self._server.listening_address
+
+    def post(self, endpoint: str, body: dict):
+        request = urllib.request.Request(
+            self.address + endpoint,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request) as response:
+            payload = json.loads(response.read())
+        if isinstance(payload, dict) and "error" in payload:
+            raise RuntimeError(f"llama.cpp {endpoint}: {payload['error'].get('message', payload['error'])}")
+        return payload
+
+    def hidden_states(self, ids: list[int]) -> np.ndarray:
+        """The final-norm output at every position of `ids`: (len(ids), hidden)."""
+        payload = self.post("/embedding", {"content": [int(i) for i in ids]})
+        return np.asarray(payload[0]["embedding"], dtype=np.float32)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.post("/tokenize", {"content": text, "add_special": False})["tokens"]
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> str:
+        """Greedy continuation of `ids`, as text."""
+        payload = self.post(
+            "/completion",
+            {"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0},
+        )
+        return payload["content"]
+
+    def close(self) -> None:
+        self._server = None
+
+
+def read_output_matrix(gguf_path: str | os.PathLike) -> torch.Tensor:
+    """The GGUF's output matrix (its embedding where the output is tied), dequantized to fp32: (vocab, hidden)."""
+    import gguf
+    from gguf import quants
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if tensor is None:
+        raise UserError(f"{gguf_path}: has neither output.weight nor token_embd.weight: not a language model")
+    values = quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(
+        np.array(values, dtype=np.float32)
+    )  # a copy: the reader's memory map is read-only
+
+
+class LlamaCppCausalLM(nn.Module):
+    """A GGUF file run by llama.cpp, as a causal LM: `model(input_ids=ids).logits` is (B, T, vocab)."""
+
+    def __init__(self, gguf_path: str | os.PathLike, context: int, threads: int | None = None):
+        super().__init__()
+        self.server = LlamaCppServer(gguf_path, context, threads)
+        self.output = nn.Parameter(read_output_matrix(gguf_path), requires_grad=False)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False, **_) -> SimpleNamespace:
+        states = [torch.from_numpy(self.server.hidden_states(row.tolist())) for row in input_ids.cpu()]
+        hidden = torch.stack(states).to(self.output.device)
+        return SimpleNamespace(logits=hidden @ self.output.T)
+
+
+class LlamaCppTokenizer:
+    """llama.cpp's own tokenizer of the file (what it serves with), with the calls the windows need."""
+
+    def __init__(self, server: LlamaCppServer, gguf_path: str | os.PathLike):
+        import gguf
+
+        self.server = server
+        reader = gguf.GGUFReader(str(gguf_path))
+        fields = reader.fields
+        tokens = fields["tokenizer.ggml.tokens"].contents()
+        self._vocab = {token: index for index, token in enumerate(tokens)}
+        self.bos_token_id = _field(fields, "tokenizer.ggml.bos_token_id")
+        self.eos_token_id = _field(fields, "tokenizer.ggml.eos_token_id")
+        self._adds_bos = bool(_field(fields, "tokenizer.ggml.add_bos_token"))
+
+    def __call__(self, text, add_special_tokens: bool = True, **_) -> dict:
+        pieces = [text] if isinstance(text, str) else list(text)
+        ids = [self.server.tokenize(piece) for piece in pieces]
+        if add_special_tokens and self._adds_bos and self.bos_token_id is not None:
+            ids = [[self.bos_token_id, *row] for row in ids]
+        return {"input_ids": ids[0] if isinstance(text, str) else ids}
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+    def __len__(self) -> int:
+        return len(self._vocab)
+
+
+def _field(fields, name: str):
+    return fields[name].contents() if name in fields else None
