@@ -92,6 +92,13 @@ class CompressionSettings(_Strict):
         description="mlp neurons: the same width in every layer, so that the MLP is the base architecture's with a "
         "smaller intermediate_size (export-dense then writes a standard checkpoint)",
     )
+    width_multiple: int = Field(
+        1,
+        ge=1,
+        description="mlp neurons: every layer's MLP width a multiple of this (e.g. 32: llama.cpp's q8_0/q5_0/q4_0 "
+        "pack rows in blocks of 32 values, so that every down_proj of the export is quantized; 256 for its "
+        "k-quants); it must divide the MLP's width",
+    )
     neuron_order: Literal["greedy", "energy"] = Field(
         "greedy",
         description="mlp neurons: the order in which each layer keeps its neurons. greedy: each next neuron the one "

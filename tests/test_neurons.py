@@ -191,3 +191,33 @@ def test_export_dense_of_a_neurons_checkpoint_is_a_standard_model(uniform, tmp_p
     x = random_windows(2, 12)
     with torch.no_grad():
         torch.testing.assert_close(dense(x).logits, load_compressed(path)(x).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_width_multiple_keeps_every_width_a_multiple_within_the_budget(uniform, tmp_path):
+    """`--width-multiple 32`: every layer's width a multiple of 32 (blocks a quantized GGUF row fills), the budget
+    kept, the checkpoint reloading to the same logits; the allocated error is the tail at that width."""
+    model = tiny_model("llama")
+    outcome, _, _ = _compress(model, targets="mlp", ratio=0.3, width_multiple=32, uniform_mlp=uniform)
+    plan = outcome.plan
+    widths = [plan.get(layer, NEURON_READER).rank for layer in range(get_adapter(model).num_layers)]
+    assert all(w % 32 == 0 for w in widths) and min(widths) < 128
+    assert plan.params_after() <= plan.budget
+    assert plan.to_dict()["width_multiple"] == 32
+    reloaded_identically(model, save_compressed(model, plan, tmp_path / "ckpt"))
+
+
+def test_width_multiple_one_is_the_per_neuron_allocation():
+    """The default (1) allocates exactly as before the option existed: one neuron per step."""
+    a, b = tiny_model("llama"), tiny_model("llama")
+    plan_default = _compress(a, targets="mlp")[0].plan
+    plan_one = _compress(b, targets="mlp", width_multiple=1)[0].plan
+    assert [pp.rank for pp in plan_default.projections] == [pp.rank for pp in plan_one.projections]
+    assert "width_multiple" not in plan_default.to_dict()  # plans written before the option read the same
+
+
+def test_width_multiple_must_divide_the_mlp():
+    from compressor.runtime.errors import UserError
+
+    with pytest.raises(UserError, match="--width-multiple 48: the MLP's width 128 is not a multiple"):
+        _compress(tiny_model("llama"), targets="mlp", width_multiple=48)

@@ -42,6 +42,7 @@ class CompressOptions:
     auto_groups: bool | None = None
     mlp: str | None = None
     uniform_mlp: bool | None = None
+    width_multiple: int | None = None
     neuron_order: str | None = None
     sharing: str | None = None
     basis_layers: int | None = None

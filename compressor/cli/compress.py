@@ -40,6 +40,7 @@ def compress_command(
     statistics: o.Statistics = None,
     mlp: o.Mlp = None,
     uniform_mlp: o.UniformMlp = None,
+    width_multiple: o.WidthMultiple = None,
     neuron_order: o.NeuronOrder = None,
     groups: o.Groups = None,
     bases: o.Bases = None,

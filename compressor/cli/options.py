@@ -168,6 +168,17 @@ UniformMlp = Annotated[
     ),
 ]
 
+WidthMultiple = Annotated[
+    Opt[int],
+    typer.Option(
+        "--width-multiple",
+        min=1,
+        metavar="N",
+        rich_help_panel=MLP,
+        help=f"MLP widths in multiples of N, e.g. 32 for GGUF q8_0 (default: {default('width_multiple')}).",
+    ),
+]
+
 # -- the atoms form -------------------------------------------------------------------------------------------
 Groups = Annotated[
     Opt[int],

@@ -115,6 +115,21 @@ class CompressionPlan:
     targets: tuple[str, ...] = PROJECTIONS
     # `neurons` mode: every layer's MLP keeps the same number of neurons (one allocation unit for all layers)
     uniform_mlp: bool = False
+    # `neurons` mode: every MLP width a multiple of this (an allocation step is this many neurons)
+    width_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        widths = {
+            pp.in_features
+            for pp in self.projections
+            if pp.mode == "neurons" and pp.projection == NEURON_READER
+        }
+        for width in sorted(widths):
+            if width % self.width_multiple:
+                raise UserError(
+                    f"--width-multiple {self.width_multiple}: the MLP's width {width} is not a multiple of it: "
+                    "choose a divisor of it (e.g. 32 or 64)"
+                )
 
     # -- budget --------------------------------------------------------------------------------------
     @property
@@ -220,6 +235,8 @@ class CompressionPlan:
                 "projections": [asdict(pp) for pp in self.projections],
                 "uniform_mlp": self.uniform_mlp,
             }
+            # only when set: plans (and the checkpoints recording them) written before it read the same
+            | ({"width_multiple": self.width_multiple} if self.width_multiple != 1 else {})
         )
 
 
@@ -253,6 +270,7 @@ def shared_plan(
     check_feasible: bool = True,
     neuron_projections: tuple[str, ...] = (),
     uniform_mlp: bool = False,
+    width_multiple: int = 1,
 ) -> CompressionPlan:
     """MASA layout: singleton groups dense (or low rank); other groups share B atoms per projection type
     plus per-layer residuals; the `neuron_projections` (the MLP's) keep neurons in every layer, whatever its
@@ -294,6 +312,7 @@ def shared_plan(
     plan = CompressionPlan(
         method, ratio, params_before, geometry, group_plans, projections, projections_compressed,
         uniform_mlp=uniform_mlp and bool(neuron_projections),
+        width_multiple=width_multiple if neuron_projections else 1,
     )  # fmt: skip
     reason = infeasibility(plan, bases)
     if reason and check_feasible:

@@ -10,7 +10,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,9 +87,17 @@ class AllocationProblem:
     cost of keeping it whole."""
 
     units: dict[str, list]  # name -> the ProjectionPlans sharing its rank
-    tails: dict[str, torch.Tensor]
+    tails: dict[str, torch.Tensor]  # one entry per step (an MLP's: every `width_multiple`-th width)
     shapes: dict[str, Unit]  # a matrix's (Σ out, in), or the Steps of an MLP's neurons
     dense_costs: dict[str, int]
+    step_widths: dict[str, int] = field(default_factory=dict)  # a step's width, when not 1 (neurons per step)
+
+    def rank_of(self, name: str, steps: int) -> int:
+        """The rank (an MLP's width) of `steps` steps of the unit."""
+        return steps * self.step_widths.get(name, 1)
+
+    def steps_of(self, name: str, rank: int) -> int:
+        return rank // self.step_widths.get(name, 1)
 
 
 class GlobalAllocator:
@@ -117,15 +125,21 @@ class GlobalAllocator:
         def scaled(pp) -> torch.Tensor:
             return tails[(pp.layer, pp.projection)] * weight(pp.layer, pp.projection)
 
+        multiple = plan.width_multiple
+
         def unit_tail(members) -> torch.Tensor:
-            # An MLP's neurons: its error is measured once, at down_proj's output (gate/up carry none of their own).
+            # An MLP's neurons: its error is measured once, at down_proj's output (gate/up carry none of their own);
+            # a step of `width_multiple` neurons reads every such entry of the per-neuron tail.
             readers = [pp for pp in members if pp.mode != "neurons" or pp.projection == NEURON_READER]
-            return functools.reduce(operator.add, map(scaled, readers))
+            tail = functools.reduce(operator.add, map(scaled, readers))
+            return tail[::multiple] if members[0].mode == "neurons" else tail
 
         def unit(members) -> Unit:
-            if members[0].mode == "neurons":  # one step: one more neuron in every MLP of the unit
+            if (
+                members[0].mode == "neurons"
+            ):  # one step: `width_multiple` more neurons in every MLP of the unit
                 neurons = next(pp.in_features for pp in members if pp.projection == NEURON_READER)
-                return Steps(sum(pp.neuron_step() for pp in members), neurons)
+                return Steps(multiple * sum(pp.neuron_step() for pp in members), neurons // multiple)
             return (sum(pp.out_features for pp in members), members[0].in_features)
 
         return AllocationProblem(
@@ -138,6 +152,7 @@ class GlobalAllocator:
                 n: sum(pp.dense_params + pp.bias - pp.fixed_bias() - pp.n_atoms for pp in m)
                 for n, m in units.items()
             },
+            {n: multiple for n, m in units.items() if m[0].mode == "neurons" and multiple != 1},
         )
 
     def allocate(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> dict:
@@ -156,7 +171,7 @@ class GlobalAllocator:
                     if n in dense:
                         pp.mode, pp.n_atoms, pp.rank, pp.basis = "dense", 0, None, None
                     else:
-                        pp.rank = ranks[n]
+                        pp.rank = problem.rank_of(n, ranks[n])
             whole += [(pp.layer, pp.projection) for n in dense for pp in problem.units[n]]
             # Atoms whose readers were all kept whole are no longer counted: allocate their numbers again.
             freed = sorted(atoms_before - _atom_sets(plan))

@@ -61,6 +61,7 @@ def settings_read(form: str) -> frozenset[str]:
         "sensitivity_samples",
         "mlp",
         "uniform_mlp",
+        "width_multiple",
     }
     return frozenset(read if form == "none" else read | {"basis_layers"})
 
@@ -144,6 +145,7 @@ def basis_layout(
         projections,
         shape.targets,
         uniform_mlp=settings.uniform_mlp and bool(neurons),
+        width_multiple=settings.width_multiple if neurons else 1,
     )
     if plan.residual_budget() < 0:
         raise UserError(

@@ -78,7 +78,7 @@ def _allocate(
     plan, tails = layout(shared)
     problem = allocator.problem(plan, tails, weight)
     allocator.allocate(plan, tails, weight)
-    ranks = {n: m[0].rank for n, m in problem.units.items() if m[0].mode != "dense"}
+    ranks = {n: problem.steps_of(n, m[0].rank) for n, m in problem.units.items() if m[0].mode != "dense"}
     proxy = sum(float(problem.tails[n][r]) for n, r in ranks.items())
     return marginal_price({n: problem.tails[n] for n in ranks}, problem.shapes, ranks), proxy
 

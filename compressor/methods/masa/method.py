@@ -39,7 +39,7 @@ from compressor.runtime.progress import progress_bar
 from compressor.statistics.partly_compressed import install_sequentially
 
 #: The settings of the MLP's form, read only when the targets hold the MLP.
-MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "neuron_order"})
+MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "width_multiple", "neuron_order"})
 
 
 class Masa(Method):
@@ -55,7 +55,7 @@ class Masa(Method):
         )
         if not set(MLP_PROJECTIONS) & set(target_projections(settings.targets)):
             return read - MLP_SETTINGS
-        return read if settings.mlp == "neurons" else read - {"uniform_mlp", "neuron_order"}
+        return read if settings.mlp == "neurons" else read - {"uniform_mlp", "width_multiple", "neuron_order"}
 
     def uses_groups_for(self, settings: CompressionSettings) -> bool:
         return settings.sharing == "atoms"

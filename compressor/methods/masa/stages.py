@@ -43,6 +43,7 @@ def masa_layout(
         settings.method, ratio, shape.params_before, shape.geometry, groups, bases, largest_group_bases,
         shape.biases, compress_singletons=settings.singletons == "compress", projections_compressed=shape.targets,
         check_feasible=check_feasible, neuron_projections=neurons, uniform_mlp=settings.uniform_mlp,
+        width_multiple=settings.width_multiple,
     )  # fmt: skip
 
 
