@@ -12,7 +12,7 @@ CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(and $(filter 0,$(GPU)),$(filter Linux,$(shell uname -s))),$(CPU_TORCH_INDEX))
 RATIO ?= 0.2
 
-.PHONY: install demo test test-fast lint format bench bench-quick clean
+.PHONY: install demo test test-fast lint format bench bench-quick bench-engines clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -58,6 +58,9 @@ bench: install  ## full benchmark (~3 h alone on 2 cores): writes BENCHMARKS.md 
 
 bench-quick: install  ## reduced benchmark for CI: checks that numbers are finite and files are written
 	$(BIN)/python -m benchmarks.run --quick
+
+bench-engines: install  ## the smaller model in llama.cpp (~15 min): benchmarks/results/engines.md
+	$(BIN)/python -m benchmarks.engines
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache .ruff_cache

@@ -306,3 +306,13 @@ def test_bundled_narrower_mlps_export_and_score_as_in_transformers(tmp_path, cap
     server = LlamaCppServer(tmp_path / "m.gguf", context=128)
     ids = server.tokenize("The capital of France is")
     assert server.generate(ids, 6).strip()
+
+
+def test_a_type_no_matrix_can_take_is_refused_before_writing(tmp_path, tokenizer_gguf):
+    """Rows of 48 values (hidden 48, MLP 80) fill no 32-value block: q8_0 would be f16 throughout."""
+    model = tiny_model("llama", vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_attention_heads=3,
+                       num_key_value_heads=1)  # fmt: skip
+    with pytest.raises(UserError, match="--type q8_0: no matrix of this model has rows of a multiple of 32"):
+        write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="q8_0")
+    assert list(tmp_path.iterdir()) == []
+    assert write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="f16").fallbacks == {}

@@ -168,6 +168,25 @@ def llama3_rope_factors(config) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
+def block_size(tensor_type: str) -> int:
+    """Values per block of a GGUF type (1 for the float types)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[GGUF_TYPES[tensor_type][0]]][0]
+
+
+def check_some_matrix_fits(model: nn.Module, tensor_type: str) -> None:
+    """A quantized type that no matrix of the model can take (no row a whole number of blocks) is refused
+    before anything is written: every matrix would be f16, and the file would not be what was asked."""
+    block = block_size(tensor_type)
+    rows = {p.shape[-1] for p in model.parameters() if p.ndim == 2}
+    if block > 1 and not any(length % block == 0 for length in rows):
+        raise UserError(
+            f"--type {tensor_type}: no matrix of this model has rows of a multiple of {block} values (its "
+            f"blocks): every one would be stored f16: choose --type f16"
+        )
+
+
 def read_tokenizer_fields(gguf_path: Path) -> list:
     """The `tokenizer.*` fields of a GGUF file (vocabulary, merges, special tokens, chat template)."""
     import gguf
@@ -212,6 +231,7 @@ def write_gguf(
     tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
     rope_factors = llama3_rope_factors(config)
     matrix_type, file_type = GGUF_TYPES[tensor_type]
+    check_some_matrix_fits(model, tensor_type)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -330,8 +350,7 @@ def _store(writer, tensor_name: str, array: np.ndarray, matrix_type: str) -> str
         writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
         return "F32"
     qtype = gguf.GGMLQuantizationType[matrix_type]
-    block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    if array.shape[-1] % block:
+    if array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         qtype = gguf.GGMLQuantizationType[FALLBACK_TYPE]
     if qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(tensor_name, array.astype(np.float16))

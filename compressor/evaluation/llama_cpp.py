@@ -39,14 +39,17 @@ def require_llama_cpp():
 class LlamaCppServer:
     """llama.cpp's server in this process, on a local port, for one GGUF file; `close()` stops it."""
 
-    def __init__(self, gguf_path: str | os.PathLike, context: int, threads: int | None = None):
+    def __init__(
+        self, gguf_path: str | os.PathLike, context: int, threads: int | None = None, embedding: bool = True
+    ):
+        """`embedding`: serve hidden states (scoring); off, the server only generates (timing its decode)."""
         xl = require_llama_cpp()
         path = Path(gguf_path)
         if not path.is_file():
             raise UserError(f"{path}: no such GGUF file")
         params = xl.CommonParams()
         params.model.path = str(path)
-        params.embedding = True
+        params.embedding = embedding
         params.pooling_type = xl.llama_pooling_type.LLAMA_POOLING_TYPE_NONE
         params.embd_normalize = -1  # the states as they are
         params.n_ctx = params.n_batch = params.n_ubatch = int(context)
@@ -88,11 +91,14 @@ class LlamaCppServer:
 
     def generate(self, ids: list[int], max_new_tokens: int) -> str:
         """Greedy continuation of `ids`, as text."""
-        payload = self.post(
-            "/completion",
-            {"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0},
-        )
-        return payload["content"]
+        return self.complete(ids, max_new_tokens)["content"]
+
+    def complete(self, ids: list[int], max_new_tokens: int) -> dict:
+        """llama.cpp's whole answer to a greedy completion of `ids` (exactly `max_new_tokens`, end of text or not):
+        the text and its `timings` (prompt and predicted tokens per second). The prompt is not reused from an
+        earlier call, so each call times its own prefill."""
+        body = {"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0}
+        return self.post("/completion", body | {"cache_prompt": False, "ignore_eos": True})
 
     def close(self) -> None:
         self._server = None
