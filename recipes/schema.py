@@ -80,6 +80,14 @@ class CompressionSettings(_Strict):
         description="projections compressed and counted by --ratio: attn (q/k/v/o, the paper), mlp (gate/up/down), "
         "or attn,mlp (every linear projection of the decoder layers, as Basis Sharing does)",
     )
+    attention: Literal["factors", "heads"] = Field(
+        "factors",
+        description="how --method masa compresses the attention (targets attn, attn,mlp). factors: whitened "
+        "low-rank factors per matrix (shared on request); heads: each layer keeps whole query heads, the same "
+        "number per KV head (at least one), k/v whole, o_proj refit by least squares: a plain attention with "
+        "fewer heads, the form engines run (llama.cpp's deci layout), its count per layer decided by the global "
+        "allocation",
+    )
     mlp: Literal["neurons", "lowrank"] = Field(
         "neurons",
         description="how --method masa compresses the MLP (targets mlp, attn,mlp). neurons: each layer keeps a "

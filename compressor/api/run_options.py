@@ -40,6 +40,7 @@ class CompressOptions:
     statistics: str | None = None
     targets: str | None = None
     auto_groups: bool | None = None
+    attention: str | None = None
     mlp: str | None = None
     uniform_mlp: bool | None = None
     width_multiple: int | None = None
@@ -68,6 +69,13 @@ class CompressOptions:
     stats_cache: bool = True
     layerwise: bool = False  # decoder layers on disk, every pass layer by layer (models larger than memory)
     offload_dir: str | None = None  # where --layerwise keeps its intermediate files (default: beside --out)
+    # Only the forms engines run (llama.cpp's GGUF layouts): whole heads, narrower MLPs in multiples of 32 (the
+    # granularity chosen on the validation split: benchmarks/results/engines.md).
+    native: bool = False
+
+    def __post_init__(self) -> None:
+        if self.native and self.layerwise:
+            raise UserError("--native is not available with --layerwise yet: drop one of them")
 
     @classmethod
     def from_values(cls, values: dict) -> CompressOptions:
@@ -82,6 +90,10 @@ class CompressOptions:
             for name in CompressionSettings.model_fields
             if getattr(self, name, None) is not None
         }
+
+
+#: What `--native` sets (a width multiple the user gives is kept: any multiple is a native width).
+NATIVE_FORMS = {"attention": "heads", "mlp": "neurons", "width_multiple": 32, "sharing": "none"}
 
 
 @dataclass
@@ -127,7 +139,28 @@ def resolve_run_settings(
     compression = override(
         recipe.compression if recipe else CompressionSettings(), **options.given_compression_settings()
     )
+    if options.native:
+        compression = native_settings(compression, options)
     return calibration, evaluation, compression
+
+
+def native_settings(compression: CompressionSettings, options: CompressOptions) -> CompressionSettings:
+    """`--native`: the engine forms of whatever is targeted (NATIVE_FORMS); an explicit other form is an error."""
+    from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
+
+    targets = target_projections(compression.targets)
+    has_mlp = bool(set(MLP_PROJECTIONS) & set(targets))
+    applies = {"attention": "q_proj" in targets, "mlp": has_mlp, "width_multiple": has_mlp, "sharing": True}
+    update = {}
+    for name, native_value in NATIVE_FORMS.items():
+        given = getattr(options, name)
+        if not applies[name] or (name == "width_multiple" and given is not None):
+            continue
+        if given is not None and given != native_value:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"--native takes {flag} {native_value} (engines run no other form): drop {flag}")
+        update[name] = native_value
+    return compression.model_copy(update=update)
 
 
 def resolve_eval_settings(settings: EvalSettings, recipe: Recipe | None) -> EvaluationSettings:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
-from compressor.math.accounting import NEURON_READER, CompressionPlan, with_legacy_keys
+from compressor.math.accounting import HEADS_ROWS, NEURON_READER, CompressionPlan, with_legacy_keys
 from compressor.modeling.adapters import DecoderAdapter
 from compressor.modeling.remote_code.masa_modules import (
     ATOMS_KEY,
@@ -77,6 +77,9 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
     ):  # a smaller plain Linear: its kept neurons
         mode, n_atoms = "neurons", 0
         rank = module.in_features if name == NEURON_READER else module.out_features
+    elif isinstance(module, nn.Linear) and planned.mode == "heads":  # q rows / o columns of the kept heads
+        mode, n_atoms = "heads", 0
+        rank = (module.out_features if name == HEADS_ROWS else module.in_features) // planned.head_block
     elif isinstance(module, nn.Linear):
         mode, n_atoms, rank = "dense", 0, None
     else:

@@ -22,7 +22,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 #: The panels, in the order a command shows them (options without a panel go to "Options").
 RUN = "The run"
 SHARING = "Sharing and allocation"
-MLP = "The MLP (--targets mlp or attn,mlp)"
+MLP = "Forms of the attention and the MLP"
 ATOMS = "The atoms form (--sharing atoms)"
 CALIBRATION = "Calibration and evaluation"
 EVALUATION = "Evaluation"

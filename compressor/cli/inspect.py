@@ -161,6 +161,8 @@ def plan_command(
     allocation: o.Allocation = None,
     sensitivity_samples: o.SensitivitySamples = None,
     statistics: o.Statistics = None,
+    attention: o.Attention = None,
+    native: o.Native = False,
     mlp: o.Mlp = None,
     uniform_mlp: o.UniformMlp = None,
     width_multiple: o.WidthMultiple = None,

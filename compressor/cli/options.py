@@ -141,6 +141,23 @@ Statistics = Annotated[
 ]
 
 # -- the MLP ------------------------------------------------------------------------------------------------
+Attention = Annotated[
+    Opt[str],
+    typer.Option(
+        "--attention",
+        metavar="FORM",
+        rich_help_panel=MLP,
+        help=f"{choices('attention')} (default: {default('attention')}).",
+    ),
+]
+Native = Annotated[
+    bool,
+    typer.Option(
+        "--native",
+        rich_help_panel=MLP,
+        help="Engines' forms only: heads, neurons in 32s.",
+    ),
+]
 Mlp = Annotated[
     Opt[str],
     typer.Option(
@@ -175,7 +192,7 @@ WidthMultiple = Annotated[
         min=1,
         metavar="N",
         rich_help_panel=MLP,
-        help=f"MLP widths in multiples of N, e.g. 32 for GGUF q8_0 (default: {default('width_multiple')}).",
+        help=f"MLP widths in multiples of N (default: {default('width_multiple')}).",
     ),
 ]
 

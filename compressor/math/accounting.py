@@ -34,10 +34,12 @@ def read_count(record: dict, key: str):
     return record[key] if key in record else record.get(LEGACY_KEYS.get(key, key))
 
 
-Mode = Literal["dense", "shared", "lowrank", "basis", "neurons"]
+Mode = Literal["dense", "shared", "lowrank", "basis", "neurons", "heads"]
 #: `neurons` mode: the projection that reads the MLP's neurons (its *input* side is cut); gate/up are cut on
 #: their output side. Every projection of one layer's MLP in this mode keeps the same `rank` neurons.
 NEURON_READER = "down_proj"
+#: `heads` mode: the projection reading the kept heads (its error is the unit's), and the one whose rows are heads.
+HEADS_READER, HEADS_ROWS = "o_proj", "q_proj"
 
 
 @dataclass
@@ -52,6 +54,7 @@ class ProjectionPlan:
     rank: int | None = None  # residual / low-rank rank; None until allocated
     bias: int = 0  # numel of the bias, kept as is
     basis: str | None = None  # `basis` mode: the name of the group's input basis it reads (stored once)
+    head_block: int = 0  # `heads` mode: q rows (o columns) of one kept head per KV group: KV heads × head_dim
 
     @property
     def dense_params(self) -> int:
@@ -61,16 +64,24 @@ class ProjectionPlan:
         """Numbers stored for this projection, excluding shared atoms and input bases (counted once per group)."""
         if self.mode == "dense":
             return self.dense_params + self.bias
-        return self.width_params() + self.fixed_bias()
+        return self.width_params() + self.fixed_bias() + self.floor_params()
 
     def fixed_bias(self) -> int:
-        """The bias numbers that do not depend on the rank (a kept neuron keeps its own gate/up bias entries)."""
-        return 0 if self.mode == "neurons" and self.projection != NEURON_READER else self.bias
+        """The bias numbers that do not depend on the rank (a kept neuron keeps its own gate/up bias entries, a
+        kept head its q bias entries)."""
+        rows = self.projection != NEURON_READER if self.mode == "neurons" else self.projection == HEADS_ROWS
+        return 0 if self.mode in ("neurons", "heads") and rows else self.bias
+
+    def floor_params(self) -> int:
+        """`heads` mode: the numbers of the one head per KV group every layer keeps (rank 1), whatever the rank."""
+        return self.head_step() if self.mode == "heads" else 0
 
     def width_params(self) -> int:
         """The numbers that grow with the rank: low-rank factors, a basis reader's coefficients, or the rows
         (gate/up, with their bias entries) or columns (down) of the neurons kept."""
         rank = self.rank or 0
+        if self.mode == "heads":  # the heads beyond the floor's one per KV group
+            return max(rank - 1, 0) * self.head_step()
         if self.mode == "basis":
             return rank * self.out_features
         if self.mode == "neurons":
@@ -82,7 +93,15 @@ class ProjectionPlan:
     def carries_error(self) -> bool:
         """Whether the allocation's tails hold an error of this projection's own: not when kept whole, nor for
         gate/up in `neurons` mode (their MLP's error is measured once, at down_proj's output)."""
+        if self.mode == "heads":
+            return self.projection == HEADS_READER
         return self.mode != "dense" and (self.mode != "neurons" or self.projection == NEURON_READER)
+
+    def head_step(self) -> int:
+        """`heads` mode: numbers one more kept head per KV group adds (q rows with their bias, or o columns)."""
+        if self.projection == HEADS_READER:
+            return self.out_features * self.head_block
+        return self.head_block * (self.in_features + (1 if self.bias else 0))
 
     def neuron_step(self) -> int:
         """`neurons` mode: numbers one more kept neuron adds to this projection."""
@@ -119,17 +138,12 @@ class CompressionPlan:
     width_multiple: int = 1
 
     def __post_init__(self) -> None:
-        widths = {
-            pp.in_features
-            for pp in self.projections
-            if pp.mode == "neurons" and pp.projection == NEURON_READER
-        }
-        for width in sorted(widths):
-            if width % self.width_multiple:
-                raise UserError(
-                    f"--width-multiple {self.width_multiple}: the MLP's width {width} is not a multiple of it: "
-                    "choose a divisor of it (e.g. 32 or 64)"
-                )
+        readers = [pp for pp in self.projections if pp.mode == "neurons" and pp.projection == NEURON_READER]
+        for width in sorted({pp.in_features for pp in readers if pp.in_features % self.width_multiple}):
+            raise UserError(
+                f"--width-multiple {self.width_multiple}: the MLP's width {width} is not a multiple of it: "
+                "choose a divisor of it (e.g. 32 or 64)"
+            )
 
     # -- budget --------------------------------------------------------------------------------------
     @property
@@ -164,9 +178,14 @@ class CompressionPlan:
     def bias_params(self) -> int:
         return sum(pp.fixed_bias() for pp in self.projections if pp.mode != "dense")
 
+    def floor_params(self) -> int:
+        """`heads` mode: every layer's one head per KV group (the least a layer keeps)."""
+        return sum(pp.floor_params() for pp in self.projections)
+
     def fixed_params(self) -> int:
-        """Everything but the residual / low-rank factors."""
-        return self.atom_params() + self.coefficient_params() + self.dense_params() + self.bias_params()
+        """Everything but the residual / low-rank factors (and the heads beyond the floor)."""
+        fixed = self.atom_params() + self.coefficient_params() + self.dense_params() + self.bias_params()
+        return fixed + self.floor_params()
 
     def residual_budget(self) -> int:
         return self.budget - self.fixed_params()
@@ -204,6 +223,8 @@ class CompressionPlan:
                 units.setdefault(("basis", pp.group, pp.basis), []).append(pp)
             elif pp.mode == "neurons":
                 units.setdefault(("mlp", "all" if self.uniform_mlp else pp.layer), []).append(pp)
+            elif pp.mode == "heads":
+                units.setdefault(("heads", pp.layer), []).append(pp)
             elif pp.mode != "dense":
                 units[(pp.layer, pp.projection)] = [pp]
         return units

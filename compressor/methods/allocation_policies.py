@@ -91,13 +91,16 @@ class AllocationProblem:
     shapes: dict[str, Unit]  # a matrix's (Σ out, in), or the Steps of an MLP's neurons
     dense_costs: dict[str, int]
     step_widths: dict[str, int] = field(default_factory=dict)  # a step's width, when not 1 (neurons per step)
+    floors: dict[str, int] = field(
+        default_factory=dict
+    )  # the rank at 0 steps, when not 0 (heads: one per group)
 
     def rank_of(self, name: str, steps: int) -> int:
-        """The rank (an MLP's width) of `steps` steps of the unit."""
-        return steps * self.step_widths.get(name, 1)
+        """The rank (an MLP's width, a layer's heads per KV group) of `steps` steps of the unit."""
+        return self.floors.get(name, 0) + steps * self.step_widths.get(name, 1)
 
     def steps_of(self, name: str, rank: int) -> int:
-        return rank // self.step_widths.get(name, 1)
+        return (rank - self.floors.get(name, 0)) // self.step_widths.get(name, 1)
 
 
 class GlobalAllocator:
@@ -129,8 +132,9 @@ class GlobalAllocator:
 
         def unit_tail(members) -> torch.Tensor:
             # An MLP's neurons: its error is measured once, at down_proj's output (gate/up carry none of their own);
-            # a step of `width_multiple` neurons reads every such entry of the per-neuron tail.
-            readers = [pp for pp in members if pp.mode != "neurons" or pp.projection == NEURON_READER]
+            # a step of `width_multiple` neurons reads every such entry of the per-neuron tail. A layer's heads:
+            # measured at o_proj's output, from one head per KV group on (the tail's first entry).
+            readers = [pp for pp in members if pp.carries_error()]
             tail = functools.reduce(operator.add, map(scaled, readers))
             return tail[::multiple] if members[0].mode == "neurons" else tail
 
@@ -140,6 +144,9 @@ class GlobalAllocator:
             ):  # one step: `width_multiple` more neurons in every MLP of the unit
                 neurons = next(pp.in_features for pp in members if pp.projection == NEURON_READER)
                 return Steps(multiple * sum(pp.neuron_step() for pp in members), neurons // multiple)
+            if members[0].mode == "heads":  # one step: one more query head in every KV group of the layer
+                per_group = members[0].out_features // members[0].head_block
+                return Steps(sum(pp.head_step() for pp in members), per_group - 1)
             return (sum(pp.out_features for pp in members), members[0].in_features)
 
         return AllocationProblem(
@@ -149,10 +156,13 @@ class GlobalAllocator:
             # Keeping a unit whole costs its weights (and the bias entries a width pays for) and gives back its
             # coefficients.
             {
-                n: sum(pp.dense_params + pp.bias - pp.fixed_bias() - pp.n_atoms for pp in m)
+                n: sum(
+                    pp.dense_params + pp.bias - pp.fixed_bias() - pp.floor_params() - pp.n_atoms for pp in m
+                )
                 for n, m in units.items()
             },
             {n: multiple for n, m in units.items() if m[0].mode == "neurons" and multiple != 1},
+            {n: 1 for n, m in units.items() if m[0].mode == "heads"},
         )
 
     def allocate(self, plan: CompressionPlan, tails: Tails, weight: ErrorWeight) -> dict:

@@ -94,6 +94,18 @@ def geometry_from_config(config) -> ProjectionGeometry:
     return ProjectionGeometry(config.hidden_size, heads, kv_heads, head_dim, intermediate)
 
 
+def keep_heads_per_kv_head(attention: nn.Module) -> None:
+    """The query heads each KV head serves, from the projections' sizes (`--attention heads` keeps fewer query
+    heads in some layers; transformers' attention reads `num_key_value_groups` to repeat the keys and values)."""
+    q, k = getattr(attention, "q_proj", None), getattr(attention, "k_proj", None)
+    if (
+        hasattr(attention, "num_key_value_groups")
+        and hasattr(q, "out_features")
+        and hasattr(k, "out_features")
+    ):
+        attention.num_key_value_groups = q.out_features // k.out_features
+
+
 class DecoderAdapter:
     """Hugging Face decoder-only models with `model.layers[i].self_attn.{q,k,v,o}_proj`."""
 
@@ -135,7 +147,10 @@ class DecoderAdapter:
         raise KeyError(name)
 
     def set_projection(self, layer_index: int, name: str, module: nn.Module) -> None:
-        setattr(self.block_of(layer_index, name), name, module)
+        block = self.block_of(layer_index, name)
+        setattr(block, name, module)
+        if name in ("q_proj", "k_proj"):
+            keep_heads_per_kv_head(block)
 
     @property
     def final_norm(self) -> nn.Module:

@@ -22,8 +22,16 @@ import time
 
 import torch
 
-from compressor.math.accounting import NEURON_READER, CompressionPlan, GroupPlan, ProjectionPlan
+from compressor.math.accounting import (
+    HEADS_READER,
+    HEADS_ROWS,
+    NEURON_READER,
+    CompressionPlan,
+    GroupPlan,
+    ProjectionPlan,
+)
 from compressor.math.grouping import consecutive_runs
+from compressor.math.heads import HeadTail
 from compressor.math.neurons import NeuronTail
 from compressor.math.whitening import (
     refit_on_basis,
@@ -34,6 +42,7 @@ from compressor.math.whitening import (
 )
 from compressor.methods.allocation_policies import GlobalAllocator, allocator_for
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
+from compressor.methods.masa import attention_heads
 from compressor.methods.masa.choice import Shared, choose_shared
 from compressor.methods.masa.mlp import install_neurons, neuron_tails, tails_for_allocation
 from compressor.methods.masa.stages import install_projection, residual_tail
@@ -59,11 +68,18 @@ def settings_read(form: str) -> frozenset[str]:
         "dense_when_cheaper",
         "statistics",
         "sensitivity_samples",
+        "attention",
         "mlp",
         "uniform_mlp",
         "width_multiple",
     }
     return frozenset(read if form == "none" else read | {"basis_layers"})
+
+
+def head_projections(shape: ModelShape, settings: CompressionSettings) -> tuple[str, ...]:
+    """The attention projections of `--attention heads`: q/o in `heads` mode, k/v kept whole (`dense`)."""
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return tuple(p for p in shape.targets if p in attention) if settings.attention == "heads" else ()
 
 
 def neuron_projections(shape: ModelShape, settings: CompressionSettings) -> tuple[str, ...]:
@@ -74,6 +90,15 @@ def neuron_projections(shape: ModelShape, settings: CompressionSettings) -> tupl
 def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]) -> None:
     """Refuse, before any heavy work, what the input-basis forms have no rule for."""
     flag = f"--sharing {settings.sharing}"
+    if settings.attention == "heads":
+        if settings.sharing != "none":
+            raise UserError(
+                f"--attention heads keeps whole heads, which {flag} would factor and share: use --sharing none"
+            )
+        if "q_proj" not in targets or "o_proj" not in targets:
+            raise UserError(
+                "--attention heads removes query heads (q_proj rows, o_proj columns): --targets must hold both"
+            )
     if settings.allocation == "paper":
         raise UserError(
             f"{flag}: Algorithm 1 (--allocation paper) balances per-layer (Q,K)/(V,O) pairs and has no rule for a "
@@ -125,6 +150,8 @@ def basis_layout(
     the fixed form's) in `basis` mode, every other one `lowrank`."""
     shared = fixed_shared(shape, settings) if shared is None else shared
     neurons = neuron_projections(shape, settings)
+    heads = head_projections(shape, settings)
+    head_block = shape.geometry.num_kv_heads * shape.geometry.head_dim
     groups, projections = [], []
     for index, layers in enumerate(runs_of(shape, settings)):
         groups.append(GroupPlan(index, layers, 0))
@@ -133,8 +160,11 @@ def basis_layout(
             for p in shape.targets:
                 out, inp = shape.geometry.shape(p)
                 mode = "basis" if p in reads else "neurons" if p in neurons else "lowrank"
+                if p in heads:
+                    mode = "heads" if p in (HEADS_ROWS, HEADS_READER) else "dense"
                 projections.append(ProjectionPlan(
                     layer, p, out, inp, mode, group=index, bias=shape.biases.get((layer, p), 0), basis=reads.get(p),
+                    head_block=head_block if mode == "heads" else 0,
                 ))  # fmt: skip
     plan = CompressionPlan(
         settings.method,
@@ -195,8 +225,12 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
     runs = runs_of(shape, settings)
     offered = candidates(shape, settings) if settings.sharing == "auto" else fixed_shared(shape, settings)
     neuron_types = neuron_projections(shape, settings)
+    head_types = head_projections(shape, settings)
     own_needed = [
-        (layer, p) for layer in range(shape.num_layers) for p in shape.targets if p not in neuron_types
+        (layer, p)
+        for layer in range(shape.num_layers)
+        for p in shape.targets
+        if p not in neuron_types and p not in head_types
     ]
     if settings.sharing != "auto":  # a fixed form never factors a basis reader on its own
         read = {(layer, p) for i, b in offered.items() for t in b.values() for p in t for layer in runs[i]}
@@ -213,6 +247,8 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
                 bar.advance()
     neurons = neuron_tails(ctx, list(range(shape.num_layers))) if neuron_types else {}
     own.update(tails_for_allocation(neurons))
+    heads = attention_heads.head_tails(ctx, list(range(shape.num_layers))) if head_types else {}
+    own.update(attention_heads.tails_for_allocation(heads))
     allocator = allocator_for(settings.allocation, settings.dense_when_cheaper)
     assert isinstance(allocator, GlobalAllocator)  # check_basis_settings refuses the paper's
 
@@ -237,14 +273,16 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
     ctx.report.update(allocator.allocate(plan, tails, ctx.error_weight))
     plan.check_budget()
     ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy, ctx.error_weight)
-    install_all(ctx, plan, neurons)
+    install_all(ctx, plan, neurons, heads)
     ctx.seconds["residual_svd"] = time.perf_counter() - start
     return plan
 
 
-def install_all(ctx: MethodContext, plan: CompressionPlan, neurons: dict[int, NeuronTail]) -> None:
-    """Pass 2: build each shared basis at its allocated size with its readers, every other matrix's factors, and
-    each MLP in `neurons` mode at its width."""
+def install_all(
+    ctx: MethodContext, plan: CompressionPlan, neurons: dict[int, NeuronTail], heads: dict[int, HeadTail]
+) -> None:
+    """Pass 2: build each shared basis at its allocated size with its readers, every other matrix's factors,
+    each MLP in `neurons` mode at its width, and each attention in `heads` mode at its heads."""
     units = plan.allocation_units()
     with progress_bar("Factors", total=len(plan.groups), enabled=ctx.progress) as bar:
         for group in plan.groups:  # run by run, then it is finished
@@ -260,6 +298,8 @@ def install_all(ctx: MethodContext, plan: CompressionPlan, neurons: dict[int, Ne
                     )
                 elif pp.mode == "neurons" and pp.projection == NEURON_READER:
                     install_neurons(ctx, plan, pp.layer, neurons[pp.layer])
+                elif pp.mode == "heads" and pp.projection == HEADS_READER:
+                    attention_heads.install_heads(ctx, plan, pp.layer, heads[pp.layer])
             ctx.finished(group.layers)
             bar.advance()
 

@@ -189,7 +189,10 @@ def projection_module(spec: dict, group_shared, dtype=None, device=None) -> nn.M
     mode, shape = spec["mode"], (spec["out_features"], spec["in_features"])
     if mode == "dense":
         return None
-    if mode == "neurons":  # a plain, smaller nn.Linear: an MLP keeping some of its neurons
+    if mode in (
+        "neurons",
+        "heads",
+    ):  # a plain, smaller nn.Linear: an MLP's kept neurons, an attention's kept heads
         return nn.Linear(shape[1], shape[0], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "lowrank":
         return LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)

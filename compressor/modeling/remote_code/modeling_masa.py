@@ -106,6 +106,12 @@ class MasaMixin:
             if module is not None:  # `dense` keeps the base family's own nn.Linear
                 layer = self.model.layers[spec["layer"]]
                 setattr(getattr(layer, _block(spec["projection"])), spec["projection"], module)
+        for spec in self.config.masa["projections"]:  # `heads` mode: fewer query heads per KV head there
+            if spec["mode"] == "heads" and spec["projection"] == "q_proj":
+                attention = self.model.layers[spec["layer"]].self_attn
+                attention.num_key_value_groups = (
+                    attention.q_proj.out_features // attention.k_proj.out_features
+                )
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
         tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)

@@ -1,0 +1,84 @@
+"""The attention in `heads` form (`--attention heads`, part of `--native`): every layer keeps a number of query
+heads per KV head, their q rows unchanged, k/v whole, and o_proj refit by least squares on the calibration
+statistics (`compressor.math.heads`), so the attention stays a plain one with fewer heads: the form engines run
+(llama.cpp's `deci` layout takes a head count per layer).
+
+Per layer the heads are put in one greedy order and the output error at every count is exact for it
+(`heads.head_tail`); that tail, weighted by the loss sensitivity at o_proj's output, is one unit of the global
+allocation (a step: one more query head in every KV group), beside the MLP's neurons.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compressor.math.accounting import HEADS_READER, HEADS_ROWS, CompressionPlan
+from compressor.math.heads import HeadTail, head_columns, head_tail, refit_o
+from compressor.methods.base import MethodContext, numerical_context
+from compressor.runtime.progress import progress_bar
+
+
+def head_layers(plan: CompressionPlan) -> list[int]:
+    """The layers whose attention the plan keeps in `heads` mode."""
+    return sorted({pp.layer for pp in plan.projections if pp.mode == "heads"})
+
+
+def head_tails(ctx: MethodContext, layers: list[int]) -> dict[int, HeadTail]:
+    """Per layer, its heads in greedy order and the output error at every heads-per-group count (damping
+    reported)."""
+    geometry = ctx.shape.geometry
+    tails = {}
+    with progress_bar("Attention head orders", total=len(layers), enabled=ctx.progress) as bar:
+        for layer in layers:
+            with numerical_context(f"layer {layer} attention heads"):
+                found = head_tail(
+                    ctx.autocorr(layer, HEADS_READER).cpu(),
+                    ctx.weight(layer, HEADS_READER).cpu(),
+                    geometry.num_kv_heads,
+                    geometry.head_dim,
+                )
+            if found.damping:  # reported like a whitening's: the refit is then approximate
+                ctx.report.setdefault("damping", []).append(
+                    {"layer": layer, "input": "o (head selection)", "damping": found.damping}
+                )
+            tails[layer] = found
+            bar.advance()
+    return tails
+
+
+def tails_for_allocation(heads: dict[int, HeadTail]) -> dict[tuple[int, str], torch.Tensor]:
+    """The allocation's tails of the heads units: each layer's error at o_proj's output, from one head per group."""
+    return {(layer, HEADS_READER): found.tail for layer, found in heads.items()}
+
+
+def install_heads(ctx: MethodContext, plan: CompressionPlan, layer: int, found: HeadTail) -> None:
+    """The layer's attention at its allocated heads per KV group: q keeps the kept heads' rows, o_proj is refit."""
+    per_group = plan.get(layer, HEADS_READER).rank
+    head_dim = ctx.shape.geometry.head_dim
+    kept = found.kept(per_group)
+    rows = head_columns(kept, head_dim)
+    dtype, device = ctx.model_dtype, ctx.model_device
+    q_weight, q_bias = ctx.weight(layer, HEADS_ROWS).cpu(), ctx.bias(layer, HEADS_ROWS)
+    ctx.install(
+        layer,
+        HEADS_ROWS,
+        _linear(q_weight[rows], None if q_bias is None else q_bias.cpu()[rows], dtype, device),
+    )
+    with numerical_context(f"layer {layer} attention heads"):
+        refit = refit_o(
+            ctx.autocorr(layer, HEADS_READER).cpu(), ctx.weight(layer, HEADS_READER).cpu(), kept, head_dim,
+            found.damping,
+        )  # fmt: skip
+    o_bias = ctx.bias(layer, HEADS_READER)
+    ctx.install(layer, HEADS_READER, _linear(refit, None if o_bias is None else o_bias.cpu(), dtype, device))
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
+    out_features, in_features = weight.shape
+    module = nn.Linear(in_features, out_features, bias=bias is not None, dtype=dtype, device=device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module
