@@ -59,7 +59,7 @@ bench: install  ## full benchmark (~3 h alone on 2 cores): writes BENCHMARKS.md 
 bench-quick: install  ## reduced benchmark for CI: checks that numbers are finite and files are written
 	$(BIN)/python -m benchmarks.run --quick
 
-bench-engines: install  ## the smaller model in llama.cpp (~15 min): benchmarks/results/engines.md
+bench-engines: install  ## the smaller model in llama.cpp (~25 min): benchmarks/results/engines.md
 	$(BIN)/python -m benchmarks.engines
 
 clean:

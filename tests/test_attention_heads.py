@@ -187,6 +187,8 @@ def test_native_sets_the_engine_forms_of_what_is_targeted():
     assert (mlp.attention, mlp.width_multiple) == ("factors", 64)  # attention untargeted: untouched
     with pytest.raises(UserError, match="--native takes --attention heads"):
         resolve_run_settings(CompressOptions(native=True, attention="factors"), None)
+    with pytest.raises(UserError, match="--native: --method svd-llm writes factored projections"):
+        resolve_run_settings(CompressOptions(native=True, method="svd-llm"), None)
     with pytest.raises(UserError, match="--native is not available with --layerwise"):
         CompressOptions(native=True, layerwise=True)
 
@@ -210,3 +212,36 @@ def test_per_layer_heads_run_in_llama_cpp(tmp_path):
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 1e-3
+
+
+def test_reports_count_the_kept_share_of_heads():
+    """`show` and the run report's allocation read the kept share of a layer's heads, not a rank's factors."""
+    from compressor.report.records import kept_fractions
+
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    plan = _compress(model)[0].plan
+    kept = kept_fractions(plan.to_dict()["projections"])
+    for layer in range(get_adapter(model).num_layers):
+        planned = plan.get(layer, HEADS_READER)
+        share = planned.rank / 4 if planned.mode == "heads" else 1.0
+        assert kept[(layer, "q_proj")] == pytest.approx(share) and kept[(layer, "o_proj")] == pytest.approx(
+            share
+        )
+        assert kept[(layer, "k_proj")] == 1.0
+
+
+def test_dense_export_gives_every_head_back_exactly(tmp_path):
+    """`export --format hf` of a heads checkpoint: the standard architecture (no remote code), the missing heads
+    zero, the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from compressor.checkpoint import export_dense
+
+    model = tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=2)  # q biases too
+    outcome, _, _ = _compress(model)
+    assert any(pp.mode == "heads" and pp.rank < 4 for pp in outcome.plan.projections)
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt")
+    dense = AutoModelForCausalLM.from_pretrained(export_dense(path, tmp_path / "dense").path)
+    x = random_windows(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x).logits, load_compressed(path)(x).logits, rtol=0, atol=1e-5)

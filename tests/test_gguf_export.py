@@ -316,3 +316,32 @@ def test_a_type_no_matrix_can_take_is_refused_before_writing(tmp_path, tokenizer
         write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="q8_0")
     assert list(tmp_path.iterdir()) == []
     assert write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="f16").fallbacks == {}
+
+
+@pytest.mark.slow
+def test_bundled_native_model_exports_quantized_without_fallbacks_and_generates(tmp_path):
+    """The whole model 20% smaller in engine forms (`--native`: whole heads, MLP widths in multiples of 32): every
+    matrix fills q8_0's blocks, the file loads in llama.cpp, scores like the checkpoint and generates."""
+    pytest.importorskip(
+        "xllamacpp", reason="llama.cpp's wheel is not installed (pip install masa-compress[gguf])"
+    )
+    from compressor.api import CompressOptions, EvalSettings, compress, evaluate
+    from compressor.api.export import export
+    from compressor.evaluation.llama_cpp import LlamaCppServer
+
+    options = CompressOptions(
+        ratio=0.2, ratio_of="model", targets="attn,mlp", native=True, calib_samples=4, seq_len=128,
+        evaluate=False, out=str(tmp_path / "ckpt"), stats_cache=False,
+    )  # fmt: skip
+    compress("smollm2-135m", options, device="cpu", dtype="float32", progress=False)
+    written = export(str(tmp_path / "ckpt"), tmp_path / "m.gguf", tensor_type="q8_0", progress=False).details
+    assert written["fallbacks"] == {} and written["architecture"] == "deci"
+    assert all(w % 32 == 0 for w in written["mlp_widths"]) and min(written["heads"]) < 9
+    settings = dict(seq_len=256, max_tokens=1024)
+    by_llama_cpp = evaluate(
+        str(tmp_path / "m.gguf"), EvalSettings(**settings, engine="llama.cpp"), progress=False
+    )
+    by_transformers = evaluate(str(tmp_path / "ckpt"), EvalSettings(**settings), progress=False)
+    assert by_llama_cpp.result.ppl == pytest.approx(by_transformers.result.ppl, rel=0.03)  # q8_0 against fp32
+    server = LlamaCppServer(tmp_path / "m.gguf", context=128)
+    assert server.generate(server.tokenize("The capital of France is"), 6).strip()

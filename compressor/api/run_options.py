@@ -148,6 +148,11 @@ def native_settings(compression: CompressionSettings, options: CompressOptions) 
     """`--native`: the engine forms of whatever is targeted (NATIVE_FORMS); an explicit other form is an error."""
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 
+    if compression.method != "masa":
+        raise UserError(
+            f"--native: --method {compression.method} writes factored projections, which engines cannot run: "
+            "use --method masa"
+        )
     targets = target_projections(compression.targets)
     has_mlp = bool(set(MLP_PROJECTIONS) & set(targets))
     applies = {"attention": "q_proj" in targets, "mlp": has_mlp, "width_multiple": has_mlp, "sharing": True}

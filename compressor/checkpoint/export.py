@@ -2,7 +2,8 @@
 runtimes that cannot run remote code. The attention is expanded to full matrices (not smaller); an MLP that kept
 some of its neurons stays narrow: with the same width in every layer (`--uniform-mlp`) the export is the base
 architecture with a smaller `intermediate_size`, so it IS smaller and faster; with widths per layer every MLP is
-padded to the widest with zero neurons (exact: a zero neuron adds nothing).
+padded to the widest with zero neurons (exact: a zero neuron adds nothing); a layer that kept fewer query heads
+(`--attention heads`) gets the others back as zero heads (exact: their o_proj columns are zero).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def export_dense(
         if not isinstance(module, nn.Linear):
             adapter.set_projection(spec["layer"], spec["projection"], _dense_linear(module))
     _one_mlp_width(adapter)
+    _every_head(adapter)
     with _atomic_directory(out_dir, overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
         if config.get("tokenizer", False):
@@ -103,6 +105,47 @@ def _one_mlp_width(adapter) -> None:
         mlp.up_proj = _padded(mlp.up_proj, width, rows=True)
         mlp.down_proj = _padded(mlp.down_proj, width, rows=False)
     adapter.config.intermediate_size = width
+
+
+@torch.no_grad()
+def _every_head(adapter) -> None:
+    """Give every layer that kept fewer query heads (`--attention heads`) all of them again, the missing ones
+    zero: q rows of zeros and o columns of zeros, so a missing head's output (a mean of the values) is read by
+    nothing. Per KV group, its kept heads first: query head i still reads KV head i // (heads per KV head)."""
+    geometry = adapter.geometry
+    per_group, d = geometry.num_heads // geometry.num_kv_heads, geometry.head_dim
+    for attention in (layer.self_attn for layer in adapter.layers):
+        kept = attention.q_proj.out_features // (geometry.num_kv_heads * d)
+        if kept == per_group:
+            continue
+        rows = torch.cat([
+            torch.arange((g * per_group + h) * d, (g * per_group + h + 1) * d)
+            for g in range(geometry.num_kv_heads) for h in range(kept)
+        ])  # fmt: skip
+        attention.q_proj = _scattered(attention.q_proj, rows, geometry.num_heads * d, rows_axis=True)
+        attention.o_proj = _scattered(attention.o_proj, rows, geometry.num_heads * d, rows_axis=False)
+        attention.num_key_value_groups = per_group
+
+
+def _scattered(linear: nn.Linear, index: torch.Tensor, size: int, rows_axis: bool) -> nn.Linear:
+    """`linear` grown to `size` rows (or columns), its own at `index`, zeros elsewhere."""
+    weight = linear.weight
+    shape = (size, weight.shape[1]) if rows_axis else (weight.shape[0], size)
+    grown = nn.Linear(
+        shape[1], shape[0], bias=linear.bias is not None, dtype=weight.dtype, device=weight.device
+    )
+    grown.weight.zero_()
+    if rows_axis:
+        grown.weight[index] = weight
+    else:
+        grown.weight[:, index] = weight
+    if linear.bias is not None:
+        grown.bias.zero_()
+        if rows_axis:
+            grown.bias[index] = linear.bias
+        else:
+            grown.bias.copy_(linear.bias)
+    return grown
 
 
 def _padded(linear: nn.Linear, width: int, rows: bool) -> nn.Linear:

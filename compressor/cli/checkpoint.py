@@ -59,8 +59,9 @@ def export_command(
     """The model in the form an engine runs: a GGUF file for llama.cpp.
 
     Same shapes in every layer: llama.cpp's own architecture (llama, qwen2); per-layer MLP widths or head
-    counts: its `deci` architecture. Narrower MLPs (--targets mlp) export; a low-rank or shared attention has
-    no engine form and is refused. Score the file with `masa-compress eval OUT.gguf --engine llama.cpp`.
+    counts: its `deci` architecture. What `compress --native` writes exports (whole heads, narrower MLPs); a
+    low-rank or shared attention has no engine form and is refused. Score the file with
+    `masa-compress eval OUT.gguf --engine llama.cpp`.
     """
     from compressor.api.export import export
 
