@@ -11,11 +11,11 @@ allocation (a step: one more query head in every KV group), beside the MLP's neu
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from compressor.math.accounting import HEADS_READER, HEADS_ROWS, CompressionPlan
 from compressor.math.heads import HeadTail, head_columns, head_tail, refit_o
 from compressor.methods.base import MethodContext, numerical_context
+from compressor.methods.masa.mlp import plain_linear
 from compressor.runtime.progress import progress_bar
 
 
@@ -63,7 +63,7 @@ def install_heads(ctx: MethodContext, plan: CompressionPlan, layer: int, found: 
     ctx.install(
         layer,
         HEADS_ROWS,
-        _linear(q_weight[rows], None if q_bias is None else q_bias.cpu()[rows], dtype, device),
+        plain_linear(q_weight[rows], None if q_bias is None else q_bias.cpu()[rows], dtype, device),
     )
     with numerical_context(f"layer {layer} attention heads"):
         refit = refit_o(
@@ -71,14 +71,6 @@ def install_heads(ctx: MethodContext, plan: CompressionPlan, layer: int, found: 
             found.damping,
         )  # fmt: skip
     o_bias = ctx.bias(layer, HEADS_READER)
-    ctx.install(layer, HEADS_READER, _linear(refit, None if o_bias is None else o_bias.cpu(), dtype, device))
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
-    out_features, in_features = weight.shape
-    module = nn.Linear(in_features, out_features, bias=bias is not None, dtype=dtype, device=device)
-    with torch.no_grad():
-        module.weight.copy_(weight)
-        if bias is not None:
-            module.bias.copy_(bias)
-    return module
+    ctx.install(
+        layer, HEADS_READER, plain_linear(refit, None if o_bias is None else o_bias.cpu(), dtype, device)
+    )

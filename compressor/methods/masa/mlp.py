@@ -63,16 +63,16 @@ def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neuro
         ctx.install(
             layer,
             p,
-            _linear(weight[kept], None if bias is None else bias[kept.to(bias.device)], dtype, device),
+            plain_linear(weight[kept], None if bias is None else bias[kept.to(bias.device)], dtype, device),
         )
     with numerical_context(f"layer {layer} MLP neurons"):
         refit = refit_down(ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device), ctx.weight(layer, NEURON_READER),
                            NeuronTail(neurons.order.to(ctx.compute_device), neurons.tail, neurons.damping,
                                       neurons.attempts), width, RIDGE)  # fmt: skip
-    ctx.install(layer, NEURON_READER, _linear(refit, ctx.bias(layer, NEURON_READER), dtype, device))
+    ctx.install(layer, NEURON_READER, plain_linear(refit, ctx.bias(layer, NEURON_READER), dtype, device))
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
     """A plain nn.Linear holding `weight` (out, in) and `bias`, in the model's dtype and device."""
     out_features, in_features = weight.shape
     module = nn.Linear(in_features, out_features, bias=bias is not None, dtype=dtype, device=device)
