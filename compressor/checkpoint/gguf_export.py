@@ -245,7 +245,7 @@ def write_gguf(
         for key, value in (extra_fields or {}).items():
             writer.add_string(key, value)
         for tensor_name, array in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
-            parameters += array.size
+            parameters += 0 if tensor_name.startswith("rope_freqs") else array.size  # a table, not weights
             stored = _store(writer, tensor_name, array, matrix_type)
             if stored != matrix_type and array.ndim == 2:
                 fallbacks[tensor_name] = stored
