@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from compressor.api.model_loading import ModelSource, load_model, resolve_model
+from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
-from compressor.checkpoint.gguf_export import GgufExport, check_gguf_type, write_gguf
+from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, check_gguf_type, write_gguf
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 
@@ -55,9 +55,7 @@ def export(
             "compressed_params": result.compressed_params, "dense_params": result.dense_params,
         })  # fmt: skip
     tensor_type = check_gguf_type(tensor_type)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise UserError(f"{out}: already exists: pass --overwrite or choose another path")
+    out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
     original = original_source(source)
     check_hub_model(source)
     tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
@@ -98,12 +96,8 @@ def tokenizer_gguf_of(original: ModelSource, tokenizer_from: str | None) -> Path
                 f"--tokenizer-from {tokenizer_from}: not a GGUF file: pass a .gguf of the same model"
             )
         return path
-    if original.kind in ("bundled", "gguf") and original.gguf_file:
-        if original.kind == "bundled":
-            from compressor.api.packaged_models import ensure_gguf, packaged_model
-
-            return ensure_gguf(packaged_model(original.packaged), progress=True)
-        return Path(original.location) / original.gguf_file
+    if original.kind in ("bundled", "gguf"):
+        return gguf_path(original)
     raise UserError(
         f"{original.describe()}: has no GGUF to copy the tokenizer from (building one from a Hugging Face "
         "tokenizer needs llama.cpp's converter): pass --tokenizer-from MODEL.gguf, a GGUF of the same model"

@@ -341,6 +341,13 @@ def load_model(
 ENGINES = ("transformers", "llama.cpp")
 
 
+def gguf_path(source: ModelSource, progress: bool = True) -> Path:
+    """The GGUF file of a `gguf` or `bundled` source (a packaged model's assembled from its parts if needed)."""
+    if source.kind == "bundled":
+        return ensure_gguf(packaged_model(source.packaged), progress)
+    return Path(source.location) / source.gguf_file
+
+
 def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True) -> LoadedModel:
     """A GGUF file (a user's, an export, a packaged model's) run by llama.cpp, behind the faces evaluation reads
     (`evaluation/llama_cpp.py`)."""
@@ -351,10 +358,7 @@ def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True
             f"--engine llama.cpp runs GGUF files and '{source.spec}' is not one: write one with "
             f"`masa-compress export {source.spec} OUT.gguf`"
         )
-    if source.kind == "bundled":
-        path = ensure_gguf(packaged_model(source.packaged), progress)
-    else:
-        path = Path(source.location) / source.gguf_file
+    path = gguf_path(source, progress)
     start = time.perf_counter()
     model = LlamaCppCausalLM(path, context)
     tokenizer = LlamaCppTokenizer(model.server, path)

@@ -19,6 +19,7 @@ from torch import nn
 from compressor.checkpoint.files import _atomic_directory
 from compressor.checkpoint.layout import DEFAULT_MAX_SHARD_BYTES
 from compressor.checkpoint.load import _load_tokenizer, load_compressed, read_masa_config
+from compressor.math.heads import head_columns
 from compressor.modeling.adapters import get_adapter
 from compressor.runtime.errors import UserError
 
@@ -118,10 +119,7 @@ def _every_head(adapter) -> None:
         kept = attention.q_proj.out_features // (geometry.num_kv_heads * d)
         if kept == per_group:
             continue
-        rows = torch.cat([
-            torch.arange((g * per_group + h) * d, (g * per_group + h + 1) * d)
-            for g in range(geometry.num_kv_heads) for h in range(kept)
-        ])  # fmt: skip
+        rows = head_columns([g * per_group + h for g in range(geometry.num_kv_heads) for h in range(kept)], d)
         attention.q_proj = _scattered(attention.q_proj, rows, geometry.num_heads * d, rows_axis=True)
         attention.o_proj = _scattered(attention.o_proj, rows, geometry.num_heads * d, rows_axis=False)
         attention.num_key_value_groups = per_group
@@ -150,14 +148,5 @@ def _scattered(linear: nn.Linear, index: torch.Tensor, size: int, rows_axis: boo
 
 def _padded(linear: nn.Linear, width: int, rows: bool) -> nn.Linear:
     """`linear` with zero rows (outputs) or zero columns (inputs) appended up to `width`."""
-    weight = linear.weight
-    shape = (width, weight.shape[1]) if rows else (weight.shape[0], width)
-    padded = nn.Linear(
-        shape[1], shape[0], bias=linear.bias is not None, dtype=weight.dtype, device=weight.device
-    )
-    padded.weight.zero_()
-    padded.weight[: weight.shape[0], : weight.shape[1]] = weight
-    if linear.bias is not None:
-        padded.bias.zero_()
-        padded.bias[: linear.bias.shape[0]] = linear.bias
-    return padded
+    own = linear.weight.shape[0] if rows else linear.weight.shape[1]
+    return _scattered(linear, torch.arange(own), width, rows_axis=rows)

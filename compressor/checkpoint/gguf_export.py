@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor.modeling.adapters import get_adapter
+from compressor.modeling.adapters import geometry_from_config, get_adapter
 from compressor.runtime.errors import UserError
 
 # --type → (the GGUF tensor type of a matrix, `general.file_type`); 1-D tensors (norms, biases) stay f32 always.
@@ -91,12 +91,22 @@ def check_gguf_type(tensor_type: str) -> str:
     return name
 
 
+def check_gguf_output(out: str | os.PathLike, overwrite: bool) -> Path:
+    """The output path, or a one-line error: it exists (without `overwrite`), or its name does not end in .gguf."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UserError(f"{out}: already exists: pass --overwrite or choose another path")
+    if out.suffix != ".gguf":
+        raise UserError(f"{out}: a GGUF file's name ends in .gguf: choose OUT.gguf")
+    return out
+
+
 def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
     """Per layer: the MLP width, the query heads and the KV heads of a model of plain projections; a projection
     that is still low-rank or shared has no engine form and is a one-line error."""
     adapter = get_adapter(model)
     config = adapter.config
-    head_dim = _head_dim(config)
+    head_dim = geometry_from_config(config).head_dim
     widths, heads, kv_heads = [], [], []
     for index, layer in enumerate(adapter.layers):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -147,7 +157,7 @@ def llama3_rope_factors(config) -> np.ndarray | None:
     if rope_type != "llama3":
         raise UserError(f"rope scaling '{rope_type}': GGUF export writes the default rope and Llama 3's only")
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    dim = _head_dim(config)
+    dim = geometry_from_config(config).head_dim
     factor = float(params.get("factor", 8.0))
     low_freq_factor = float(params.get("low_freq_factor", 1.0))
     high_freq_factor = float(params.get("high_freq_factor", 4.0))
@@ -219,11 +229,7 @@ def write_gguf(
     import gguf
 
     tensor_type = check_gguf_type(tensor_type)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise UserError(f"{out}: already exists: pass --overwrite or choose another path")
-    if out.suffix != ".gguf":
-        raise UserError(f"{out}: a GGUF file's name ends in .gguf: choose OUT.gguf")
+    out = check_gguf_output(out, overwrite)
     adapter = get_adapter(model)
     config = adapter.config
     widths, heads, kv_heads = layer_shapes(model)
@@ -272,10 +278,6 @@ def write_gguf(
     )
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name) -> None:
     import gguf
 
@@ -287,7 +289,7 @@ def _write_header(writer, config, architecture, widths, heads, kv_heads, file_ty
     writer.add_feed_forward_length(widths[0] if uniform else widths)
     writer.add_head_count(heads[0] if uniform else heads)
     writer.add_head_count_kv(kv_heads[0] if uniform else kv_heads)
-    head_dim = _head_dim(config)
+    head_dim = geometry_from_config(config).head_dim
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)

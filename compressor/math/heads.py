@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compressor.math.neurons import regularized
 from compressor.runtime.errors import NumericalError
 
 #: Relative damping tried, in order, when C[S, S] is not positive definite (reported by the caller).
@@ -38,8 +39,7 @@ class HeadTail:
 
     def kept(self, per_group: int) -> list[int]:
         """The heads kept at `per_group` heads per KV group, grouped by KV head (the order engines read)."""
-        chosen = sorted(h for step in self.order[:per_group] for h in step)
-        return chosen
+        return sorted(h for step in self.order[:per_group] for h in step)
 
 
 def head_columns(heads: list[int], head_dim: int) -> torch.Tensor:
@@ -51,12 +51,17 @@ def head_columns(heads: list[int], head_dim: int) -> torch.Tensor:
     )
 
 
-def _explained(c: torch.Tensor, oc: torch.Tensor, columns: torch.Tensor, damping: float) -> float | None:
-    """‖O C[:, S] L⁻ᵀ‖² for `S` = `columns` (None when C[S, S] + damping is not positive definite)."""
+def _damped_block(c: torch.Tensor, columns: torch.Tensor, damping: float) -> torch.Tensor:
+    """C[S, S] + damping · mean(diag C) · I."""
     block = c[columns][:, columns]
     if damping:
         block = block + damping * float(torch.diagonal(c).mean()) * torch.eye(len(columns), dtype=c.dtype)
-    factor, info = torch.linalg.cholesky_ex(block)
+    return block
+
+
+def _explained(c: torch.Tensor, oc: torch.Tensor, columns: torch.Tensor, damping: float) -> float | None:
+    """‖O C[:, S] L⁻ᵀ‖² for `S` = `columns` (None when C[S, S] + damping is not positive definite)."""
+    factor, info = torch.linalg.cholesky_ex(_damped_block(c, columns, damping))
     if int(info):
         return None
     projected = torch.linalg.solve_triangular(factor, oc[:, columns].T, upper=False)
@@ -65,15 +70,14 @@ def _explained(c: torch.Tensor, oc: torch.Tensor, columns: torch.Tensor, damping
 
 def head_tail(autocorr: torch.Tensor, o_weight: torch.Tensor, kv_heads: int, head_dim: int) -> HeadTail:
     """The greedy order of a layer's query heads and the error at every heads-per-group count."""
-    c = autocorr.detach().to(torch.float64)
-    c = 0.5 * (c + c.T)
+    c = regularized(autocorr, 0.0)
     o = o_weight.detach().to(torch.float64)
     heads = o.shape[1] // head_dim
     per_group = heads // kv_heads
     oc = o @ c
     total = float(torch.einsum("ij,ij->", oc, o))
     for damping in DAMPINGS:
-        order, tail, kept = _greedy(c, oc, heads, per_group, head_dim, damping)
+        order, tail = _greedy(c, oc, heads, per_group, head_dim, damping)
         if order is not None:
             return HeadTail(
                 order, torch.tensor([total - e for e in tail], dtype=torch.float64).clamp_min(0), damping
@@ -95,26 +99,22 @@ def _greedy(c, oc, heads, per_group, head_dim, damping):
             for h in candidates:
                 value = _explained(c, oc, head_columns(sorted(kept + [h]), head_dim), damping)
                 if value is None:
-                    return None, None, None
+                    return None, None
                 if value > best_value:
                     best, best_value = h, value
             kept.append(best)
             step.append(best)
         order.append(step)
         explained.append(best_value)
-    return order, explained, kept
+    return order, explained
 
 
 def refit_o(
     autocorr: torch.Tensor, o_weight: torch.Tensor, kept: list[int], head_dim: int, damping: float
 ) -> torch.Tensor:
     """`O C[:, S] C[S, S]⁻¹` for the columns of the `kept` heads (fp64): the o_proj that reads them."""
-    c = autocorr.detach().to(torch.float64)
-    c = 0.5 * (c + c.T)
+    c = regularized(autocorr, 0.0)
     o = o_weight.detach().to(torch.float64)
     columns = head_columns(kept, head_dim)
-    block = c[columns][:, columns]
-    if damping:
-        block = block + damping * float(torch.diagonal(c).mean()) * torch.eye(len(columns), dtype=c.dtype)
-    factor = torch.linalg.cholesky(block)
+    factor = torch.linalg.cholesky(_damped_block(c, columns, damping))
     return torch.cholesky_solve((o @ c[:, columns]).T, factor).T

@@ -19,11 +19,6 @@ from compressor.methods.masa.mlp import plain_linear
 from compressor.runtime.progress import progress_bar
 
 
-def head_layers(plan: CompressionPlan) -> list[int]:
-    """The layers whose attention the plan keeps in `heads` mode."""
-    return sorted({pp.layer for pp in plan.projections if pp.mode == "heads"})
-
-
 def head_tails(ctx: MethodContext, layers: list[int]) -> dict[int, HeadTail]:
     """Per layer, its heads in greedy order and the output error at every heads-per-group count (damping
     reported)."""
