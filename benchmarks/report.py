@@ -19,7 +19,12 @@ from benchmarks.memory_projection import (
     projection_section,
 )
 from benchmarks.plots import MIN_TARGETS, REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
-from benchmarks.report_sections import choices_section, whole_model_latency_lines, whole_model_section
+from benchmarks.report_sections import (
+    choices_section,
+    engines_summary,
+    whole_model_latency_lines,
+    whole_model_section,
+)
 
 __all__ = ["MIN_TARGETS", "REPO", "TARGETS", "render"]
 
@@ -39,6 +44,7 @@ def _summary(results: dict) -> list[str]:
             value = f"{results[key]:.3f}x" if key in results else "—"
             rows.append(f"| {what} (`{key}`) | {value} | {sign} {bound:g}x | {_verdict(key, results)} |")
     rows += _scaling_summary(results)
+    rows += engines_summary(results)
     rows.append(
         f"| decode latency, compressed attention / original (`decode_latency_ratio`) | "
         f"{results['decode_latency_ratio']:.3f}x | (information) | |"

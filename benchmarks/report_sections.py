@@ -291,3 +291,30 @@ def _whole_model_forms(doc: Path) -> list[str]:
             f"{r['kl_to_original']:.3f} | {diffs or '—'} |"
         )
     return [*lines, ""]
+
+
+#: `make bench-engines`' figures (merged into results.json): key -> (bound, "≤" or "≥", what it is).
+ENGINE_TARGETS = {
+    "gguf_ppl_ratio_f16_whole_test": (1.5, "≤", "`--native` model 20% smaller in llama.cpp (f16), perplexity / the "
+                                      "original's, whole test split"),
+    "gguf_ppl_ratio_f16": (1.5, "≤", "the same on the first 16,384 test tokens"),
+    "gguf_decode_speedup_f16": (1.15, "≥", "its decode in llama.cpp (1 thread) / the original's, f16"),
+    "gguf_decode_speedup_q8_0": (1.15, "≥", "the same at q8_0"),
+    "gguf_prefill_speedup_f16": (1.0, "≥", "its prefill in llama.cpp / the original's, f16"),
+    "gguf_f32_ppl_over_transformers": (1.005, "≤", "its f32 GGUF's perplexity in llama.cpp / the checkpoint's"),
+    "gguf_q8_0_ppl_over_f16": (1.03, "≤", "its q8_0 GGUF's perplexity / its f16's"),
+}  # fmt: skip
+
+
+def engines_summary(results: dict) -> list[str]:
+    """The engine figures (benchmarks/results/engines.md), where `make bench-engines` has merged them."""
+    rows = []
+    for key, (bound, sign, what) in ENGINE_TARGETS.items():
+        if not isinstance(results.get(key), (int, float)):
+            continue
+        met = results[key] <= bound if sign == "≤" else results[key] >= bound
+        rows.append(
+            f"| {what} (`{key}`, [engines](benchmarks/results/engines.md)) | {results[key]:.3f}x | {sign} {bound:g}x | "
+            f"{'met' if met else '**missed**'} |"
+        )
+    return rows

@@ -43,7 +43,7 @@ FLOORS = (
     ("benchmarks",),
 )
 #: Folders of the checkout that are not the project's own files.
-NOT_OURS = {".git", ".venv", "out", "build", ".pytest_cache", ".ruff_cache", "__pycache__"}
+NOT_OURS = {".git", ".venv", ".venv-vllm", "out", "build", ".pytest_cache", ".ruff_cache", "__pycache__"}
 
 
 def source_files() -> list[Path]:

@@ -16,6 +16,7 @@ from compressor.math.neurons import ORDERS, greedy_order, neuron_order, order_ta
 from compressor.methods.masa.mlp import RIDGE
 from compressor.modeling.adapters import MLP_PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
 
 
@@ -221,3 +222,65 @@ def test_width_multiple_must_divide_the_mlp():
 
     with pytest.raises(UserError, match="--width-multiple 48: the MLP's width 128 is not a multiple"):
         _compress(tiny_model("llama"), targets="mlp", width_multiple=48)
+
+
+def test_deci_layout_keeps_per_layer_widths_with_its_configuration_class(tmp_path):
+    """`export --format hf --layout deci`: the DeciLM layout vLLM serves (its greedy output measured equal to
+    transformers', benchmarks/results/vllm.md): one block entry per layer with that layer's MLP width, the
+    configuration class shipped beside the weights, and weights that ARE the checkpoint's (a Llama model built
+    with those per-layer widths gives its logits)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from compressor.checkpoint import export_dense, load_compressed
+
+    model = tiny_model("llama")
+    outcome, _, _ = _compress(model, targets="mlp", ratio=0.3)
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt")
+    folder = export_dense(path, tmp_path / "deci", layout="deci").path
+    widths = [outcome.plan.get(layer, NEURON_READER).rank for layer in range(get_adapter(model).num_layers)]
+    assert len(set(widths)) > 1
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert config.model_type == "nemotron-nas" and config.architectures == ["DeciLMForCausalLM"]
+    assert [block.ffn.intermediate_size for block in config.block_configs] == widths
+    assert {block.attention.n_heads_in_group for block in config.block_configs} == {
+        config.num_attention_heads // config.num_key_value_heads
+    }
+    assert not hasattr(config.block_configs[0].ffn, "ffn_mult")  # engines read intermediate_size then
+    state = load_file(folder / "model.safetensors")
+    assert [state[f"model.layers.{i}.mlp.down_proj.weight"].shape[1] for i in range(len(widths))] == widths
+    plain = {
+        k: v for k, v in config.to_dict().items() if k not in ("block_configs", "auto_map", "model_type")
+    }
+    rebuilt = LlamaForCausalLM(LlamaConfig(**plain))
+    for layer, width in zip(rebuilt.model.layers, widths, strict=True):
+        layer.mlp.gate_proj = torch.nn.Linear(config.hidden_size, width, bias=False)
+        layer.mlp.up_proj = torch.nn.Linear(config.hidden_size, width, bias=False)
+        layer.mlp.down_proj = torch.nn.Linear(width, config.hidden_size, bias=False)
+    rebuilt.load_state_dict(state, strict=False)
+    rebuilt.tie_weights()
+    x = random_windows(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            rebuilt.eval()(x).logits, load_compressed(path)(x).logits, rtol=0, atol=1e-5
+        )
+
+
+def test_unknown_layout_is_refused(tmp_path):
+    from compressor.checkpoint import export_dense
+
+    with pytest.raises(UserError, match="--layout wide: unknown layout: choose one of padded, deci"):
+        export_dense(tmp_path / "ckpt", tmp_path / "out", layout="wide")
+
+
+def test_deci_layout_of_a_family_it_cannot_hold_is_refused_before_writing(tmp_path):
+    from compressor.checkpoint import export_dense
+
+    model = tiny_model("qwen2")  # q/k/v biases: vLLM's DeciLM reads one attention_bias for q/k/v/o
+    outcome, _, _ = _compress(model, targets="mlp", ratio=0.3)
+    path = save_compressed(model, outcome.plan, tmp_path / "ckpt")
+    with pytest.raises(
+        UserError, match="--layout deci: .* a qwen2 model has no form in it: use --layout padded"
+    ):
+        export_dense(path, tmp_path / "deci", layout="deci")
+    assert not (tmp_path / "deci").exists()

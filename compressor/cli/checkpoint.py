@@ -42,7 +42,10 @@ def export_command(
         typer.Option(
             "--type",
             metavar="TYPE",
-            help="GGUF matrices: f32, f16, bf16, q8_0, q5_0, q4_0 (rows that do not fill whole blocks: f16).",
+            help=(
+                "GGUF matrices: f32, f16, bf16, q8_0, q5_0, q4_0, or the k-quant mixes q4_k_m, q5_k_m, q6_k "
+                "(by llama.cpp's quantizer; rows that do not fill whole blocks fall back, listed)."
+            ),
         ),
     ] = "f16",
     tokenizer_from: Annotated[
@@ -53,20 +56,30 @@ def export_command(
             help="A GGUF of the same model whose tokenizer to copy (default: the source's own GGUF).",
         ),
     ] = None,
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--layout",
+            metavar="LAYOUT",
+            help="--format hf: padded (every MLP as wide as the widest) or deci (per-layer widths, DeciLM "
+            "layout: vLLM runs it).",
+        ),
+    ] = "padded",
     overwrite: o.Overwrite = False,
     as_json: o.Json = False,
 ) -> None:
-    """The model in the form an engine runs: a GGUF file for llama.cpp.
+    """The model in the form an engine runs: a GGUF file for llama.cpp, or a Hugging Face folder for vLLM.
 
     Same shapes in every layer: llama.cpp's own architecture (llama, qwen2); per-layer MLP widths or head
     counts: its `deci` architecture. What `compress --native` writes exports (whole heads, narrower MLPs); a
     low-rank or shared attention has no engine form and is refused. Score the file with
-    `masa-compress eval OUT.gguf --engine llama.cpp`.
+    `masa-compress eval OUT.gguf --engine llama.cpp`. `--format hf --layout deci` keeps per-layer MLP widths
+    in the DeciLM layout that vLLM serves.
     """
     from compressor.api.export import export
 
     result = export(
-        model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from,
+        model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         overwrite=overwrite, progress=not as_json,
     )  # fmt: skip
     if as_json:
@@ -115,6 +128,13 @@ def export_dense_command(
 
 
 def _print_dense(payload: dict) -> None:
+    if payload.get("layout") == "deci":
+        console.print(
+            f"Wrote {payload['out']} in the DeciLM layout (DeciLMForCausalLM, per-layer MLP widths; vLLM serves it "
+            f"with trust_remote_code): {payload['dense_params']:,} parameters, {payload['dense_bytes'] / 2**20:.1f} "
+            f"MiB ({payload['compressed_params']:,} in the checkpoint: query heads it dropped are zero heads here)."
+        )
+        return
     console.print(
         f"Wrote a dense checkpoint to {payload['out']}: {payload['dense_params']:,} parameters, "
         f"{payload['dense_bytes'] / 2**20:.1f} MiB on disk, vs {payload['compressed_params']:,} parameters and "

@@ -88,17 +88,18 @@ def run_tasks(
     dtype: str = "float32",
     batch_size: int = 1,
     limit: int | None = None,
-    include_path: str | None = None,
+    include_path: str | list[str] | None = None,
 ) -> dict[str, dict[str, float | None]]:
     """Score a model directory (a masa-compress checkpoint or any HF folder) on lm-eval tasks.
 
-    Returns ``{task: {metric: value}}``. Runs lm-eval's `hf` model with `trust_remote_code=True`, so the
+    Returns ``{task: {metric: value}}`` (with `items`: how many were scored). Runs lm-eval's `hf` model with `trust_remote_code=True`, so the
     checkpoint is loaded the way any lm-eval user would load it.
     """
     if not tasks:
         raise UserError("no lm-eval task named: pass --tasks NAME[,NAME...]")
-    if include_path is not None and not Path(include_path).is_dir():
-        raise UserError(f"--tasks-path {include_path} is not a directory: pass the folder of your task YAMLs")
+    for folder in [include_path] if isinstance(include_path, str) else include_path or []:
+        if not Path(folder).is_dir():
+            raise UserError(f"--tasks-path {folder} is not a directory: pass the folder of your task YAMLs")
     lm_eval, TaskManager = _lm_eval()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
@@ -117,4 +118,8 @@ def run_tasks(
         task_manager=manager,
         log_samples=False,
     )
-    return {task: _plain_metrics(metrics) for task, metrics in results["results"].items()}
+    counts = results.get("n-samples", {})
+    return {
+        task: _plain_metrics(metrics) | ({"items": counts[task]["effective"]} if task in counts else {})
+        for task, metrics in results["results"].items()
+    }
