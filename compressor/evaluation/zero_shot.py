@@ -90,13 +90,20 @@ def split_of(task: str) -> str:
 
 
 def with_intervals(metrics: dict[str, float | None]) -> dict[str, float | list[float] | None]:
-    """lm-eval's metrics plus a 95% interval per accuracy (±1.96 of its standard error)."""
+    """lm-eval's metrics plus a 95% Wilson interval per accuracy (a share of `items` answers right: unlike ±1.96
+    standard errors it stays within [0, 1] and holds for the few items a CPU run scores)."""
     out: dict = dict(metrics)
+    items = metrics.get("items")
     for key, value in metrics.items():
-        stderr = metrics.get(f"{key}_stderr")
-        if key.startswith("acc") and not key.endswith("_stderr") and value is not None and stderr is not None:
-            out[f"{key}_ci95"] = [value - 1.96 * stderr, value + 1.96 * stderr]
+        if key in ("acc", "acc_norm") and value is not None and items:
+            out[f"{key}_ci95"] = list(wilson_interval(value, int(items)))
     return out
+
+
+def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def suite_mean(scores: dict[str, dict]) -> float | None:
