@@ -20,7 +20,7 @@ _LOCAL_TASK_HINT = (
 )
 
 
-def _lm_eval():
+def import_lm_eval():
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -100,7 +100,7 @@ def run_tasks(
     for folder in [include_path] if isinstance(include_path, str) else include_path or []:
         if not Path(folder).is_dir():
             raise UserError(f"--tasks-path {folder} is not a directory: pass the folder of your task YAMLs")
-    lm_eval, TaskManager = _lm_eval()
+    lm_eval, TaskManager = import_lm_eval()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:

@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from compressor.evaluation.lm_eval_tasks import import_lm_eval
 from compressor.runtime.cache_root import cache_dir, sha256_of
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import note
@@ -58,7 +59,7 @@ TASKS = (
         "boolq/none/validation",
         "validation",
         'doc_to_target: "{{ 1 if answer else 0 }}"',
-    ),  # fmt: skip
+    ),
     OfflineTask("lambada_openai", "lambada/lambada_openai.yaml", "lambada", "test"),
 )
 
@@ -115,13 +116,8 @@ def suite_mean(scores: dict[str, dict]) -> float | None:
 
 
 def _lm_eval_tasks_dir() -> Path:
-    try:
-        import lm_eval.tasks
-    except ImportError:
-        raise UserError(
-            "lm-evaluation-harness is not installed: `pip install masa-compress[eval]` (or `pip install lm-eval`)"
-        ) from None
-    return Path(lm_eval.tasks.__file__).parent
+    lm_eval, _ = import_lm_eval()
+    return Path(lm_eval.__file__).parent / "tasks"
 
 
 def _task_yaml(task: OfflineTask, base: Path, data: Path) -> str:
