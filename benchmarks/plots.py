@@ -220,6 +220,7 @@ CURVE_STYLE = {
     "masa-attn-mlp": ("masa (default): MLP neurons, widths per layer", "o-", "tab:blue"),
     "masa-attn-mlp-uniform": ("masa --uniform-mlp (a standard architecture)", "D--", "tab:cyan"),
     "masa-attn-mlp-lowrank": ("masa --mlp lowrank (the former default)", "^-", "tab:purple"),
+    "flap-attn-mlp": ("flap (FLAP, a structured peer)", "v-", "tab:green"),
     "svd-llm-attn-mlp": ("svd-llm", "s-", "tab:orange"),
 }
 

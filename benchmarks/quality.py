@@ -46,6 +46,8 @@ VARIANTS: dict[str, dict] = {
     "masa-attn-mlp-uniform": {"method": "masa", "targets": "attn,mlp", "uniform_mlp": True},
     "masa-attn-mlp-basis": {"method": "masa", "targets": "attn,mlp", "sharing": "basis"},
     "svd-llm-attn-mlp": {"method": "svd-llm", "targets": "attn,mlp"},
+    # A structured peer (FLAP, An et al. 2024) in the engine-native forms.
+    "flap-attn-mlp": {"method": "flap", "targets": "attn,mlp"},
     "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},
     "svd": {"method": "svd"},

@@ -36,7 +36,9 @@ def whole_model_section(results: dict, rel) -> list[str]:
         "squares, each layer's width from the loss-aware allocation); `--uniform-mlp` (the same width in every "
         "layer: the base architecture with a smaller `intermediate_size`, which `export-dense` writes as a "
         "standard checkpoint with the same logits); `--mlp lowrank` (whitened low-rank factors of gate/up/down, "
-        "the default before); SVD-LLM (the same kept fraction of every matrix). Differences are paired, on the "
+        "the default before); FLAP (`--method flap`: whole heads and neurons by the fluctuation metric, a "
+        "compensating bias, nothing refit; An et al. 2024); SVD-LLM (the same kept fraction of every matrix). "
+        "Differences are paired, on the "
         "same windows; rise ratio: the default's perplexity rise over SVD-LLM's.",
         "",
         "| removed of the model | variant | model MiB | perplexity [95% CI] | × original | KL | top-1 | "

@@ -7,7 +7,7 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
    bootstrap intervals, paired differences, KL from the original and top-1 agreement;
 1b. headline: the 0.2 pair (masa, svd-llm) again with 2048-token windows and on a second text domain;
 2. whole_model: `--targets attn,mlp --ratio-of model` at 10-40% of the model (the default, the low-rank MLP,
-   uniform MLP widths, SVD-LLM; `benchmarks.whole_model`), the 20% model also on a second text domain;
+   uniform MLP widths, FLAP, SVD-LLM; `benchmarks.whole_model`), the 20% model also on a second text domain;
 3. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
    RSS, the checkpoint), and one plain forward pass over the same calibration tokens in another fresh
    process: their ratio is `compress_over_forward`;
@@ -68,7 +68,7 @@ FULL = {
     # The whole model (`--targets attn,mlp --ratio-of model`): the curve at these fractions of the model, the
     # headline fraction also on a second text and timed (section latency).
     "whole_model": {
-        "variants": ["masa-attn-mlp", "masa-attn-mlp-lowrank", "svd-llm-attn-mlp"],
+        "variants": ["masa-attn-mlp", "masa-attn-mlp-lowrank", "flap-attn-mlp", "svd-llm-attn-mlp"],
         "model_ratios": [0.1, 0.2, 0.3, 0.4],
         # One MLP width in every layer (the standard architecture of export-dense), at the headline fraction.
         "headline_variants": ["masa-attn-mlp-uniform"],

@@ -160,6 +160,11 @@ CASES = [
         "--layerwise collects the statistics of the original model",
     ),
     (
+        "--layerwise with flap",
+        lambda t, mp: ["smollm2-135m", "--layerwise", "--method", "flap", "--targets", "attn,mlp"],
+        "--method flap reads every input's mean",
+    ),
+    (
         "missing text file",
         lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"],
         "does not exist",

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, random_windows, tiny_model
 from torch import nn
 
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint.gguf_export import (
     check_gguf_type,
     choose_architecture,
@@ -20,8 +21,11 @@ from compressor.checkpoint.gguf_export import (
     permute_for_rope,
     write_gguf,
 )
+from compressor.modeling.adapters import get_adapter
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
+from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
 
 VOCAB = 257  # conftest's byte tokenizer: 256 bytes and <|endoftext|>
 
@@ -402,3 +406,20 @@ def test_export_options_that_do_not_apply_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="--layout deci applies to --format hf"):
         export("smollm2-135m", tmp_path / "m.gguf", layout="deci")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_flap_model_with_its_compensation_biases_runs_in_llama_cpp(tmp_path, tokenizer_gguf, family):
+    """`--method flap` adds biases to o_proj and down_proj: llama.cpp reads them (`attn_output.bias`,
+    `ffn_down.bias`), so its log-probabilities are the model's."""
+    model = tiny_model(family, vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=2)
+    adapter, windows = get_adapter(model), random_windows(vocab=VOCAB)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    settings = CompressionSettings(method="flap", targets="attn,mlp")
+    compress_model(model, adapter, stats, settings, 0.5, progress=False, windows=windows)
+    assert float(adapter.projection(0, "down_proj").bias.detach().abs().max()) > 0
+    result = write_gguf(model, tokenizer_gguf, tmp_path / "flap.gguf", tensor_type="f32")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 1e-3

@@ -64,15 +64,17 @@ def test_mlp_statistics_round_trip_under_their_own_key(monkeypatch, tmp_path):
     for kind in ("attn", "o", "mlp", "down"):
         for layer in range(adapter.num_layers):
             assert torch.equal(stats.autocorr(kind, layer), loaded.autocorr(kind, layer))
+            assert torch.equal(stats.input_mean(kind, layer), loaded.input_mean(kind, layer))
 
 
 def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
-    """Format 1 held the summed autocorrelations Σ xᵀx, format 2 their token means: a format-1 file, read as
-    format 2, would scale every statistic by the token count, so the format is part of the key."""
+    """Format 1 held the summed autocorrelations Σ xᵀx, format 2 their token means, format 3 adds the inputs' means:
+    a format-1 file, read as a later one, would scale every statistic by the token count, so the format is part of
+    the key."""
     import compressor.statistics.cache as stats_cache
 
     model, adapter, windows, stats, key = _setup(monkeypatch, tmp_path)
-    assert stats_cache.STATS_FORMAT == 2
+    assert stats_cache.STATS_FORMAT == 3
     monkeypatch.setattr(stats_cache, "STATS_FORMAT", 1)
     stale = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32)
     assert stale != key
@@ -90,6 +92,7 @@ def test_the_autocorrelations_are_token_means(monkeypatch, tmp_path):
     handle.remove()
     x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
     torch.testing.assert_close(stats.autocorr("attn", 1), x.T @ x / windows.numel(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(stats.input_mean("attn", 1), x.mean(0), rtol=1e-10, atol=1e-12)
 
 
 def test_the_loss_sensitivity_is_cached_beside_its_statistics(monkeypatch, tmp_path):

@@ -51,6 +51,10 @@ def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
             "--layerwise collects the statistics of the original model: use --statistics original, or drop "
             "--layerwise to compress in memory"
         )
+    if run.compression.method == "flap":
+        raise UserError(
+            "--method flap reads every input's mean, which --layerwise does not collect yet: drop --layerwise"
+        )
 
 
 def spill_directory(options: CompressOptions, out: str) -> Path:

@@ -6,6 +6,7 @@ example) and add one `register(...)` line below.
 
 from compressor.methods.base import REGISTRY, Method, MethodContext, ModelShape, get_method, register
 from compressor.methods.basis_sharing import BasisSharing
+from compressor.methods.flap import Flap
 from compressor.methods.lowrank import PlainSvd, SvdLlm
 from compressor.methods.masa.method import Masa, MasaPaper
 from compressor.methods.shared_mean import SharedMean
@@ -16,5 +17,6 @@ register(SvdLlm())
 register(PlainSvd())
 register(SharedMean())
 register(BasisSharing())
+register(Flap())
 
 __all__ = ["REGISTRY", "Method", "MethodContext", "ModelShape", "get_method", "register"]

@@ -28,8 +28,8 @@ from compressor.statistics.capture import CalibrationStats
 from compressor.statistics.sensitivity import Sensitivity
 
 #: What the cached numbers mean; part of the key, so a file of another format is never reused. 2: the
-#: autocorrelations are token means (format 1 held the sums Σ xᵀx).
-STATS_FORMAT = 2
+#: autocorrelations are token means (format 1 held the sums Σ xᵀx); 3: with every input's token mean (`mean.KIND`).
+STATS_FORMAT = 3
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -71,6 +71,8 @@ def save_stats(stats: CalibrationStats, key: str) -> Path:
     for kind in _kinds(stats.has_mlp):
         for i in range(len(stats.attn_autocorr)):
             tensors[f"{kind}.{i}"] = stats.autocorr(kind, i).contiguous().cpu()
+        if stats.input_means is not None:
+            tensors[f"mean.{kind}"] = stats.input_means[kind].contiguous().cpu()
     metadata = {
         "key": key,
         "mlp": str(stats.has_mlp),
@@ -101,11 +103,15 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
             kinds = _kinds(metadata.get("mlp") == "True")
             autocorr = {kind: [f.get_tensor(f"{kind}.{i}") for i in range(n)] for kind in kinds}
             means = f.get_tensor("block_output_means")
+            input_means = {kind: f.get_tensor(f"mean.{kind}") for kind in kinds}
     except Exception as err:  # a truncated or foreign file: recompute rather than trust it
         return None, f"{path.name} is unreadable ({type(err).__name__})"
     g = adapter.geometry
     for kind, matrices in autocorr.items():
         size = g.input_size(kind)
+        mean = input_means[kind]
+        if mean.shape != (n, size) or mean.dtype != torch.float64 or not torch.isfinite(mean).all():
+            return None, f"{path.name} holds input means of the wrong shape or non-finite ones"
         for a in matrices:
             if a.shape != (size, size):
                 return None, f"{path.name} has the wrong shapes"
@@ -115,7 +121,7 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
                 return None, f"{path.name} holds non-symmetric autocorrelations"
     stats = CalibrationStats(
         autocorr["attn"], autocorr["o"], means, int(metadata["tokens"]), int(metadata["windows"]), 0.0,
-        autocorr.get("mlp"), autocorr.get("down"),
+        autocorr.get("mlp"), autocorr.get("down"), input_means=input_means,
     )  # fmt: skip
     return stats, f"reused cached statistics {path}"
 

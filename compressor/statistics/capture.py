@@ -37,6 +37,8 @@ class CalibrationStats:
     mlp_autocorr: list[torch.Tensor] | None = None  # L × (hidden, hidden): input of gate/up (mlp=True)
     down_autocorr: list[torch.Tensor] | None = None  # L × (intermediate, same): input of down_proj
     sensitivity: Sensitivity | None = None  # loss sensitivity per projection (--allocation global-loss)
+    #: kind -> (L, width) fp64: the token mean of each input (FLAP's fluctuation and bias compensation read them)
+    input_means: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> CalibrationStats:
         """The statistics where the fp64 work for a model on `device` runs (the CPU for MPS: no fp64 there)."""
@@ -55,6 +57,7 @@ class CalibrationStats:
             moved(self.mlp_autocorr),
             moved(self.down_autocorr),
             self.sensitivity,
+            None if self.input_means is None else {k: v.to(device) for k, v in self.input_means.items()},
         )
 
     @property
@@ -72,6 +75,12 @@ class CalibrationStats:
         if matrices is None:
             raise ValueError(f"the {kind} input autocorrelations were not collected: pass mlp=True")
         return matrices[layer]
+
+    def input_mean(self, kind: str, layer: int) -> torch.Tensor:
+        """The token mean of input `kind` at `layer` (fp64)."""
+        if self.input_means is None or kind not in self.input_means:
+            raise ValueError(f"the {kind} input means were not collected")
+        return self.input_means[kind][layer]
 
 
 class _Accumulator:
@@ -95,6 +104,12 @@ class _Accumulator:
 
         self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
         self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
+        kinds = (("attn", "o") if autocorrelations else ()) + (("mlp", "down") if mlp else ())
+        #: kind -> (L, width) fp64 sums of every input over the tokens (the autocorrelations' first moment).
+        self.sums = {
+            kind: float64_zeros(adapter.num_layers, geometry.input_size(kind), device=device)
+            for kind in kinds
+        }
         self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
         self.window_offset = 0
         self.handles: list = []
@@ -102,21 +117,28 @@ class _Accumulator:
     def _gram_into(self, target: torch.Tensor, x: torch.Tensor, where: str) -> None:
         add_gram(target, x, where)
 
+    def _input_into(
+        self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor, where: str
+    ) -> None:
+        self._gram_into(grams[layer], x, where)
+        sums = self.sums[kind]
+        sums[layer] += x.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float64).to(sums.device)
+
     def accumulators(self) -> list[torch.Tensor]:
         """Every autocorrelation accumulator the hooks fill."""
         return self.attn + self.o + (self.mlp or []) + (self.down or [])
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
-        inputs = [("q_proj", self.attn), ("o_proj", self.o)] if self.autocorrelations else []
+        inputs = [("attn", "q_proj", self.attn), ("o", "o_proj", self.o)] if self.autocorrelations else []
         if self.mlp is not None:
-            inputs += [("gate_proj", self.mlp), ("down_proj", self.down)]
+            inputs += [("mlp", "gate_proj", self.mlp), ("down", "down_proj", self.down)]
         for i, layer in enumerate(self.adapter.layers):
-            for name, grams in inputs:
+            for kind, name, grams in inputs:
                 self.handles.append(
                     self.adapter.projection(i, name).register_forward_pre_hook(
-                        lambda m, a, i=i, name=name, grams=grams: self._gram_into(
-                            grams[i], a[0], f"layer {i} {name}"
+                        lambda m, a, i=i, kind=kind, name=name, grams=grams: self._input_into(
+                            kind, i, grams, a[0], f"layer {i} {name}"
                         )
                     )
                 )
@@ -179,7 +201,7 @@ def collect_statistics(
             model(input_ids=batch, use_cache=False)
             bar.advance(len(batch))
     tokens = int(windows.numel())  # every position of every window reaches every projection's input
-    for gram in acc.accumulators():
+    for gram in [*acc.accumulators(), *acc.sums.values()]:
         token_mean(gram, tokens)
     return CalibrationStats(
         attn_autocorr=acc.attn,
@@ -190,6 +212,7 @@ def collect_statistics(
         seconds=time.perf_counter() - start,
         mlp_autocorr=acc.mlp,
         down_autocorr=acc.down,
+        input_means=acc.sums,
     )
 
 
