@@ -121,8 +121,9 @@ def _preview_ranks(
     paper = PaperAllocator()
     split = paper.pair_budgets(plan) if allocation == "paper" else None
     if split is None or not split.layers:
-        kind = f"after calibration ({allocation} allocation by discarded energy per parameter)"
-        return RankPreview(kind, None, plan.budget, "bound")
+        rule = (f"{allocation} allocation by discarded energy per parameter" if allocation
+                else f"{plan.method}'s own search")  # fmt: skip
+        return RankPreview(f"after calibration ({rule})", None, plan.budget, "bound")
     ranks = paper.initial_ranks(plan)
     for layer in split.layers:
         for p, r in ranks.items():

@@ -30,7 +30,8 @@ from compressor.math.fluctuation import (
 from compressor.math.heads import head_columns
 from compressor.methods.base import Method, MethodContext
 from compressor.methods.masa.basis import basis_layout
-from compressor.methods.masa.mlp import GATED, plain_linear
+from compressor.methods.masa.mlp import GATED, install_rows, plain_linear
+from compressor.modeling.adapters import INPUT_OF
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
 
@@ -58,7 +59,9 @@ class Flap(Method):
         return plan
 
     def apply(self, ctx: MethodContext) -> CompressionPlan:
-        if ctx.stats.input_means is None:  # the CLI refuses --layerwise before (`api.layerwise.check_layerwise`)
+        if (
+            ctx.stats.input_means is None
+        ):  # the CLI refuses --layerwise before (`api.layerwise.check_layerwise`)
             raise ValueError("--method flap needs the inputs' means: collect_statistics holds them")
         start = time.perf_counter()
         plan = self.plan(ctx.shape, ctx.settings, ctx.ratio)
@@ -67,9 +70,9 @@ class Flap(Method):
         with progress_bar("FLAP heads and neurons", total=ctx.shape.num_layers, enabled=ctx.progress) as bar:
             for layer in range(ctx.shape.num_layers):
                 if ("heads", layer) in order:
-                    _install_heads(ctx, plan, layer, order[("heads", layer)][0])
+                    _install_heads(ctx, layer, order[("heads", layer)][0])
                 if ("mlp", layer) in order:
-                    _install_neurons(ctx, plan, layer, order[("mlp", layer)][0])
+                    _install_neurons(ctx, layer, order[("mlp", layer)][0])
                 ctx.finished([layer])
                 bar.advance()
         ctx.report["flap"] = {
@@ -100,10 +103,9 @@ def _removal_orders(
     readers = {(pp.mode, pp.layer): pp for pp in plan.projections if _reads_removed(pp)}
     order = {}
     for (mode, layer), pp in sorted(readers.items()):
-        kind = "o" if mode == "heads" else "down"
         scores = fluctuation(
             ctx.autocorr(layer, pp.projection),
-            ctx.stats.input_mean(kind, layer),
+            ctx.stats.input_mean(INPUT_OF[pp.projection], layer),
             ctx.weight(layer, pp.projection),
         ).cpu()
         scores = standardized(scores)
@@ -139,51 +141,33 @@ def _allocate(plan: CompressionPlan, order: dict) -> None:
     plan.check_budget()
 
 
-def _install_heads(
-    ctx: MethodContext, plan: CompressionPlan, layer: int, removed_steps: list[list[int]]
-) -> None:
+def _install_heads(ctx: MethodContext, layer: int, removed_steps: list[list[int]]) -> None:
     """q keeps the kept heads' rows, o_proj their columns, and a bias for what the removed heads added on average."""
     head_dim, heads = ctx.shape.geometry.head_dim, ctx.shape.geometry.num_heads
     removed = sorted(h for step in removed_steps for h in step)
     kept = [h for h in range(heads) if h not in removed]
-    rows, gone = head_columns(kept, head_dim), head_columns(removed, head_dim)
-    dtype, device = ctx.model_dtype, ctx.model_device
-    q_weight, q_bias = ctx.weight(layer, HEADS_ROWS).cpu(), ctx.bias(layer, HEADS_ROWS)
-    ctx.install(
-        layer,
-        HEADS_ROWS,
-        plain_linear(q_weight[rows], None if q_bias is None else q_bias.cpu()[rows], dtype, device),
-    )
-    o_weight = ctx.weight(layer, HEADS_READER).cpu()
-    bias = compensation_bias(o_weight, ctx.stats.input_mean("o", layer).cpu(), gone)
-    ctx.install(
-        layer,
-        HEADS_READER,
-        plain_linear(o_weight[:, rows], _plus(bias, ctx.bias(layer, HEADS_READER)), dtype, device),
-    )
+    rows = head_columns(kept, head_dim)
+    install_rows(ctx, layer, HEADS_ROWS, rows)
+    _install_compensated(ctx, layer, HEADS_READER, rows, head_columns(removed, head_dim))
 
 
-def _install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, removed: list[int]) -> None:
+def _install_neurons(ctx: MethodContext, layer: int, removed: list[int]) -> None:
     """gate/up keep the kept neurons' rows, down_proj their columns, and a bias for the removed neurons' mean."""
-    width = ctx.adapter.projection(layer, NEURON_READER).in_features
     gone = torch.tensor(sorted(removed), dtype=torch.long)
-    keep = torch.ones(width, dtype=torch.bool)
+    keep = torch.ones(ctx.adapter.projection(layer, NEURON_READER).in_features, dtype=torch.bool)
     keep[gone] = False
     kept = torch.nonzero(keep).flatten()
-    dtype, device = ctx.model_dtype, ctx.model_device
     for p in GATED:
-        weight, bias = ctx.weight(layer, p).cpu(), ctx.bias(layer, p)
-        ctx.install(
-            layer, p, plain_linear(weight[kept], None if bias is None else bias.cpu()[kept], dtype, device)
-        )
-    down = ctx.weight(layer, NEURON_READER).cpu()
-    bias = compensation_bias(down, ctx.stats.input_mean("down", layer).cpu(), gone)
-    ctx.install(
-        layer,
-        NEURON_READER,
-        plain_linear(down[:, kept], _plus(bias, ctx.bias(layer, NEURON_READER)), dtype, device),
-    )
+        install_rows(ctx, layer, p, kept)
+    _install_compensated(ctx, layer, NEURON_READER, kept, gone)
 
 
-def _plus(bias: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor:
-    return bias if existing is None else bias + existing.to(torch.float64).cpu()
+def _install_compensated(
+    ctx: MethodContext, layer: int, projection: str, kept: torch.Tensor, gone: torch.Tensor
+) -> None:
+    """`projection` reading only its `kept` input channels, plus the bias `W[:, gone] μ[gone]` (and its own)."""
+    weight = ctx.weight(layer, projection).cpu()
+    bias = compensation_bias(weight, ctx.stats.input_mean(INPUT_OF[projection], layer).cpu(), gone)
+    own = ctx.bias(layer, projection)
+    bias = bias if own is None else bias + own.to(torch.float64).cpu()
+    ctx.install(layer, projection, plain_linear(weight[:, kept], bias, ctx.model_dtype, ctx.model_device))

@@ -15,7 +15,7 @@ import torch
 from compressor.math.accounting import HEADS_READER, HEADS_ROWS, CompressionPlan
 from compressor.math.heads import HeadTail, head_columns, head_tail, refit_o
 from compressor.methods.base import MethodContext, numerical_context
-from compressor.methods.masa.mlp import plain_linear
+from compressor.methods.masa.mlp import install_rows, plain_linear
 from compressor.runtime.progress import progress_bar
 
 
@@ -54,12 +54,7 @@ def install_heads(ctx: MethodContext, plan: CompressionPlan, layer: int, found: 
     kept = found.kept(per_group)
     rows = head_columns(kept, head_dim)
     dtype, device = ctx.model_dtype, ctx.model_device
-    q_weight, q_bias = ctx.weight(layer, HEADS_ROWS).cpu(), ctx.bias(layer, HEADS_ROWS)
-    ctx.install(
-        layer,
-        HEADS_ROWS,
-        plain_linear(q_weight[rows], None if q_bias is None else q_bias.cpu()[rows], dtype, device),
-    )
+    install_rows(ctx, layer, HEADS_ROWS, rows)
     with numerical_context(f"layer {layer} attention heads"):
         refit = refit_o(
             ctx.autocorr(layer, HEADS_READER).cpu(), ctx.weight(layer, HEADS_READER).cpu(), kept, head_dim,

@@ -72,6 +72,13 @@ def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neuro
     ctx.install(layer, NEURON_READER, plain_linear(refit, ctx.bias(layer, NEURON_READER), dtype, device))
 
 
+def install_rows(ctx: MethodContext, layer: int, projection: str, rows: torch.Tensor) -> None:
+    """`projection` keeping only `rows` of its weight and bias (a kept head's q rows, a kept neuron's gate/up)."""
+    weight, bias = ctx.weight(layer, projection).cpu(), ctx.bias(layer, projection)
+    kept_bias = None if bias is None else bias.cpu()[rows]
+    ctx.install(layer, projection, plain_linear(weight[rows], kept_bias, ctx.model_dtype, ctx.model_device))
+
+
 def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
     """A plain nn.Linear holding `weight` (out, in) and `bias`, in the model's dtype and device."""
     out_features, in_features = weight.shape
