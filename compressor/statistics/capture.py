@@ -3,7 +3,8 @@
 Per layer: C_attn = Σ xᵀx / T over the q/k/v input (post input_layernorm), C_o = Σ zᵀz / T over the o_proj
 input (T: the calibration tokens), both accumulated in fp64; and the token-mean of each block's output per window
 (for grouping). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
-down_proj input.
+down_proj input. Beside each autocorrelation, its input's token mean E[x] (fp64 sums; what FLAP's fluctuation
+Var(x_j) = C_jj − E[x_j]² and its bias compensation read).
 
 The autocorrelations are means over the tokens, not sums: a sum grows with T, and so would every factor built on
 its Cholesky factor (|A| as √T: fp16 storage overflowed on long calibrations). Every consumer compares errors by
