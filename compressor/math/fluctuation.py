@@ -5,7 +5,7 @@ A projection `y = W x` reads `x` (o_proj: the heads' outputs; down_proj: the MLP
 channels whose value barely moves over the calibration tokens: a removed channel `j` is replaced by its mean `μ_j`,
 which a bias carries (`b = W[:, R] μ[R]`, the *bias compensation*), so the output error of removing it is
 `Var(x_j) ‖W[:, j]‖²` per token when the channel is alone: the *fluctuation* score. An MLP neuron is one channel
-of down_proj's input; an attention head its `head_dim` channels of o_proj's input (their scores summed).
+of down_proj's input; an attention head its `head_dim` channels of o_proj's input.
 
 The structure search (the paper's AL-AM, as its code runs it): the channel scores of each layer and structure type
 are standardized within that layer (`(s − mean) / std`), a head's score is the mean of its channels', and heads and

@@ -56,15 +56,10 @@ def tails_for_allocation(neurons: dict[int, NeuronTail]) -> dict[tuple[int, str]
 def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neurons: NeuronTail) -> None:
     """The layer's MLP at its allocated width: gate/up keep the rows of the kept neurons, down_proj is refit."""
     width = plan.get(layer, NEURON_READER).rank
-    kept = neurons.kept(width).to(ctx.compute_device)
+    kept = neurons.kept(width)
     dtype, device = ctx.model_dtype, ctx.model_device
     for p in GATED:
-        weight, bias = ctx.weight(layer, p), ctx.bias(layer, p)
-        ctx.install(
-            layer,
-            p,
-            plain_linear(weight[kept], None if bias is None else bias[kept.to(bias.device)], dtype, device),
-        )
+        install_rows(ctx, layer, p, kept)
     with numerical_context(f"layer {layer} MLP neurons"):
         refit = refit_down(ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device), ctx.weight(layer, NEURON_READER),
                            NeuronTail(neurons.order.to(ctx.compute_device), neurons.tail, neurons.damping,
@@ -73,10 +68,15 @@ def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neuro
 
 
 def install_rows(ctx: MethodContext, layer: int, projection: str, rows: torch.Tensor) -> None:
-    """`projection` keeping only `rows` of its weight and bias (a kept head's q rows, a kept neuron's gate/up)."""
-    weight, bias = ctx.weight(layer, projection).cpu(), ctx.bias(layer, projection)
-    kept_bias = None if bias is None else bias.cpu()[rows]
-    ctx.install(layer, projection, plain_linear(weight[rows], kept_bias, ctx.model_dtype, ctx.model_device))
+    """`projection` keeping only `rows` of its weight and bias (a kept head's q rows, a kept neuron's gate/up),
+    indexed where each lives (the weight on the compute device, the bias on the model's)."""
+    weight, bias = ctx.weight(layer, projection), ctx.bias(layer, projection)
+    kept_bias = None if bias is None else bias[rows.to(bias.device)]
+    ctx.install(
+        layer,
+        projection,
+        plain_linear(weight[rows.to(weight.device)], kept_bias, ctx.model_dtype, ctx.model_device),
+    )
 
 
 def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
