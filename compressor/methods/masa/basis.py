@@ -179,8 +179,9 @@ def basis_layout(
     )
     if plan.residual_budget() < 0:
         raise UserError(
-            f"--ratio {ratio:g} is infeasible: the biases alone need {plan.fixed_params():,} of the "
-            f"{plan.budget:,} numbers allowed; use a smaller --ratio"
+            f"--ratio {ratio:g} is infeasible: what is stored whatever the ranks (biases, projections kept whole, "
+            f"one head per KV group) needs {plan.fixed_params():,} of the {plan.budget:,} numbers allowed; use a "
+            "smaller --ratio"
         )
     return plan
 
