@@ -3,9 +3,13 @@ results.json."""
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import log, run_json_child, run_module_measured
+from benchmarks.plots import REPO
 from benchmarks.scaling import run_larger_than_memory, run_scaling
 
 MODEL = "smollm2-135m"
@@ -98,55 +102,102 @@ def section_headline(s: dict) -> dict:
     }
 
 
-def section_compression(s: dict, checkpoint: Path) -> dict:
-    """A real CLI run in a fresh process (its summary has the per-stage seconds and its own peak RSS), then
-    one plain forward pass over the same calibration windows in another fresh process."""
-    # --no-stats-cache: the calibration capture is part of what is timed, never read from a cache.
-    args = [MODEL, "--ratio", str(s["stage_ratio"]), "--json", "--no-eval", "--no-stats-cache"]
-    args += ["--out", str(checkpoint), "--overwrite"]
-    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL]
-    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
-        if s[key] is not None:
-            args += [flag, str(s[key])]
-            forward_args += [flag, str(s[key])]
+#: Seconds of a run's summary that are not compression: loading the model, evaluating it, and the sum.
+NOT_COMPRESSION = ("load", "eval_before", "eval", "total")
+
+
+def _timed_compression(args: list[str], checkpoint: Path, what: str) -> dict:
+    """One CLI run in a fresh process (`--json --no-stats-cache`: the capture is timed, never read from a
+    cache): its command as a user types it, every stage's seconds, the rest of the process except loading and
+    evaluating as `other`, and the process's own peak RSS and wall time."""
+    args = [*args, "--json", "--no-stats-cache", "--out", str(checkpoint), "--overwrite"]
     command = "masa-compress " + " ".join(args).replace(str(checkpoint), "<tmp>")
-    log(f"compression run: {command}")
-    summary = run_module_measured("compressor", args, "the compression run")
-    peak = summary["process"]["peak_rss_gib"]
+    log(f"{what}: {command}")
+    summary = run_module_measured("compressor", args, what)
     seconds = summary["seconds"]
-    stages = {
-        k: seconds[k] for k in ("calibration", "grouping", "pca", "residual_svd", "save") if k in seconds
-    }
-    compress_seconds = sum(stages.values())
-    log(f"  {compress_seconds:.1f} s over the stages {stages}; peak RSS {peak:.2f} GiB")
-    log("plain forward pass over the same calibration windows (fresh process)")
-    forward = run_json_child(forward_args, "the plain forward pass")
-    calibration = summary["settings"]["calibration"]
-    if (forward["windows"], forward["seq_len"]) != (calibration["samples"], calibration["seq_len"]):
-        raise RuntimeError(f"the forward pass ran other windows than the compression run: {forward}")
+    stages = {k: v for k, v in seconds.items() if k not in NOT_COMPRESSION}
+    compressing = seconds["total"] - sum(seconds.get(k, 0.0) for k in NOT_COMPRESSION[:-1])
+    stages["other"] = compressing - sum(stages.values())  # reading and tokenizing the text, planning, setup
+    log(f"  {compressing:.1f} s compressing {stages}; peak RSS {summary['process']['peak_rss_gib']:.2f} GiB")
     from benchmarks.speed import checkpoint_bytes
 
     return {
-        "compression": {
-            "command": command,
-            "ratio": s["stage_ratio"],
-            "achieved_ratio": summary["achieved_ratio"],
-            "calibration": {k: calibration[k] for k in ("samples", "seq_len", "seed", "text")},
-            "stage_seconds": stages,
-            "compress_seconds": compress_seconds,
-            "load_seconds": seconds.get("load", 0.0),
-            "other_seconds": seconds["total"] - seconds.get("load", 0.0) - compress_seconds,
-            "total_seconds": seconds["total"],
-            "peak_rss_gib": peak,
-            "cli_reported_peak_rss_gb": summary["peak_rss_gb"],
-            "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
-            "forward": forward,
-            "forward_seconds": forward["seconds"],
-            "compress_over_forward_wall": (seconds["total"] - seconds.get("load", 0.0)) / forward["seconds"],
-            "dominant_stage": max(stages, key=stages.get),
-            "summary_seconds": seconds,
+        "command": command,
+        "achieved_ratio": summary["achieved_ratio"],
+        "calibration": {
+            k: summary["settings"]["calibration"][k] for k in ("samples", "seq_len", "seed", "text")
         },
-        "compress_over_forward": compress_seconds / forward["seconds"],
+        "stage_seconds": stages,
+        "compress_seconds": compressing,
+        "load_seconds": seconds.get("load", 0.0),
+        "eval_seconds": seconds.get("eval", 0.0) + seconds.get("eval_before", 0.0),
+        "total_seconds": seconds["total"],
+        "process_seconds": summary["process"]["wall_seconds"],
+        "peak_rss_gib": summary["process"]["peak_rss_gib"],
+        "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
+        "dominant_stage": max(stages, key=stages.get),
+        "summary_seconds": seconds,
+        "ppl": [summary.get("ppl_before"), summary.get("ppl_after")],
+    }
+
+
+def demo_arguments() -> list[str]:
+    """The arguments of `masa-compress` in `make demo`, as `make -n` expands them (`--overwrite` left out)."""
+    dry_run = subprocess.run(
+        ["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    line = next(line for line in dry_run.splitlines() if "masa-compress " in line)
+    return [a for a in shlex.split(line.split("masa-compress ", 1)[1]) if a != "--overwrite"]
+
+
+def section_compression(s: dict, checkpoint: Path) -> dict:
+    """Real CLI runs in fresh processes: attention only and the model 20% smaller (no evaluation; every second
+    but loading the model counted), one plain forward pass over the same calibration windows in another fresh
+    process (the reference of both ratios), and `make demo`'s command itself, evaluation included, timed whole."""
+    calibration_flags = []
+    for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
+        if s[key] is not None:
+            calibration_flags += [flag, str(s[key])]
+    ratio = str(s["stage_ratio"])
+    attention = _timed_compression(
+        [MODEL, "--ratio", ratio, "--no-eval", *calibration_flags], checkpoint, "attention only"
+    )
+    with tempfile.TemporaryDirectory(prefix="masa-bench-whole-") as work:
+        whole = _timed_compression(
+            [
+                MODEL,
+                "--targets",
+                "attn,mlp",
+                "--ratio",
+                ratio,
+                "--ratio-of",
+                "model",
+                "--no-eval",
+                *calibration_flags,
+            ],
+            Path(work) / "whole",
+            "the model 20% smaller",
+        )
+        # `make demo` as the Makefile runs it (a first run: no statistics cache); the quick run caps it further.
+        eval_cap = ["--eval-max-tokens", str(s["eval_max_tokens"])] if s["eval_max_tokens"] else []
+        demo = _timed_compression(
+            [*demo_arguments(), *calibration_flags, *eval_cap], Path(work) / "demo", "demo"
+        )
+    log("plain forward pass over the same calibration windows (fresh process)")
+    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL, *calibration_flags]
+    forward = run_json_child(forward_args, "the plain forward pass")
+    calibration = attention["calibration"]
+    if (forward["windows"], forward["seq_len"]) != (calibration["samples"], calibration["seq_len"]):
+        raise RuntimeError(f"the forward pass ran other windows than the compression run: {forward}")
+    attention |= {"forward": forward, "forward_seconds": forward["seconds"], "ratio": s["stage_ratio"]}
+    return {
+        "compression": attention,
+        "whole_model_compression": whole,
+        "demo": demo,
+        "compress_over_forward": attention["compress_seconds"] / forward["seconds"],
+        "whole_model_compress_over_forward": whole["compress_seconds"] / forward["seconds"],
+        "calibration_over_forward": attention["stage_seconds"]["calibration"] / forward["seconds"],
+        "demo_minutes": demo["process_seconds"] / 60,
     }
 
 

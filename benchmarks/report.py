@@ -18,10 +18,12 @@ from benchmarks.memory_projection import (
     larger_than_memory_section,
     projection_section,
 )
-from benchmarks.plots import MIN_TARGETS, REPO, STAGE_LABELS, TARGETS, _width_name, write_plots
+from benchmarks.plots import MIN_TARGETS, REPO, TARGETS, UNITS, _width_name, write_plots
 from benchmarks.report_sections import (
     choices_section,
+    compression_section,
     engines_summary,
+    verdict,
     whole_model_latency_lines,
     whole_model_section,
 )
@@ -29,20 +31,13 @@ from benchmarks.report_sections import (
 __all__ = ["MIN_TARGETS", "REPO", "TARGETS", "render"]
 
 
-def _verdict(key: str, results: dict) -> str:
-    if not isinstance(results.get(key), (int, float)):
-        return "not measured"
-    if key in MIN_TARGETS:
-        return "met" if results[key] >= MIN_TARGETS[key][0] else "**missed**"
-    return "met" if results[key] <= TARGETS[key][0] else "**missed**"
-
-
 def _summary(results: dict) -> list[str]:
     rows = ["| measure | value | target | |", "|---|---|---|---|"]
     for targets, sign in ((TARGETS, "≤"), (MIN_TARGETS, "≥")):
         for key, (bound, what) in targets.items():
-            value = f"{results[key]:.3f}x" if key in results else "—"
-            rows.append(f"| {what} (`{key}`) | {value} | {sign} {bound:g}x | {_verdict(key, results)} |")
+            unit = UNITS.get(key, "x")
+            value = f"{results[key]:.3f}{unit}" if key in results else "—"
+            rows.append(f"| {what} (`{key}`) | {value} | {sign} {bound:g}{unit} | {verdict(key, results)} |")
     rows += _scaling_summary(results)
     rows += engines_summary(results)
     rows.append(
@@ -148,45 +143,6 @@ def _quality_section(results: dict, rel) -> list[str]:
     return lines
 
 
-def _compression_section(results: dict, rel) -> list[str]:
-    c = results["compression"]
-    total = c["compress_seconds"]
-    lines = [
-        "## 3. The compression run: time and memory per stage",
-        "",
-        f"One real run in a fresh process: `{c['command']}` (method masa, recipe defaults, "
-        f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation). "
-        "Stage times from the run's own summary (`seconds`); peak RSS is the process's high-water mark "
-        "(`VmHWM`).",
-        "",
-        "| stage | seconds | share |",
-        "|---|---|---|",
-    ]
-    for key, value in c["stage_seconds"].items():
-        lines.append(f"| {STAGE_LABELS.get(key, key)} | {value:.1f} | {100 * value / total:.0f}% |")
-    lines += [
-        f"| **compression (sum of the stages above)** | **{total:.1f}** | 100% |",
-        f"| *not counted:* loading the model | {c['load_seconds']:.1f} | |",
-        f"| *not counted:* reading and tokenizing the calibration text, setup | {c['other_seconds']:.1f} | |",
-        f"| reference: one plain forward pass over the same {c['forward']['windows']}×{c['forward']['seq_len']} "
-        f"tokens (batch {c['forward']['batch_size']}, no hooks, fresh process) | {c['forward_seconds']:.1f} | |",
-        "",
-        f"- **Compression time / one plain forward pass: {results['compress_over_forward']:.2f}x** "
-        f"(target ≤ 5x: {_verdict('compress_over_forward', results)}); counting the whole process except "
-        f"loading the model: {c['compress_over_forward_wall']:.2f}x.",
-        f"- The largest stage is {STAGE_LABELS.get(c['dominant_stage'], c['dominant_stage'])} "
-        f"({100 * c['stage_seconds'][c['dominant_stage']] / total:.0f}%); calibration capture costs "
-        f"{c['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x the plain forward pass "
-        "(the hooks add the fp64 autocorrelations).",
-        f"- Peak RSS of the run: **{c['peak_rss_gib']:.2f} GiB**; achieved ratio {c['achieved_ratio']:.4f}; "
-        f"checkpoint {c['checkpoint_mib']:.1f} MiB.",
-        "",
-        f"![time per stage]({rel('stages')})",
-        "",
-    ]
-    return lines
-
-
 def _latency_section(results: dict, rel) -> list[str]:
     lat = results["latency"]
     o, k = lat["original"], lat["compressed"]
@@ -212,7 +168,7 @@ def _latency_section(results: dict, rel) -> list[str]:
         *[row(*spec) for spec in _latency_rows(lat, mem)],
         "",
         f"- **Prefill ratio {results['prefill_latency_ratio']:.3f}x** (target ≤ 1.15x: "
-        f"{_verdict('prefill_latency_ratio', results)}); **decode ratio {results['decode_latency_ratio']:.3f}x**.",
+        f"{verdict('prefill_latency_ratio', results)}); **decode ratio {results['decode_latency_ratio']:.3f}x**.",
         f"- Greedy decoding: {lat['decoded_tokens_equal_to_original']} of the {lat['decode_tokens']} tokens "
         "equal the original model's (the models differ by design; shown for orientation).",
     ]
@@ -314,10 +270,10 @@ def _scaling_verdicts(results: dict) -> list[str]:
     weights = runs[b]["weights_bytes"] / runs[a]["weights_bytes"]
     return [
         f"- **Peak RSS at {b} / {a} layers: {s['peak_ratio']:.3f}x** (target ≤ "
-        f"{TARGETS['depth_memory_ratio'][0]:g}x: {_verdict('depth_memory_ratio', results)}), while the weights on "
+        f"{TARGETS['depth_memory_ratio'][0]:g}x: {verdict('depth_memory_ratio', results)}), while the weights on "
         f"disk grow {weights:.2f}x.",
         f"- **Overhead at {e} / {c} layers: {s['overhead_growth']:.3f}x** (target ≤ "
-        f"{TARGETS['depth_overhead_growth'][0]:g}x: {_verdict('depth_overhead_growth', results)}): "
+        f"{TARGETS['depth_overhead_growth'][0]:g}x: {verdict('depth_overhead_growth', results)}): "
         f"{runs[c]['overhead_gib'] * 1024:,.0f} → {runs[e]['overhead_gib'] * 1024:,.0f} MiB.",
         _same_checkpoint(s),
         f"- Compression time (calibration to save) at {e} / {c} layers: {s['time_ratio']:.2f}x.",
@@ -409,7 +365,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         "",
         *_quality_section(results, rel),
         *whole_model_section(results, rel),
-        *_compression_section(results, rel),
+        *compression_section(results, rel),
         *_latency_section(results, rel),
         *_scaling_section(results, rel),
     ]

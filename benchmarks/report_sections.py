@@ -9,10 +9,82 @@ import json
 from pathlib import Path
 
 from benchmarks.markdown import difference, interval, link, number
-from benchmarks.plots import CURVE_STYLE, REPO
+from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, REPO, STAGE_LABELS, TARGETS
 
 CHOICES = REPO / "benchmarks" / "results" / "choices"
 DEFAULT = "masa-attn-mlp"
+
+
+def verdict(key: str, results: dict) -> str:
+    if not isinstance(results.get(key), (int, float)):
+        return "not measured"
+    if key in MIN_TARGETS:
+        return "met" if results[key] >= MIN_TARGETS[key][0] else "**missed**"
+    return "met" if results[key] <= TARGETS[key][0] else "**missed**"
+
+
+def compression_section(results: dict, rel) -> list[str]:
+    c, whole, demo = results["compression"], results.get("whole_model_compression"), results.get("demo")
+    runs = {"attention 0.2": c} | ({"model 20% smaller": whole} if whole else {})
+    stages = list(dict.fromkeys(k for run in runs.values() for k in run["stage_seconds"]))
+    lines = [
+        "## 3. The compression run: time and memory per stage",
+        "",
+        f"Real runs in fresh processes (`--no-stats-cache`: the capture is timed, never read from a cache; "
+        f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation): "
+        f"`{c['command']}`"
+        + (f" and `{whole['command']}`" if whole else "")
+        + ". Stage times from each run's own summary (`seconds`); every second of the process but loading the model "
+        "is counted (`other`: what no stage names); peak RSS is the process's high-water mark (`VmHWM`).",
+        "",
+        "| stage | " + " | ".join(f"{name} (s)" for name in runs) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
+    for key in stages:
+        cells = [
+            f"{run['stage_seconds'][key]:.1f}" if key in run["stage_seconds"] else "—"
+            for run in runs.values()
+        ]
+        lines.append(f"| {STAGE_LABELS.get(key, key)} | " + " | ".join(cells) + " |")
+    lines += [
+        "| **compression (every stage)** | "
+        + " | ".join(f"**{r['compress_seconds']:.1f}**" for r in runs.values())
+        + " |",
+        "| *not counted:* loading the model | "
+        + " | ".join(f"{r['load_seconds']:.1f}" for r in runs.values())
+        + " |",
+        "| peak RSS (GiB) | " + " | ".join(f"{r['peak_rss_gib']:.2f}" for r in runs.values()) + " |",
+        f"| reference: one plain forward pass over the same {c['forward']['windows']}×{c['forward']['seq_len']} "
+        f"tokens (batch {c['forward']['batch_size']}, no hooks, fresh process) | {c['forward_seconds']:.1f} |"
+        + " |"
+        * (len(runs) - 1),
+        "",
+        f"- **Attention 0.2: {results['compress_over_forward']:.2f}x one plain forward pass** "
+        f"(target ≤ {TARGETS['compress_over_forward'][0]:g}x: {verdict('compress_over_forward', results)}); "
+        f"calibration capture alone {c['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x (target ≤ "
+        f"{TARGETS['calibration_over_forward'][0]:g}x: {verdict('calibration_over_forward', results)}).",
+    ]
+    if whole:
+        lines.append(
+            f"- **The model 20% smaller: {results['whole_model_compress_over_forward']:.2f}x** (target ≤ "
+            f"{TARGETS['whole_model_compress_over_forward'][0]:g}x: "
+            f"{verdict('whole_model_compress_over_forward', results)}); its largest stage is "
+            f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}."
+        )
+    if demo:
+        lines.append(
+            f"- **`make demo` (after the installation, a first run: no statistics cache): "
+            f"{results['demo_minutes']:.1f} minutes** (target ≤ {TARGETS['demo_minutes'][0]:g}: "
+            f"{verdict('demo_minutes', results)}), of which evaluating the original and the compressed model "
+            f"{demo['eval_seconds'] / 60:.1f}; `{demo['command']}`."
+        )
+    lines += [
+        f"- Achieved ratio {c['achieved_ratio']:.4f}; checkpoint {c['checkpoint_mib']:.1f} MiB.",
+        "",
+        f"![time per stage]({rel('stages')})",
+        "",
+    ]
+    return lines
 
 
 def _label(method: str) -> str:

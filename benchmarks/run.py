@@ -8,9 +8,11 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
 1b. headline: the 0.2 pair (masa, svd-llm) again with 2048-token windows and on a second text domain;
 2. whole_model: `--targets attn,mlp --ratio-of model` at 10-40% of the model (the default, the low-rank MLP,
    uniform MLP widths, FLAP, SVD-LLM; `benchmarks.whole_model`), the 20% model also on a second text domain;
-3. compression: a real `masa-compress smollm2-135m --ratio 0.2` run in a fresh process (time per stage, peak
-   RSS, the checkpoint), and one plain forward pass over the same calibration tokens in another fresh
-   process: their ratio is `compress_over_forward`;
+3. compression: real `masa-compress smollm2-135m --ratio 0.2` and `... --targets attn,mlp --ratio-of model`
+   runs in fresh processes (time per stage, peak RSS, the checkpoint), one plain forward pass over the same
+   calibration tokens in another fresh process (their ratios: `compress_over_forward`,
+   `whole_model_compress_over_forward`, `calibration_over_forward`), and `make demo`'s command timed whole
+   (`demo_minutes`);
 4. latency: the checkpoint of (3) reloaded with `load_compressed` vs the original, prefill and decode, and
    each model's memory in a fresh process; then the model 20% smaller (and its `--uniform-mlp` export) the
    same way: `whole_model_decode_speedup`, `whole_model_prefill_speedup`;
@@ -120,6 +122,9 @@ REQUIRED_KEYS = (
     "quality",
     "original_ppl",
     "compress_over_forward",
+    "whole_model_compress_over_forward",
+    "calibration_over_forward",
+    "demo_minutes",
     "depth_memory_ratio",
     "depth_overhead_growth",
     "larger_than_memory",

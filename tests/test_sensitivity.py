@@ -59,6 +59,41 @@ def test_sensitivity_leaves_the_model_as_it_was():
     assert not model.training
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_the_capture_measures_the_sensitivity_on_its_first_windows_as_a_separate_pass_does(batch_size):
+    """Sharing the forward passes changes neither measurement: the sensitivity equals `collect_sensitivity`'s on
+    the same first windows, the statistics equal a capture without it, and the model is left as it was."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    adapter = get_adapter(model)
+    windows = random_windows(5, 16)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    shared = collect_statistics(
+        model, adapter, windows, batch_size, progress=False, mlp=True,
+        sensitivity_projections=ALL, sensitivity_windows=3,
+    )  # fmt: skip
+    alone = collect_sensitivity(model, adapter, windows[:3], ALL, progress=False)
+    plain = collect_statistics(model, adapter, windows, batch_size, progress=False, mlp=True)
+    assert shared.sensitivity.windows == 3 and shared.sensitivity.tokens == alone.tokens
+    for key, value in alone.weights.items():
+        assert shared.sensitivity[key] == pytest.approx(value, rel=1e-5)
+    for a, b in zip(
+        shared.attn_autocorr + shared.down_autocorr, plain.attn_autocorr + plain.down_autocorr, strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(shared.block_output_means, plain.block_output_means, rtol=1e-5, atol=1e-6)
+    assert not shared.block_output_means.requires_grad and not shared.attn_autocorr[0].requires_grad
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_capture_without_sensitivity_projections_measures_none():
+    model = tiny_model("llama", num_hidden_layers=2)
+    stats = collect_statistics(
+        model, get_adapter(model), random_windows(2, 16), progress=False, sensitivity_windows=2
+    )
+    assert stats.sensitivity is None
+
+
 def test_outputs_that_cannot_reach_the_loss_weigh_nothing_and_get_no_rank():
     """With o_proj of layer 1 all zero, nothing q, k or v of that layer output reaches the loss: their outputs
     have no gradient, so global-loss spends nothing on them (and o_proj, all zero, has nothing to approximate)."""

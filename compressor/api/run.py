@@ -239,10 +239,13 @@ def compress(
         seconds["eval_before"] = before.seconds
 
     stats, cache_note, key = _calibration_statistics(
-        loaded, adapter, calib_text, calib_windows, with_mlp, options, progress
+        loaded, adapter, calib_text, calib_windows, with_mlp, run.compression, options, progress
     )
     seconds["calibration"] = stats.seconds
-    cached_sensitivity = _cached_sensitivity(stats, key, run.compression, adapter, with_mlp)
+    # Measured during a fresh capture (its first windows' forward passes shared), else perhaps cached.
+    cached_sensitivity = stats.sensitivity is None and _cached_sensitivity(
+        stats, key, run.compression, adapter, with_mlp
+    )
     outcome = compress_model(
         loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows
     )
@@ -335,14 +338,21 @@ def _calibration_statistics(
     text: TextSource,
     windows,
     with_mlp: bool,
+    settings,
     options: CompressOptions,
     progress,
 ) -> tuple[CalibrationStats, str, str | None]:
     """The calibration statistics, from the validated cache when it holds them for this model, text and
-    windows; a note saying where they came from; and their cache key (None with the cache off)."""
+    windows; a note saying where they came from; and their cache key (None with the cache off). Collected
+    afresh for a run that weighs by the loss sensitivity, they carry it: the capture's first windows measure it."""
+    loss_weighted = reads_loss_sensitivity(get_method(settings.method).effective_settings(settings))
 
     def collect() -> CalibrationStats:
-        return collect_statistics(loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp)
+        return collect_statistics(
+            loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp,
+            sensitivity_projections=sensitivity_projections(with_mlp) if loss_weighted else (),
+            sensitivity_windows=settings.sensitivity_samples,
+        )  # fmt: skip
 
     if not options.stats_cache:
         return collect(), "statistics cache off", None

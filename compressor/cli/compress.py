@@ -229,9 +229,11 @@ def print_summary(summary: dict) -> None:
         table.add_row("top-1 agreement", "", f"{summary['top1_agreement']:.2%}")
     console.print(table)
     if quality:
+        cap = ((summary.get("settings") or {}).get("evaluation") or {}).get("max_tokens")
+        capped = f" (capped by --eval-max-tokens {cap}: leave it out to score the whole split)" if cap else ""
         console.print(
-            f"[dim]{quality['tokens']:,} predicted tokens of {quality['evaluation_text']}; brackets: 95% bootstrap "
-            "intervals over windows; KL: mean KL divergence from the original, nats/token[/]"
+            f"[dim]{quality['tokens']:,} predicted tokens of {quality['evaluation_text']}{capped}; brackets: 95% "
+            "bootstrap intervals over windows; KL: mean KL divergence from the original, nats/token[/]"
         )
     times = Table(title="time per stage (s)")
     for stage in summary["seconds"]:

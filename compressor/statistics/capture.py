@@ -1,8 +1,9 @@
 """Stage 1: calibration capture with hooks that reduce on the fly (never all activations in memory).
 
 Per layer: C_attn = Σ xᵀx / T over the q/k/v input (post input_layernorm), C_o = Σ zᵀz / T over the o_proj
-input (T: the calibration tokens), both accumulated in fp64; and the token-mean of each block's output per window
-(for grouping). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
+input (T: the calibration tokens), both summed in fp64 (each window's product in fp32, see `add_gram`); and the
+token-mean of each block's output per window (for grouping). The decoder runs without the LM head: nothing here
+reads the logits (on the bundled model the head is a fifth of a forward pass). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
 down_proj input. Beside each autocorrelation, its input's token mean E[x] (fp64 sums; what FLAP's fluctuation
 Var(x_j) = C_jj − E[x_j]² and its bias compensation read).
 
@@ -24,7 +25,7 @@ from compressor.modeling.adapters import DecoderAdapter
 from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.sensitivity import Sensitivity
+from compressor.statistics.sensitivity import LossGradients, Sensitivity
 
 
 @dataclass
@@ -121,6 +122,7 @@ class _Accumulator:
     def _input_into(
         self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor, where: str
     ) -> None:
+        x = x.detach()  # the windows that also measure the loss sensitivity run with gradients
         self._gram_into(grams[layer], x, where)
         sums = self.sums[kind]
         sums[layer] += x.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float64).to(sums.device)
@@ -147,7 +149,7 @@ class _Accumulator:
         return self
 
     def _block_mean(self, i: int, output) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output  # (B, T, H)
+        hidden = (output[0] if isinstance(output, tuple) else output).detach()  # (B, T, H)
         n = hidden.shape[0]
         self.means[i, self.window_offset : self.window_offset + n] = hidden.float().mean(dim=1).cpu()
 
@@ -157,16 +159,26 @@ class _Accumulator:
         self.handles.clear()
 
 
+#: Tokens per fp32 product in `add_gram`: the rounding error of a product grows with the tokens it sums.
+GRAM_CHUNK_TOKENS = 512
+
+
 def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
-    """`target += xᵀx` over the tokens of one batch of activations `x (..., d)`, in fp64 (`target`'s device: the
-    CPU for a model on MPS, see `device.float64_zeros`)."""
-    x = x.reshape(-1, x.shape[-1])
+    """`target += xᵀx` over the tokens of activations `x (..., T, d)`, one window (the last-but-one axis) at a time.
+
+    Each window's product is computed in fp32 over at most `GRAM_CHUNK_TOKENS` tokens and added to the fp64
+    accumulator (`target`'s device: the CPU for a model on MPS, see `device.float64_zeros`): about half the time
+    of fp64 products on a CPU, the sum still fp64 across windows. An entry's error is at most about
+    `GRAM_CHUNK_TOKENS`·2⁻²⁴ of Σ|x_i x_j| (fp32 summation over a chunk); tests/test_capture.py bounds it on real
+    activations. Chunks follow window boundaries, so the result does not depend on how windows are batched
+    (the in-memory and layer-sequential captures agree bit for bit).
+    """
     if not torch.isfinite(x).all():
         raise NumericalError(f"non-finite activations at the input of {where} during calibration")
-    if x.device.type == "cpu":
-        target.addmm_(x.double().T, x.double())
-    else:  # fp32 on accelerators (fast), summed into the fp64 accumulator per batch
-        add_in_float64(target, x.float().T @ x.float())
+    for window in x.reshape(-1, *x.shape[-2:]):
+        for chunk in window.split(GRAM_CHUNK_TOKENS):
+            chunk = chunk.float()
+            add_in_float64(target, chunk.T @ chunk)
 
 
 def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -184,22 +196,43 @@ def collect_statistics(
     batch_size: int = 1,
     progress: bool = True,
     mlp: bool = False,
+    sensitivity_projections: tuple[str, ...] = (),
+    sensitivity_windows: int = 0,
 ) -> CalibrationStats:
     """Run the calibration windows (N, T) through the original model and reduce the statistics
-    (with `mlp`, also the MLP inputs' autocorrelations)."""
+    (with `mlp`, also the MLP inputs' autocorrelations).
+
+    With `sensitivity_projections`, the first `sensitivity_windows` windows also measure the loss sensitivity
+    of those projections (`sensitivity.LossGradients`, on `stats.sensitivity`): their forward pass, with the LM
+    head and gradients, is the capture's, then one backward pass; the other windows run the decoder alone.
+    `stats.sensitivity.seconds` is what the measurement added (the backward passes), `stats.seconds` the rest."""
     device = next(model.parameters()).device
     start = time.perf_counter()
     n = windows.shape[0]
+    measured = min(sensitivity_windows, n) if sensitivity_projections else 0
     if mlp:
         adapter.check_mlp()
+    sensitivity, backward_seconds = None, 0.0
     with (
         _Accumulator(adapter, n, device, mlp) as acc,
         progress_bar("Calibration", total=n, enabled=progress) as bar,
     ):
-        for first in range(0, n, batch_size):
+        if measured:
+            with LossGradients(model, adapter, sensitivity_projections) as gradients, torch.enable_grad():
+                for first in range(0, measured, batch_size):
+                    batch = windows[first : min(first + batch_size, measured)].to(device)
+                    acc.window_offset = first
+                    logits = model(input_ids=batch, use_cache=False).logits
+                    t = time.perf_counter()
+                    gradients.backward(batch, logits)
+                    del logits
+                    backward_seconds += time.perf_counter() - t
+                    bar.advance(len(batch))
+            sensitivity = gradients.result(backward_seconds)
+        for first in range(measured, n, batch_size):
             batch = windows[first : first + batch_size].to(device)
             acc.window_offset = first
-            model(input_ids=batch, use_cache=False)
+            adapter.decoder(input_ids=batch, use_cache=False)  # no LM head: nothing here reads the logits
             bar.advance(len(batch))
     tokens = int(windows.numel())  # every position of every window reaches every projection's input
     for gram in [*acc.accumulators(), *acc.sums.values()]:
@@ -210,9 +243,10 @@ def collect_statistics(
         block_output_means=acc.means,
         tokens=tokens,
         windows=n,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start - backward_seconds,
         mlp_autocorr=acc.mlp,
         down_autocorr=acc.down,
+        sensitivity=sensitivity,
         input_means=acc.sums,
     )
 

@@ -47,6 +47,76 @@ def squared_norm(grad: torch.Tensor) -> torch.Tensor:
     return wide.pow(2).sum()
 
 
+class LossGradients:
+    """Hooks adding ‖∂L/∂y_t‖² at every listed projection's output y over the windows `backward` is given (L the
+    summed next-token cross-entropy); the gradients reach the activations only (every parameter's
+    `requires_grad` is off inside the context, then restored). `collect_sensitivity` runs its own forward passes
+    under it; `capture.collect_statistics` runs it on its first windows, so their forward pass is shared."""
+
+    def __init__(self, model: nn.Module, adapter: DecoderAdapter, projections: tuple[str, ...]):
+        self.model, self.adapter = model, adapter
+        device = next(model.parameters()).device
+        self.sums = {
+            (layer, p): float64_zeros(device=device)
+            for layer in range(adapter.num_layers)
+            for p in projections
+        }
+        self.tokens = self.windows = 0
+        self._handles: list = []
+        self._frozen: list = []
+        self._was_training = model.training
+
+    def __enter__(self) -> LossGradients:
+        def output_hook(key):
+            def on_gradient(grad: torch.Tensor) -> None:
+                add_in_float64(self.sums[key], squared_norm(grad.detach()))
+
+            def on_output(module, args, output):
+                output.register_hook(on_gradient)
+
+            return on_output
+
+        def embeddings_require_grad(module, args, output):
+            # With every parameter frozen nothing downstream would have a graph: start it at the embeddings.
+            return output.detach().requires_grad_(True)
+
+        self._frozen = [(p, p.requires_grad) for p in self.model.parameters()]
+        for p, _ in self._frozen:
+            p.requires_grad_(False)
+        self._handles = [self.model.get_input_embeddings().register_forward_hook(embeddings_require_grad)]
+        self._handles += [
+            self.adapter.projection(*key).register_forward_hook(output_hook(key)) for key in self.sums
+        ]
+        self._was_training = self.model.training
+        self.model.eval()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for p, flag in self._frozen:
+            p.requires_grad_(flag)
+        self.model.train(self._was_training)
+
+    def backward(self, batch: torch.Tensor, logits: torch.Tensor) -> None:
+        """The summed next-token loss of `batch` (B, T) from its `logits`, back to every hooked output."""
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+        loss.backward()
+        self.tokens += int(batch.numel())
+        self.windows += int(batch.shape[0])
+
+    def result(self, seconds: float) -> Sensitivity:
+        """Each projection's mean over the tokens of ‖∂L/∂y_t‖² / d_out."""
+        weights = {}
+        for (layer, p), total in self.sums.items():
+            value = float(total) / (self.tokens * self.adapter.projection(layer, p).weight.shape[0])
+            if not math.isfinite(value):
+                raise NumericalError(f"non-finite loss gradient at the output of layer {layer} {p}")
+            weights[(layer, p)] = value
+        return Sensitivity(weights, self.tokens, self.windows, seconds)
+
+
 def collect_sensitivity(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -55,56 +125,18 @@ def collect_sensitivity(
     batch_size: int = 1,
     progress: bool = True,
 ) -> Sensitivity:
-    """Forward and backward over the windows (N, T) with hooks at every listed projection's output; the
-    gradients reach the activations only (the parameters' `requires_grad` is off for the pass, then restored)."""
+    """Forward and backward over the windows (N, T) with hooks at every listed projection's output
+    (`LossGradients`)."""
     device = next(model.parameters()).device
     start = time.perf_counter()
-    sums = {
-        (layer, p): float64_zeros(device=device) for layer in range(adapter.num_layers) for p in projections
-    }
-
-    def output_hook(key):
-        def on_gradient(grad: torch.Tensor) -> None:
-            add_in_float64(sums[key], squared_norm(grad.detach()))
-
-        def on_output(module, args, output):
-            output.register_hook(on_gradient)
-
-        return on_output
-
-    def embeddings_require_grad(module, args, output):
-        # With every parameter frozen nothing downstream would have a graph: start it at the embeddings.
-        return output.detach().requires_grad_(True)
-
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    handles = [model.get_input_embeddings().register_forward_hook(embeddings_require_grad)]
-    handles += [adapter.projection(*key).register_forward_hook(output_hook(key)) for key in sums]
-    was_training = model.training
-    try:
-        for p, _ in frozen:
-            p.requires_grad_(False)
-        model.eval()
-        n = windows.shape[0]
-        with torch.enable_grad(), progress_bar("Loss sensitivity", total=n, enabled=progress) as bar:
-            for first in range(0, n, batch_size):
-                batch = windows[first : first + batch_size].to(device)
-                logits = model(input_ids=batch, use_cache=False).logits
-                loss = F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-                )
-                loss.backward()
-                bar.advance(len(batch))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for p, flag in frozen:
-            p.requires_grad_(flag)
-        model.train(was_training)
-    tokens = int(windows.numel())
-    weights = {}
-    for (layer, p), total in sums.items():
-        value = float(total) / (tokens * adapter.projection(layer, p).weight.shape[0])
-        if not math.isfinite(value):
-            raise NumericalError(f"non-finite loss gradient at the output of layer {layer} {p}")
-        weights[(layer, p)] = value
-    return Sensitivity(weights, tokens, windows.shape[0], time.perf_counter() - start)
+    n = windows.shape[0]
+    with (
+        LossGradients(model, adapter, projections) as gradients,
+        torch.enable_grad(),
+        progress_bar("Loss sensitivity", total=n, enabled=progress) as bar,
+    ):
+        for first in range(0, n, batch_size):
+            batch = windows[first : first + batch_size].to(device)
+            gradients.backward(batch, model(input_ids=batch, use_cache=False).logits)
+            bar.advance(len(batch))
+    return gradients.result(time.perf_counter() - start)

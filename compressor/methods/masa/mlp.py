@@ -10,6 +10,8 @@ column), so the same objective decides each layer's width and the split of the b
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -34,7 +36,7 @@ def neuron_layers(plan: CompressionPlan) -> list[int]:
 def neuron_tails(ctx: MethodContext, layers: list[int]) -> dict[int, NeuronTail]:
     """Per layer, its neurons in the settings' order and the output error at every width (damping reported), on
     the CPU."""
-    tails = {}
+    tails, start = {}, time.perf_counter()
     with progress_bar("MLP neuron orders", total=len(layers), enabled=ctx.progress) as bar:
         for layer in layers:
             autocorr = ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device)
@@ -45,6 +47,10 @@ def neuron_tails(ctx: MethodContext, layers: list[int]) -> dict[int, NeuronTail]
             ctx.record_damping(found, layer=layer, input="down (neuron selection)")
             tails[layer] = NeuronTail(found.order.cpu(), found.tail.cpu(), found.damping, found.attempts)
             bar.advance()
+    if layers:
+        ctx.seconds["neuron_selection"] = (
+            ctx.seconds.get("neuron_selection", 0.0) + time.perf_counter() - start
+        )
     return tails
 
 

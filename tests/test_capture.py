@@ -1,0 +1,95 @@
+"""Calibration capture: the fp32-per-window autocorrelation products stay within their stated bound of the fp64
+sums, do not depend on how windows are batched, and the capture runs no LM head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_windows, tiny_model
+
+from compressor.modeling.adapters import get_adapter
+from compressor.statistics.capture import GRAM_CHUNK_TOKENS, add_gram, collect_statistics
+
+UNIT_ROUNDOFF_FP32 = 2.0**-24
+
+
+def gram_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Entrywise bound of `add_gram`'s error against the exact Σ xᵀx: each fp32 product sums at most
+    `GRAM_CHUNK_TOKENS` terms (error ≤ n·u·Σ|x_i x_j|, plus one rounding of each product), the fp64 sum adds
+    nothing at this scale."""
+    rows = x.reshape(-1, x.shape[-1]).double().abs()
+    return (GRAM_CHUNK_TOKENS + 2) * UNIT_ROUNDOFF_FP32 * (rows.T @ rows)
+
+
+def assert_within_gram_bound(got: torch.Tensor, x: torch.Tensor, tokens: int = 1) -> None:
+    rows = x.reshape(-1, x.shape[-1]).double()
+    error = (got - rows.T @ rows / tokens).abs()
+    bound = gram_error_bound(x) / tokens
+    assert bool((error <= bound).all()), f"worst error / bound: {(error / bound).max().item():.3g}"
+
+
+def _activations(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
+    """Heavy-tailed activations with a few outlier channels, like the inputs of a real LLM's projections."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=generator) * torch.rand(width, generator=generator).pow(3) * 4
+    x[:, :3] *= 200.0  # massive-activation channels
+    return x + 0.5  # a non-zero mean
+
+
+@pytest.mark.parametrize("tokens", [7, GRAM_CHUNK_TOKENS, 3 * GRAM_CHUNK_TOKENS + 5])
+def test_fp32_products_stay_within_the_stated_bound(tokens):
+    x = _activations(tokens, 96)
+    total = torch.zeros(96, 96, dtype=torch.float64)
+    add_gram(total, x.view(1, tokens, 96), "test")
+    assert_within_gram_bound(total, x)
+    # and the bound is not vacuous: the relative error in the Frobenius norm is that of fp32, not of nothing
+    exact = x.double().T @ x.double()
+    assert ((total - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_a_half_precision_product_would_break_the_bound():
+    """The test above can fail: the same products taken in bf16 exceed the bound."""
+    x = _activations(GRAM_CHUNK_TOKENS, 96)
+    coarse = (x.bfloat16().T @ x.bfloat16()).double()
+    error = (coarse - x.double().T @ x.double()).abs()
+    assert bool((error > gram_error_bound(x)).any())
+
+
+def test_the_sum_does_not_depend_on_how_windows_are_batched():
+    x = _activations(4 * 40, 64).view(4, 40, 64)
+    batched = torch.zeros(64, 64, dtype=torch.float64)
+    add_gram(batched, x, "test")
+    one_by_one = torch.zeros(64, 64, dtype=torch.float64)
+    for window in x:
+        add_gram(one_by_one, window.unsqueeze(0), "test")
+    assert torch.equal(batched, one_by_one)
+
+
+def test_statistics_are_the_same_at_any_batch_size_and_within_the_bound():
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    windows = random_windows(6, 24)
+    single = collect_statistics(model, adapter, windows, batch_size=1, progress=False)
+    batched = collect_statistics(model, adapter, windows, batch_size=4, progress=False)
+    for a, b in zip(
+        single.attn_autocorr + single.o_autocorr, batched.attn_autocorr + batched.o_autocorr, strict=True
+    ):
+        assert torch.equal(a, b)
+    inputs = []
+    handle = adapter.projection(2, "o_proj").register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    with torch.no_grad():
+        model(input_ids=windows)
+    handle.remove()
+    assert_within_gram_bound(single.autocorr("o", 2), inputs[0], tokens=windows.numel())
+
+
+def test_the_capture_runs_no_lm_head():
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    try:
+        collect_statistics(model, adapter, random_windows(2, 16), progress=False)
+    finally:
+        handle.remove()
+    assert calls == []
