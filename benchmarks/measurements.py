@@ -137,7 +137,7 @@ def _timed_compression(args: list[str], checkpoint: Path, what: str) -> dict:
         "checkpoint_mib": checkpoint_bytes(checkpoint) / 1024**2,
         "dominant_stage": max(stages, key=stages.get),
         "summary_seconds": seconds,
-        "ppl": [summary.get("ppl_before"), summary.get("ppl_after")],
+        "quality": summary.get("quality"),  # with evaluation: perplexities, intervals, KL, top-1, tokens
     }
 
 
