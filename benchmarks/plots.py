@@ -46,13 +46,13 @@ UNITS = {"demo_minutes": " min"}
 STAGE_LABELS = {
     "calibration": "calibration capture",
     "sensitivity": "loss sensitivity (backward passes; forward shared with the capture)",
-    "neuron_selection": "MLP neuron orders and their errors at every width",
-    "shape_search": "choosing groups and atoms (--auto-groups)",
-    "other": "reading and tokenizing the text, planning, setup",
     "grouping": "grouping (logit-lens KL)",
+    "shape_search": "choosing groups and atoms (--auto-groups)",
     "pca": "Matrix PCA",
+    "neuron_selection": "MLP neuron orders and their errors at every width",
     "residual_svd": "residual SVDs, allocation, installing the modules",
     "save": "writing the checkpoint",
+    "other": "reading and tokenizing the text, planning, setup",
 }
 #: The stages of a `--layerwise` scaling run (`benchmarks.scaling`), as they are stacked in the time panel.
 SCALING_STAGES = {

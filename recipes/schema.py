@@ -107,11 +107,13 @@ class CompressionSettings(_Strict):
         "pack rows in blocks of 32 values, so that every down_proj of the export is quantized; 256 for its "
         "k-quants); it must divide the MLP's width",
     )
-    neuron_order: Literal["greedy", "energy"] = Field(
+    neuron_order: Literal["greedy", "greedy-block", "energy"] = Field(
         "greedy",
         description="mlp neurons: the order in which each layer keeps its neurons. greedy: each next neuron the one "
         "that explains the most output energy given those kept (chosen on the bundled model's validation split); "
-        "energy: by each neuron's own output energy, about 15x cheaper to compute, a little worse",
+        "greedy-block: the same greedy choosing 32 neurons per step among the 64 best, all gains then updated "
+        "at once (matrix-matrix products: much faster on wide MLPs); energy: by each neuron's own output energy, "
+        "about 15x cheaper to compute, a little worse",
     )
     auto_groups: bool = Field(
         False,

@@ -28,6 +28,16 @@ def assert_within_gram_bound(got: torch.Tensor, x: torch.Tensor, tokens: int = 1
     assert bool((error <= bound).all()), f"worst error / bound: {(error / bound).max().item():.3g}"
 
 
+def projection_input(model, adapter, layer: int, name: str, windows: torch.Tensor) -> torch.Tensor:
+    """What `name` of `layer` receives when `model` reads `windows` in one plain forward pass."""
+    inputs = []
+    handle = adapter.projection(layer, name).register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    with torch.no_grad():
+        model(input_ids=windows)
+    handle.remove()
+    return inputs[0]
+
+
 def _activations(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
     """Heavy-tailed activations with a few outlier channels, like the inputs of a real LLM's projections."""
     generator = torch.Generator().manual_seed(seed)
@@ -75,12 +85,8 @@ def test_statistics_are_the_same_at_any_batch_size_and_within_the_bound():
         single.attn_autocorr + single.o_autocorr, batched.attn_autocorr + batched.o_autocorr, strict=True
     ):
         assert torch.equal(a, b)
-    inputs = []
-    handle = adapter.projection(2, "o_proj").register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
-    with torch.no_grad():
-        model(input_ids=windows)
-    handle.remove()
-    assert_within_gram_bound(single.autocorr("o", 2), inputs[0], tokens=windows.numel())
+    o_input = projection_input(model, adapter, 2, "o_proj", windows)
+    assert_within_gram_bound(single.autocorr("o", 2), o_input, tokens=windows.numel())
 
 
 def test_the_capture_runs_no_lm_head():

@@ -12,7 +12,15 @@ from conftest import random_windows, reloaded_identically, tiny_model
 from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
 from compressor.math.accounting import NEURON_READER
-from compressor.math.neurons import ORDERS, greedy_order, neuron_order, order_tail, output_error, refit_down
+from compressor.math.neurons import (
+    ORDERS,
+    block_greedy_order,
+    greedy_order,
+    neuron_order,
+    order_tail,
+    output_error,
+    refit_down,
+)
 from compressor.methods.masa.mlp import RIDGE
 from compressor.modeling.adapters import MLP_PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
@@ -78,6 +86,43 @@ def test_greedy_in_float32_loses_nothing_measurable():
     exact = order_tail(c, down, greedy_order(c, down, dtype=torch.float64), 0.0).tail
     single = order_tail(c, down, greedy_order(c, down), 0.0).tail
     torch.testing.assert_close(single, exact, rtol=1e-3, atol=1e-9 * float(exact[0]))
+
+
+def test_the_block_greedy_of_one_neuron_per_block_is_the_greedy():
+    _, c, down = _activations(neurons=40, tokens=1000)
+    exact = greedy_order(c, down, dtype=torch.float64)
+    assert torch.equal(block_greedy_order(c, down, block=1, dtype=torch.float64), exact)
+
+
+def test_the_block_greedy_of_independent_neurons_is_the_greedy():
+    """With uncorrelated inputs no choice changes another neuron's gain: blocks lose nothing."""
+    g = torch.Generator().manual_seed(3)
+    c = torch.diag(torch.rand(64, generator=g, dtype=torch.float64) + 0.1)
+    down = torch.randn(8, 64, generator=g, dtype=torch.float64)
+    assert torch.equal(
+        block_greedy_order(c, down, block=16, dtype=torch.float64), greedy_order(c, down, dtype=torch.float64)
+    )
+
+
+def test_a_block_skips_a_neuron_its_earlier_members_already_explain():
+    """Two identical neurons have the same gain and land in one block: the copy adds nothing and goes last."""
+    z, _, down = _activations(neurons=24, tokens=600)
+    z[:, 5] = z[:, 2]
+    down[:, 5] = down[:, 2]
+    c = z.T @ z / len(z)
+    order = block_greedy_order(c, down, block=24, dtype=torch.float64).tolist()
+    first, second = sorted((order.index(2), order.index(5)))
+    assert sorted(order) == list(range(24)) and second == 23
+
+
+def test_the_block_greedy_explains_nearly_what_the_greedy_does():
+    _, c, down = _activations(neurons=128, tokens=4000, hidden=16)
+    greedy = order_tail(c, down, greedy_order(c, down), 0.0).tail
+    blocked = order_tail(c, down, block_greedy_order(c, down, block=16), 0.0).tail
+    energy = order_tail(c, down, neuron_order("energy", c, down, 0.0), 0.0).tail
+    widths = slice(16, 112)
+    assert bool((blocked[widths] <= 1.10 * greedy[widths]).all())
+    assert float(blocked[widths].sum()) < float(energy[widths].sum())  # and better than the cheap order
 
 
 def test_planted_dead_neurons_go_last():

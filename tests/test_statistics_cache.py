@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import random_windows, tiny_model
-from test_capture import assert_within_gram_bound
+from test_capture import assert_within_gram_bound, projection_input
 
 from compressor.modeling.adapters import get_adapter
 from compressor.statistics.cache import load_stats, model_fingerprint, save_stats, stats_key, stats_path
@@ -86,13 +86,9 @@ def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
 def test_the_autocorrelations_are_token_means(monkeypatch, tmp_path):
     model, adapter, windows, stats, _ = _setup(monkeypatch, tmp_path)
     assert stats.tokens == windows.numel()
-    inputs = []
-    handle = adapter.projection(1, "q_proj").register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
-    with torch.no_grad():
-        model(input_ids=windows)
-    handle.remove()
-    assert_within_gram_bound(stats.autocorr("attn", 1), inputs[0], tokens=windows.numel())
-    x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+    q_input = projection_input(model, adapter, 1, "q_proj", windows)
+    assert_within_gram_bound(stats.autocorr("attn", 1), q_input, tokens=windows.numel())
+    x = q_input.reshape(-1, q_input.shape[-1]).double()
     torch.testing.assert_close(stats.input_mean("attn", 1), x.mean(0), rtol=1e-10, atol=1e-12)
 
 

@@ -155,7 +155,7 @@ Native = Annotated[
     typer.Option(
         "--native",
         rich_help_panel=MLP,
-        help="Engines' forms only: heads, neurons in 32s.",
+        help="Engines' forms only: heads, neurons in 32s (with the MLP: twice the calibration windows).",
     ),
 ]
 Mlp = Annotated[

@@ -29,7 +29,7 @@ import torch
 from compressor.math.whitening import whitening_factor
 from compressor.runtime.errors import NumericalError
 
-ORDERS = ("greedy", "energy", "leverage")
+ORDERS = ("greedy", "greedy-block", "energy", "leverage")
 
 
 def regularized(autocorr: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -101,6 +101,69 @@ def greedy_order(
     return order
 
 
+#: Neurons a block of `block_greedy_order` commits at once: llama.cpp's quantization block (widths of the native
+#: form are multiples of it, so the order inside a block changes no native width).
+GREEDY_BLOCK = 32
+
+
+def block_greedy_order(
+    autocorr: torch.Tensor, down: torch.Tensor, block: int = GREEDY_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`greedy_order` committing `block` neurons per step: among the `2·block` largest gains
+    `‖D R_:j‖² / R_jj` given the neurons kept so far (the pool), the exact greedy picks `block`, one at a time,
+    every pick updating the pool's gains; then every neuron's gain is updated at once.
+
+    It differs from the one-at-a-time greedy only where that would pick, within a block, a neuron outside the
+    pool. The arithmetic is the greedy's O(I² (I + hidden)), but in matrix-matrix products (I/block steps)
+    instead of I matrix-vector passes over the growing factor, which bound the greedy by memory traffic: the
+    cost that made a 0.5B model's neuron selection take 22 minutes."""
+    c = autocorr.to(dtype)
+    d = down.to(dtype)
+    n = c.shape[0]
+    dc = d @ c  # (hidden, I): D R at the start (R = C)
+    numer = dc.square().sum(dim=0)  # ‖D R_:j‖²
+    diag = torch.diagonal(c).clone()  # R_jj
+    floor = 1e-12 * float(diag.max()) if n else 0.0
+    v = torch.zeros(n, n, dtype=dtype, device=c.device)  # [:, :t]: the pivoted Cholesky factor's columns
+    w = torch.zeros(d.shape[0], n, dtype=dtype, device=c.device)  # [:, :t]: D times them
+    chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
+    order: list[int] = []
+    t = 0
+    while t < n:
+        gain = numer / diag.clamp_min(floor)
+        gain.masked_fill_(chosen | (diag <= floor), -1.0)
+        ranked = torch.argsort(gain, descending=True, stable=True)[: min(2 * block, n - t)]
+        pool = ranked[gain[ranked] >= 0]
+        if len(pool) == 0:  # nothing left to explain: the rest follow in their index order
+            break
+        columns = c[:, pool] - v[:, :t] @ v[pool, :t].T  # R_:pool (I × m)
+        d_columns = dc[:, pool] - w[:, :t] @ v[pool, :t].T  # D R_:pool (hidden × m)
+        start = t
+        for _ in range(min(block, len(pool))):
+            pivots = columns[pool, torch.arange(len(pool), device=c.device)]  # R_jj of the pool
+            pool_gain = d_columns.square().sum(dim=0) / pivots.clamp_min(floor)
+            pool_gain.masked_fill_(chosen[pool] | (pivots <= floor), -1.0)
+            i = int(torch.argmax(pool_gain))
+            if float(pool_gain[i]) < 0:  # the rest of the pool is explained by the block's picks
+                break
+            j = int(pool[i])
+            scale = pivots[i].sqrt()
+            v[:, t] = columns[:, i] / scale
+            w[:, t] = d_columns[:, i] / scale
+            columns -= torch.outer(v[:, t], v[pool, t])
+            d_columns -= torch.outer(w[:, t], v[pool, t])
+            chosen[j] = True
+            order.append(j)
+            t += 1
+        vb, wb = v[:, start:t], w[:, start:t]
+        # D R_new = D R − Wb Vbᵀ, D R = D C − W Vᵀ: ‖·_:j‖² drops by 2 Vb_j·(Wbᵀ D R_:j) − ‖Wb Vb_jᵀ‖².
+        cross = wb.T @ dc - (wb.T @ w[:, :start]) @ v[:, :start].T  # (b, I): Wbᵀ D R
+        numer.sub_(2 * (vb.T * cross).sum(dim=0)).add_(((wb.T @ wb) @ vb.T * vb.T).sum(dim=0)).clamp_(min=0.0)
+        diag.sub_(vb.square().sum(dim=1)).clamp_(min=0.0)
+    rest = torch.nonzero(~chosen).flatten().tolist()
+    return torch.tensor(order + rest, dtype=torch.long, device=c.device)
+
+
 def neuron_order(rule: str, autocorr: torch.Tensor, down: torch.Tensor, ridge: float) -> torch.Tensor:
     """The order in which neurons are kept under `rule` (one of ORDERS): a permutation of range(I)."""
     if rule == "energy":
@@ -109,6 +172,8 @@ def neuron_order(rule: str, autocorr: torch.Tensor, down: torch.Tensor, ridge: f
         return leverage_order(autocorr, ridge)
     if rule == "greedy":
         return greedy_order(regularized(autocorr, ridge), down)
+    if rule == "greedy-block":
+        return block_greedy_order(regularized(autocorr, ridge), down)
     raise ValueError(f"unknown neuron order {rule!r}: one of {', '.join(ORDERS)}")
 
 

@@ -1,0 +1,97 @@
+"""How many calibration windows does the model 20% smaller need? (issue 31: the engine-native form refits o_proj
+and down_proj by least squares, on inputs up to 2.7x wider than the attention's.)
+
+Each form (`native`: `--native`; `default`: the recipe's forms) is compressed from the first N calibration windows
+for each N (the same seed, so the smaller set is the start of the larger), every checkpoint scored on the same
+validation windows; per form, the larger calibration minus the smaller (paired bootstrap: a difference whose
+interval holds 0 is a tie).
+
+`python -m benchmarks.calibration_size [--windows 64,128] [--forms native,default] [--max-tokens 32768] --out F`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import log, machine_info
+from compressor.api import CompressOptions, EvalSettings, compress, evaluate
+from compressor.evaluation.intervals import paired_difference
+
+MODEL = "smollm2-135m"
+FORMS = {"native": {"native": True}, "default": {}}
+
+
+def compress_and_score(
+    form: str, windows: int, ratio: float, eval_settings: EvalSettings, work: Path
+) -> dict:
+    out = work / f"{form}-{windows}"
+    options = CompressOptions(
+        ratio=ratio, ratio_of="model", targets="attn,mlp", calib_samples=windows, evaluate=False,
+        out=str(out), overwrite=True, **FORMS[form],
+    )  # fmt: skip
+    start = time.perf_counter()
+    summary = compress(MODEL, options, device="cpu", dtype="float32", progress=False).summary
+    seconds = time.perf_counter() - start
+    result = evaluate(str(out), eval_settings, progress=False).result
+    log(f"{form}, {windows} windows: ppl {result.ppl:.3f} {result.ppl_ci95} ({seconds:.0f} s to compress)")
+    return {
+        "windows": windows,
+        "compress_seconds": seconds,
+        "stage_seconds": summary["seconds"],
+        "model_params_after": summary["model_params_after"],
+        "ppl": result.ppl,
+        "ppl_ci95": list(result.ppl_ci95),
+        "tokens": result.tokens,
+        "window_nll": list(result.window_nll),
+        "window_tokens": list(result.window_tokens),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", default="64,128")
+    parser.add_argument("--forms", default="native,default")
+    parser.add_argument("--ratio", type=float, default=0.2)
+    parser.add_argument("--max-tokens", type=int, default=32768)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.windows.split(",")]
+    eval_settings = EvalSettings(split="validation", max_tokens=args.max_tokens)
+    results = {
+        "command": " ".join(
+            ["python -m benchmarks.calibration_size", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "model": MODEL,
+        "ratio_of_model": args.ratio,
+        "split": "validation",
+        "max_tokens": args.max_tokens,
+        "machine": machine_info(),
+        "forms": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="masa-calibration-size-") as work:
+        for form in args.forms.split(","):
+            runs = {n: compress_and_score(form, n, args.ratio, eval_settings, Path(work)) for n in counts}
+            small, large = runs[counts[0]], runs[counts[-1]]
+            difference = paired_difference(large["window_nll"], small["window_nll"], large["window_tokens"])
+            lo, hi = difference.ci95
+            results["forms"][form] = {
+                "runs": {
+                    str(n): {k: v for k, v in r.items() if not k.startswith("window_")}
+                    for n, r in runs.items()
+                },
+                "larger_minus_smaller": {"value": difference.value, "ci95": [lo, hi], "tie": lo <= 0 <= hi},
+            }
+            log(
+                f"{form}: {counts[-1]} − {counts[0]} windows = {difference.value:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
