@@ -93,14 +93,20 @@ def test_report_renders_from_results_json(tmp_path):
     assert "**off by up to" in doc and "From 4 to 16 layers the formula's overhead grows" in doc
 
 
-def test_a_run_that_counted_the_neuron_orders_twice_is_shown_counting_them_once(tmp_path):
+def _rendered(results: dict, tmp_path) -> str:
+    """BENCHMARKS.md as `render` writes it from `results` (saved first as results.json beside it)."""
     from benchmarks.report import render
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    return render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+
+
+def test_a_run_that_counted_the_neuron_orders_twice_is_shown_counting_them_once(tmp_path):
 
     results = _fake_results()
     results["whole_model_compression"]["stage_seconds"] |= {"residual_svd": 3.0, "other": -1.8}
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    doc = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+    doc = _rendered(results, tmp_path)
     assert "| residual SVDs, allocation, installing the modules | 2.0 | 1.0 |" in doc
     assert "| reading and tokenizing the text, planning, setup | — | 0.2 |" in doc
     assert "recorded before e0ee993" in doc
@@ -109,16 +115,13 @@ def test_a_run_that_counted_the_neuron_orders_twice_is_shown_counting_them_once(
 def test_scaling_verdicts_come_from_the_numbers(tmp_path):
     """An overhead that grows 1.3x, a deep model peaking above half its weights and checkpoints that differ are
     reported as missed targets."""
-    from benchmarks.report import render
 
     results = _fake_results()
     scaling = results["scaling"]
     scaling["overhead_growth"] = results["depth_overhead_growth"] = 1.3
     scaling["same_checkpoint"]["identical"] = False
     results["larger_than_memory"]["peak_rss_bytes"] = results["larger_than_memory"]["weights_bytes"]
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    doc = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+    doc = _rendered(results, tmp_path)
     assert "(`depth_overhead_growth`) | 1.300x | ≤ 1.1x | **missed** |" in doc
     assert "**Overhead at 16 / 4 layers: 1.300x** (target ≤ 1.1x: **missed**)" in doc
     assert "| 1.000x | < 0.5x | **missed** |" in doc
@@ -127,14 +130,11 @@ def test_scaling_verdicts_come_from_the_numbers(tmp_path):
 
 def test_report_renders_scaling_results_of_the_former_schema(tmp_path):
     """results.json measured before `--layerwise` (no `mode`) still renders: the section asks for a re-run."""
-    from benchmarks.report import render
 
     results = _fake_results()
     results["scaling"] = {"runs": [], "peak_ratio": 1.2, "time_ratio": 2.0}
     del results["larger_than_memory"], results["depth_overhead_growth"]
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    doc = render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
+    doc = _rendered(results, tmp_path)
     assert "--sections scaling" in doc
     assert "(`depth_overhead_growth`) | — | ≤ 1.1x | not measured |" in doc
 
