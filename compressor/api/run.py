@@ -13,6 +13,7 @@ from pathlib import Path
 
 from compressor import __version__
 from compressor.api.layerwise import compress_layerwise, stored_tensors
+from compressor.api.memory_check import check_memory, run_memory
 from compressor.api.model_loading import (
     ENGINES,
     LoadedModel,
@@ -27,6 +28,7 @@ from compressor.api.pipeline import (
     reads_loss_sensitivity,
     sensitivity_projections,
 )
+from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.api.session import (
     RunSpec,
@@ -215,6 +217,8 @@ def compress(
     out = options.out or default_output_dir(
         run.recipe_name or run.source.location, run.compression.method, options.ratio, options.ratio_of
     )
+    check_hub_model(run.source)  # a model that cannot be had says so first, then one that cannot fit
+    check_memory(run_memory(read_model_config(run.source)[0], run, options, device, dtype))
     if options.layerwise:
         return _compress_layerwise(run, options, out, device, dtype, progress, start_all)
     if options.save:

@@ -120,46 +120,49 @@ def block_greedy_order(
     c = autocorr.to(dtype)
     d = down.to(dtype)
     n = c.shape[0]
-    dc = d @ c  # (hidden, I): D R at the start (R = C)
-    numer = dc.square().sum(dim=0)  # ‖D R_:j‖²
+    dr = d @ c  # (hidden, I): D R, kept current block by block (R = C at the start)
     diag = torch.diagonal(c).clone()  # R_jj
     floor = 1e-12 * float(diag.max()) if n else 0.0
-    v = torch.zeros(n, n, dtype=dtype, device=c.device)  # [:, :t]: the pivoted Cholesky factor's columns
-    w = torch.zeros(d.shape[0], n, dtype=dtype, device=c.device)  # [:, :t]: D times them
+    # The pivoted Cholesky factor, one row per column of it (row t: the t-th kept neuron's column, on all I):
+    # contiguous to write and to read block by block.
+    factor = torch.zeros(n, n, dtype=dtype, device=c.device)
     chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
     order: list[int] = []
     t = 0
     while t < n:
-        gain = numer / diag.clamp_min(floor)
+        gain = torch.linalg.vector_norm(dr, dim=0).square() / diag.clamp_min(floor)  # ‖D R_:j‖² / R_jj
         gain.masked_fill_(chosen | (diag <= floor), -1.0)
         ranked = torch.argsort(gain, descending=True, stable=True)[: min(2 * block, n - t)]
         pool = ranked[gain[ranked] >= 0]
         if len(pool) == 0:  # nothing left to explain: the rest follow in their index order
             break
-        columns = c[:, pool] - v[:, :t] @ v[pool, :t].T  # R_:pool (I × m)
-        d_columns = dc[:, pool] - w[:, :t] @ v[pool, :t].T  # D R_:pool (hidden × m)
-        start = t
+        columns = c[:, pool] - factor[:t].T @ factor[:t, pool]  # R_:pool (I × m)
+        d_columns = dr[:, pool]  # D R_:pool (hidden × m; a copy: advanced indexing)
+        picked, w_block = [], []  # the block's factor columns and D times them
+        arange = torch.arange(len(pool), device=c.device)
         for _ in range(min(block, len(pool))):
-            pivots = columns[pool, torch.arange(len(pool), device=c.device)]  # R_jj of the pool
-            pool_gain = d_columns.square().sum(dim=0) / pivots.clamp_min(floor)
+            pivots = columns[pool, arange]  # R_jj of the pool
+            pool_gain = torch.linalg.vector_norm(d_columns, dim=0).square() / pivots.clamp_min(floor)
             pool_gain.masked_fill_(chosen[pool] | (pivots <= floor), -1.0)
             i = int(torch.argmax(pool_gain))
             if float(pool_gain[i]) < 0:  # the rest of the pool is explained by the block's picks
                 break
-            j = int(pool[i])
             scale = pivots[i].sqrt()
-            v[:, t] = columns[:, i] / scale
-            w[:, t] = d_columns[:, i] / scale
-            columns -= torch.outer(v[:, t], v[pool, t])
-            d_columns -= torch.outer(w[:, t], v[pool, t])
-            chosen[j] = True
-            order.append(j)
-            t += 1
-        vb, wb = v[:, start:t], w[:, start:t]
-        # D R_new = D R − Wb Vbᵀ, D R = D C − W Vᵀ: ‖·_:j‖² drops by 2 Vb_j·(Wbᵀ D R_:j) − ‖Wb Vb_jᵀ‖².
-        cross = wb.T @ dc - (wb.T @ w[:, :start]) @ v[:, :start].T  # (b, I): Wbᵀ D R
-        numer.sub_(2 * (vb.T * cross).sum(dim=0)).add_(((wb.T @ wb) @ vb.T * vb.T).sum(dim=0)).clamp_(min=0.0)
-        diag.sub_(vb.square().sum(dim=1)).clamp_(min=0.0)
+            column, w = columns[:, i] / scale, d_columns[:, i] / scale
+            on_pool = column[pool]
+            columns -= torch.outer(column, on_pool)
+            d_columns -= torch.outer(w, on_pool)
+            picked.append(column)
+            w_block.append(w)
+            chosen[int(pool[i])] = True
+            order.append(int(pool[i]))
+        block_factor = torch.stack(picked, dim=1)  # (I × b)
+        factor[t : t + len(picked)] = block_factor.T
+        t += len(picked)
+        # D R_new = D R − Wb Vbᵀ: one rank-b update of the (hidden × I) product, cheaper than recomputing it
+        # from C (hidden·I·b per block instead of I·t·b).
+        dr.sub_(torch.stack(w_block, dim=1) @ block_factor.T)
+        diag.sub_(block_factor.square().sum(dim=1)).clamp_(min=0.0)
     rest = torch.nonzero(~chosen).flatten().tolist()
     return torch.tensor(order + rest, dtype=torch.long, device=c.device)
 
@@ -210,17 +213,17 @@ def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, 
     c = regularized(autocorr, ridge)
     d = down.to(torch.float64)
     factor = whitening_factor(c[order][:, order])
-    c = effective(autocorr, ridge, factor.damping)
     if factor.input_is_zero:
         explained = torch.zeros(c.shape[0], dtype=torch.float64, device=c.device)
     else:
-        # X L⁻ᵀ with X = D C[:, π]: solve L Yᵀ = Xᵀ (L lower).
-        y = torch.linalg.solve_triangular(factor.S, (d @ c[:, order]).T, upper=False).T
+        # The error keeping order[:k] is tr(D C Dᵀ) − ‖D C[:, π] S⁻ᵀ[:, :k]‖² with C[π, π] = S Sᵀ (C damped as
+        # the Cholesky needed), and D C[:, π] S⁻ᵀ = D[:, π] S: no solve, no product with C; tr(D C Dᵀ) = ‖D[:, π] S‖².
+        y = d[:, order] @ factor.S
         explained = y.square().sum(dim=0)
-    total = float((d @ c * d).sum())
-    tail = torch.cat(
-        [torch.tensor([total], dtype=torch.float64, device=c.device), total - explained.cumsum(0)]
-    )
+    # tail[k] = Σ_{i ≥ k} explained_i: summed from the end, so the small errors near full width carry no
+    # cancellation from the total.
+    zero = torch.zeros(1, dtype=torch.float64, device=c.device)
+    tail = torch.cat([explained.flip(0).cumsum(0).flip(0), zero])
     if not torch.isfinite(tail).all():
         raise NumericalError(f"non-finite neuron-selection error for a {tuple(d.shape)} down_proj")
     return NeuronTail(order.clone(), tail.clamp_min(0.0), factor.damping, factor.attempts)

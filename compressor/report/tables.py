@@ -230,6 +230,24 @@ def _plan_ranks_table(plan: dict) -> Table:
     return table
 
 
+def _memory_line(memory: dict) -> Text:
+    """The run's estimated peak memory in memory and with --layerwise, against what is available now."""
+    gib = 1024**3
+    where = "GPU memory" if memory["device"] == "gpu" else "memory"
+    available = memory.get("available_bytes")
+    chosen = memory["layerwise_bytes"] if memory["layerwise"] else memory["in_memory_bytes"]
+    fits = available is None or chosen <= available
+    return Text.assemble(
+        (f"{where}: ", "bold"),
+        f"about {memory['in_memory_bytes'] / gib:.1f} GiB at its peak in memory, "
+        f"{memory['layerwise_bytes'] / gib:.1f} GiB with --layerwise",
+        "" if available is None else f" · {available / gib:.1f} GiB available now",
+        ""
+        if fits
+        else (" · needs --layerwise" if memory["layerwise_bytes"] <= available else " · does not fit"),
+    )
+
+
 def _plan_footer(plan: dict) -> list:
     out: list = [
         Text.assemble(("  " + tag, "bold"), f": {meaning}")
@@ -242,6 +260,8 @@ def _plan_footer(plan: dict) -> list:
             "" if plan["feasible"] else f" · {plan['reason']}",
         )
     )
+    if plan.get("memory"):
+        out.append(_memory_line(plan["memory"]))
     for alt in plan.get("alternatives") or []:
         out.append(
             Text(

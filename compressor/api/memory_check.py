@@ -1,0 +1,113 @@
+"""The memory a run will need, from the model's config and the run's settings (`runtime/memory.py`'s formulas): what
+`plan` prints, and the check `compress` makes before it reads a weight, so that a run that cannot fit stops with
+one line naming the option that fits (`--layerwise`) instead of being killed for memory hours later."""
+
+from __future__ import annotations
+
+from compressor.api.pipeline import reads_loss_sensitivity
+from compressor.api.run_options import CompressOptions
+from compressor.api.session import RunSpec
+from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
+from compressor.runtime.errors import UserError
+from compressor.runtime.memory import (
+    GIB,
+    RUNTIME_BASE,
+    Shape,
+    Workload,
+    available_memory,
+    device_peak,
+    in_memory_peak,
+    layerwise_peak,
+)
+
+
+def memory_shape(config) -> Shape:
+    """The shapes the memory formulas read, from a transformers config."""
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    return Shape(
+        name=getattr(config, "model_type", ""),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        vocab=config.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def run_workload(
+    run: RunSpec, options: CompressOptions, gpu: bool, dtype_bytes: int | None = None
+) -> Workload:
+    """What the run does: its calibration, sensitivity windows, targets, evaluation and dtype (`dtype_bytes`, by
+    default `--dtype auto`'s: fp32 on the CPU, bf16 on a GPU)."""
+    settings = run.compression
+    mlp = bool(set(target_projections(settings.targets)) & set(MLP_PROJECTIONS))
+    return Workload(
+        windows=run.calibration.samples,
+        seq_len=run.calibration.seq_len,
+        sensitivity=settings.sensitivity_samples if reads_loss_sensitivity(settings) else 0,
+        mlp=mlp,
+        dtype_bytes=dtype_bytes or (2 if gpu else 4),
+        gpu=gpu,
+        basis_layers=settings.basis_layers,
+        eval_seq_len=run.evaluation.seq_len if options.evaluate else 0,
+    )
+
+
+def memory_estimate(
+    config, run: RunSpec, options: CompressOptions, gpu: bool = False, dtype_bytes: int | None = None
+) -> dict:
+    """Peak memory in bytes of the run in memory and with `--layerwise` (host RAM on the CPU; the GPU's memory
+    on a GPU), the memory available now, and which pipeline the options choose."""
+    shape, work = memory_shape(config), run_workload(run, options, gpu, dtype_bytes)
+    return {
+        "device": "gpu" if gpu else "cpu",
+        # On a GPU the device's memory: the runtime's base is host memory.
+        "in_memory_bytes": int(in_memory_peak(shape, work, runtime=0 if gpu else RUNTIME_BASE)),
+        "layerwise_bytes": int(
+            device_peak(shape, work) if gpu else layerwise_peak(shape, work, RUNTIME_BASE)
+        ),
+        "available_bytes": None if gpu else available_memory(),
+        "layerwise": options.layerwise,
+    }
+
+
+def check_memory(estimate: dict) -> None:
+    """Refuse, in one line and before any weight is read, a CPU run whose estimated peak exceeds the memory
+    available now; name `--layerwise` when that fits."""
+    available = estimate["available_bytes"]
+    if estimate["device"] != "cpu" or available is None:
+        return
+    needed = estimate["layerwise_bytes"] if estimate["layerwise"] else estimate["in_memory_bytes"]
+    if needed <= available:
+        return
+    have = f"about {needed / GIB:.1f} GiB of memory, {available / GIB:.1f} GiB is available"
+    if estimate["layerwise"]:
+        raise UserError(
+            f"this run needs {have} even with --layerwise: free memory, or calibrate on fewer tokens (-n)"
+        )
+    if estimate["layerwise_bytes"] <= available:
+        raise UserError(
+            f"this run needs {have}: add --layerwise (about {estimate['layerwise_bytes'] / GIB:.1f} GiB: the "
+            "layers stay on disk, the checkpoint is the same)"
+        )
+    raise UserError(
+        f"this run needs {have}, and about {estimate['layerwise_bytes'] / GIB:.1f} GiB with --layerwise: free "
+        "memory, or calibrate on fewer tokens (-n)"
+    )
+
+
+def run_memory(
+    config, run: RunSpec, options: CompressOptions, device: str = "auto", dtype: str = "auto"
+) -> dict:
+    """`memory_estimate` for a resolved run on `device` in `dtype` (the CLI's names), from its model's config
+    (`preview.read_model_config`: no weights read)."""
+    import torch
+
+    from compressor.runtime.device import resolve_device
+
+    gpu = resolve_device(device).type == "cuda"
+    dtype_bytes = None if dtype == "auto" else getattr(torch, dtype).itemsize
+    return memory_estimate(config, run, options, gpu=gpu, dtype_bytes=dtype_bytes)

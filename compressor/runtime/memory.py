@@ -1,0 +1,309 @@
+"""What a compression run holds in memory at its peak, from the model's shapes and the run's settings alone (no
+weight read): `plan` prints it, and `compress` refuses a run that cannot fit before it loads the model.
+
+Two pipelines. In memory (`in_memory_peak`): the whole model, every layer's fp64 input autocorrelations, and the
+largest of the passes (calibration, the loss sensitivity's backward pass, compression, evaluation with the
+original reloaded beside the compressed model). `--layerwise` (`layerwise_peak`, read off `api/layerwise.py`,
+`statistics/layer_stream.py`, `modeling/offload.py`, `methods/offloaded_context.py`): one decoder layer and one
+layer's statistics at a time. Every term is computed from shapes and settings; the one constant is the runtime's
+base R0 (Python, torch, transformers, the tokenizer), measured. `benchmarks/memory_projection.py` checks both
+against measured runs and projects them to Llama shapes.
+
+Symbols: H hidden, A = heads·head_dim (q's output, o's input), K = kv_heads·head_dim, I intermediate, V vocabulary,
+L layers; N×T calibration windows × tokens, S sensitivity windows, B = basis_layers (a run sharing a basis),
+C×Tₑ an evaluation chunk (32 windows); d bytes per element of the model dtype (fp32 4, bf16 2); fp64 is 8.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GIB = 1024**3
+#: The evaluation's chunk of windows advanced together through the layers (`statistics.layer_stream.evaluate_layerwise`).
+EVAL_CHUNK = 32
+#: R0: the resident memory of the runtime before the model's weights (Python, torch, transformers, a tokenizer;
+#: measured: 0.39-0.46 GiB once the bundled-width scaling runs were loaded, `benchmarks/results/results.json`).
+RUNTIME_BASE = int(0.45 * GIB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-style decoder's shapes (`A`, `K` derived)."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    tied: bool
+
+    @property
+    def attn(self) -> int:  # A: q's output width, o's input width
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:  # K: k's and v's output width
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_width(cls, width: dict, layers: int, name: str = "", tied: bool = True) -> Shape:
+        """A benchmark width (a LlamaConfig's keywords) at `layers` layers."""
+        heads, hidden = width["num_attention_heads"], width["hidden_size"]
+        return cls(
+            name, hidden, heads, width["num_key_value_heads"], width.get("head_dim", hidden // heads),
+            width["intermediate_size"], layers, width["vocab_size"], tied,
+        )  # fmt: skip
+
+    def params(self) -> int:
+        """Every parameter: the layers and the embeddings (and the untied head)."""
+        return self.layers * self.layer_params() + self.non_layer_params()
+
+    def layer_params(self) -> int:
+        h = self.hidden
+        return 2 * h * self.attn + 2 * h * self.kv + 3 * h * self.intermediate + 2 * h
+
+    def non_layer_params(self) -> int:
+        return (self.vocab * (1 if self.tied else 2) + 1) * self.hidden
+
+    def target_params(self, mlp: bool) -> int:
+        """One layer's compressed projections (q/k/v/o, and gate/up/down with MLP)."""
+        attn = 2 * self.hidden * self.attn + 2 * self.hidden * self.kv
+        return attn + (3 * self.hidden * self.intermediate if mlp else 0)
+
+    def inputs(self, mlp: bool) -> list[int]:
+        """The widths of the inputs whose autocorrelations are collected (q/k/v's, o's [, gate/up's, down's])."""
+        return [self.hidden, self.attn] + ([self.hidden, self.intermediate] if mlp else [])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a run does: calibration N×T, S sensitivity windows, the targets, the dtype, the device."""
+
+    windows: int
+    seq_len: int
+    sensitivity: int
+    mlp: bool = False
+    dtype_bytes: int = 4
+    gpu: bool = False
+    basis_layers: int = 4
+    eval_seq_len: int = 0  # 0: no evaluation
+
+
+def activations(shape: Shape, seq_len: int, d: int) -> int:
+    """One window's intermediate tensors inside one decoder layer (norms, q/k/v, attention output, MLP)."""
+    h = shape.hidden
+    return seq_len * d * (3 * h + 2 * shape.attn + 2 * shape.kv + 3 * shape.intermediate)
+
+
+def svd_bytes(m: int, n: int) -> int:
+    """fp64 thin SVD of an m×n matrix as `whitening.whitened_svd` runs it: the matrix, its whitened product,
+    LAPACK's working copy, U (m×k), Vh (k×n) and dgesdd's ≈4k² workspace."""
+    k = min(m, n)
+    return 8 * (3 * m * n + (m + n) * k + 4 * k * k)
+
+
+def _hook_copy(shape: Shape, w: Workload) -> int:
+    """`capture.add_gram` on the widest input: two fp64 copies on the CPU; two fp32 copies, the fp32 product
+    and its fp64 copy on a GPU."""
+    widest = max(shape.inputs(w.mlp))
+    if w.gpu:
+        return 8 * w.seq_len * widest + 12 * widest * widest
+    return 16 * w.seq_len * widest
+
+
+def phase_calibration(shape: Shape, w: Workload) -> int:
+    grams = 8 * sum(n * n for n in shape.inputs(w.mlp))
+    stream = w.windows * w.seq_len * shape.hidden * w.dtype_bytes
+    return stream + grams + activations(shape, w.seq_len, w.dtype_bytes) + _hook_copy(shape, w)
+
+
+def phase_sensitivity(shape: Shape, w: Workload) -> int:
+    d, window = w.dtype_bytes, w.seq_len * shape.hidden * w.dtype_bytes
+    head = w.seq_len * shape.vocab * (12 + d)
+    per_layer = w.sensitivity * window + 2 * activations(shape, w.seq_len, d)
+    return 2 * w.sensitivity * window + max(head, per_layer)
+
+
+def largest_factored(shape: Shape, w: Workload) -> tuple[int, int]:
+    """The largest matrix the basis form factors: a run's stacked k (or v), q, o, or an MLP projection."""
+    run = min(w.basis_layers, shape.layers)
+    candidates = [(run * shape.kv, shape.hidden), (shape.attn, shape.hidden), (shape.hidden, shape.attn)]
+    if w.mlp:
+        candidates.append((shape.intermediate, shape.hidden))
+    return max(candidates, key=lambda mn: svd_bytes(*mn))
+
+
+def cholesky_bytes(shape: Shape, w: Workload) -> int:
+    """The Cholesky of the widest input (`whitening.whitening_factor`): its autocorrelation, the symmetrized copy,
+    the identity and the factor, fp64; with the MLP's neurons (`neurons.order_tail`) also the autocorrelation
+    permuted to the neurons' order and a damped copy: 6 matrices of I² (the 1.5B run's peak, 7.52 GiB measured
+    against 6.16 GiB for the former count of 4, showed them)."""
+    return 8 * (6 if w.mlp else 4) * max(shape.inputs(w.mlp)) ** 2
+
+
+def phase_compress(shape: Shape, w: Workload) -> int:
+    inputs = shape.inputs(w.mlp)
+    run = min(w.basis_layers, shape.layers)
+    held = w.sensitivity * w.seq_len * shape.hidden * w.dtype_bytes
+    held += run * shape.target_params(w.mlp) * w.dtype_bytes + 8 * sum(n * n for n in inputs)
+    work = max(
+        8 * (run + 5) * shape.hidden**2, cholesky_bytes(shape, w), svd_bytes(*largest_factored(shape, w))
+    )
+    return held + work
+
+
+def phase_evaluation(shape: Shape, w: Workload) -> int:
+    if not w.eval_seq_len:
+        return 0
+    d, t = w.dtype_bytes, w.eval_seq_len
+    held = w.sensitivity * w.seq_len * shape.hidden * d
+    return (
+        held + 2 * EVAL_CHUNK * t * shape.hidden * d + activations(shape, t, d) + t * shape.vocab * (12 + d)
+    )
+
+
+def phases(shape: Shape, w: Workload) -> dict[str, int]:
+    return {
+        "calibration": phase_calibration(shape, w),
+        "sensitivity": phase_sensitivity(shape, w),
+        "compress": phase_compress(shape, w),
+        "evaluation": phase_evaluation(shape, w),
+    }
+
+
+def block_means(shape: Shape, w: Workload) -> int:
+    return 4 * shape.layers * w.windows * shape.hidden
+
+
+def overhead(shape: Shape, w: Workload) -> int:
+    """On the CPU: the peak minus the loaded state (R0). The non-layer weights count here: loading maps them
+    from the safetensors file, and they become resident at the first pass (measured: the loaded state of the
+    bundled width is within 20 MiB of the narrow one's, whose embeddings weigh nothing)."""
+    held = (shape.non_layer_params() + shape.layer_params()) * w.dtype_bytes + block_means(shape, w)
+    return held + max(phases(shape, w).values())
+
+
+def device_peak(shape: Shape, w: Workload) -> int:
+    """On a GPU: the device's peak (allocated tensors; the CUDA context and the allocator's cache come on top)."""
+    held = (shape.non_layer_params() + shape.layer_params()) * w.dtype_bytes
+    return held + max(phases(shape, w).values())
+
+
+def host_peak_with_gpu(shape: Shape, w: Workload, runtime: float) -> float:
+    """On a GPU: the host's peak: R0, the means, and the largest tensor on its way to or from disk."""
+    d, run = w.dtype_bytes, min(w.basis_layers, shape.layers)
+    transit = [
+        8 * sum(n * n for n in shape.inputs(w.mlp)),  # a layer's autocorrelations being written
+        w.sensitivity * w.seq_len * shape.hidden * d,  # the sensitivity windows' inputs being written
+        run * shape.target_params(w.mlp) * d,  # a run's factors being spilled
+        max(m * n for m, n in [(shape.intermediate, shape.hidden), (shape.attn, shape.hidden)]) * d,
+        EVAL_CHUNK * w.eval_seq_len * shape.hidden * d,  # the original's outputs of a chunk being written
+    ]
+    return runtime + block_means(shape, w) + max(transit)
+
+
+def cpu_peak(shape: Shape, w: Workload, runtime: float) -> float:
+    """`--layerwise` on the CPU: the runtime, then what the layer-by-layer pipeline holds at its peak."""
+    return runtime + overhead(shape, w)
+
+
+layerwise_peak = cpu_peak
+
+
+def grams_all_layers(shape: Shape, w: Workload) -> int:
+    """In memory: every layer's fp64 input autocorrelations, held from the calibration to the end of compression."""
+    return 8 * shape.layers * sum(n * n for n in shape.inputs(w.mlp))
+
+
+def attention_scores(shape: Shape, seq_len: int, d: int) -> int:
+    """One window's attention probabilities in one layer (kept for the backward pass)."""
+    return shape.heads * seq_len * seq_len * d
+
+
+def in_memory_phases(shape: Shape, w: Workload) -> dict[str, int]:
+    """In memory, on top of the runtime, the weights and every layer's autocorrelations: each pass's own peak.
+
+    - calibration: one window through one layer at a time, plus the hook's copies of its input;
+    - sensitivity: one window's backward pass through the whole model (every layer's activations and attention
+      probabilities kept for it) and its logits through the head;
+    - compress: the largest factorization (SVD or Cholesky of the widest input, fp64);
+    - evaluation: the original reloaded beside the compressed model, both models' log-probabilities of a window.
+    """
+    d, t = w.dtype_bytes, w.seq_len
+    act = activations(shape, t, d)
+    head = t * shape.vocab * (12 + d)
+    parts = {
+        "calibration": act + _hook_copy(shape, w),
+        "sensitivity": (shape.layers * (act + attention_scores(shape, t, d)) + head) if w.sensitivity else 0,
+        "compress": max(cholesky_bytes(shape, w), svd_bytes(*largest_factored(shape, w))),
+        "evaluation": 0,
+    }
+    if w.eval_seq_len:
+        te = w.eval_seq_len
+        parts["evaluation"] = shape.params() * d + 2 * te * shape.vocab * (12 + d) + activations(shape, te, d)
+    return parts
+
+
+def in_memory_peak(shape: Shape, w: Workload, runtime: float = RUNTIME_BASE) -> float:
+    """In memory on the CPU: R0 + the weights + every layer's autocorrelations + the largest pass."""
+    held = shape.params() * w.dtype_bytes + grams_all_layers(shape, w)
+    return runtime + held + max(in_memory_phases(shape, w).values())
+
+
+#: A container's memory limit, use, and statistics (cgroup v2, then v1; the key of its reclaimable page cache):
+#: /proc/meminfo shows the host's memory there.
+CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
+)  # fmt: skip
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # absent, or "max": no limit
+        return None
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take without swapping: Linux's `MemAvailable`, lowered to what a container's
+    memory limit leaves; elsewhere the physical memory; None where nothing can be read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for limit_file, usage_file, stat_file, reclaimable in CGROUP_FILES:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 2**60:  # v1 writes "no limit" as ~2^63
+            left = max(limit - usage + _stat(stat_file, reclaimable), 0)
+            available = left if available is None else min(available, left)
+            break
+    if available is not None:
+        return available
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,116 @@
+"""The memory a run will need (`runtime/memory.py`, `api/memory_check.py`): terms by hand on a tiny shape, the
+refusal before any weight is read, and `plan`'s line."""
+
+import pytest
+
+from compressor.api.memory_check import check_memory, memory_estimate, memory_shape, run_workload
+from compressor.api.run_options import CompressOptions
+from compressor.api.session import resolve_run
+from compressor.runtime.errors import UserError
+from compressor.runtime.memory import (
+    GIB,
+    Shape,
+    Workload,
+    activations,
+    grams_all_layers,
+    in_memory_peak,
+    in_memory_phases,
+)
+
+TINY = Shape("tiny", hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, layers=3, vocab=10, tied=True)
+
+
+def test_in_memory_terms_by_hand():
+    w = Workload(windows=2, seq_len=3, sensitivity=1)
+    # Every layer's fp64 autocorrelations: q/k/v's and o's inputs (4² each), 3 layers.
+    assert grams_all_layers(TINY, w) == 8 * 3 * (16 + 16)
+    # With the MLP: gate/up's input (4²) and down's (8²) too.
+    assert grams_all_layers(TINY, Workload(2, 3, 1, mlp=True)) == 8 * 3 * (16 + 16 + 16 + 64)
+    parts = in_memory_phases(TINY, w)
+    act = activations(TINY, 3, 4)
+    # The backward pass keeps every layer's activations and attention probabilities (2 heads × 3² × 4 bytes),
+    # plus one window's logits through the head (3 tokens × 10 × (12 + 4)).
+    assert parts["sensitivity"] == 3 * (act + 2 * 9 * 4) + 3 * 10 * 16
+    assert parts["evaluation"] == 0  # no evaluation asked
+    weights = TINY.params() * 4
+    assert in_memory_peak(TINY, w, runtime=100) == 100 + weights + grams_all_layers(TINY, w) + max(
+        parts.values()
+    )
+    # Evaluating reloads the original beside the compressed model.
+    evaluated = in_memory_phases(TINY, Workload(2, 3, 1, eval_seq_len=3))["evaluation"]
+    assert evaluated >= weights + 2 * 3 * 10 * 16
+    # No sensitivity pass without the loss-aware allocation.
+    assert in_memory_phases(TINY, Workload(2, 3, 0))["sensitivity"] == 0
+
+
+def _estimate(in_memory_gib: float, layerwise_gib: float, available_gib: float, layerwise: bool) -> dict:
+    return {
+        "device": "cpu",
+        "in_memory_bytes": int(in_memory_gib * GIB),
+        "layerwise_bytes": int(layerwise_gib * GIB),
+        "available_bytes": int(available_gib * GIB),
+        "layerwise": layerwise,
+    }
+
+
+def test_check_memory_names_the_option_that_fits():
+    check_memory(_estimate(10, 3, 20, layerwise=False))  # fits: nothing said
+    with pytest.raises(UserError) as err:
+        check_memory(_estimate(34.3, 6.2, 19.8, layerwise=False))
+    message = str(err.value)
+    assert "34.3 GiB" in message and "19.8 GiB is available" in message and "add --layerwise" in message
+    assert "\n" not in message
+    check_memory(_estimate(34.3, 6.2, 19.8, layerwise=True))  # --layerwise given: fits
+    with pytest.raises(UserError, match="even with --layerwise"):
+        check_memory(_estimate(80, 30, 19.8, layerwise=True))
+    with pytest.raises(UserError, match="about 30.0 GiB with --layerwise"):
+        check_memory(_estimate(80, 30, 19.8, layerwise=False))
+    # Unknown availability or a GPU run: no refusal on a guess.
+    check_memory(_estimate(80, 30, 19.8, False) | {"available_bytes": None})
+    check_memory(_estimate(80, 30, 19.8, False) | {"device": "gpu"})
+
+
+def test_the_large_recipe_needs_layerwise_for_the_whole_model():
+    """The 1.5B recipe's shapes (no weights): attention alone fits 24 GB in memory; the model 20% smaller holds
+    28 × 8960² fp64 autocorrelations of down_proj's input (17 GiB) on top of the weights, so only --layerwise fits."""
+    from compressor.api.preview import read_model_config
+
+    for targets, ratio_of in (("attn", "targets"), ("attn,mlp", "model")):
+        options = CompressOptions.from_values({"ratio": 0.2, "targets": targets, "ratio_of": ratio_of})
+        run = resolve_run("qwen2.5-coder-1.5b", options)
+        config, _ = read_model_config(run.source)
+        estimate = memory_estimate(config, run, options)
+        work = run_workload(run, options, gpu=False)
+        assert work.mlp == (targets == "attn,mlp") and work.dtype_bytes == 4 and work.eval_seq_len == 512
+        shape = memory_shape(config)
+        assert (shape.hidden, shape.intermediate, shape.layers, shape.kv) == (1536, 8960, 28, 256)
+        assert estimate["layerwise_bytes"] < estimate["in_memory_bytes"]
+        if targets == "attn":
+            assert estimate["in_memory_bytes"] < 24e9
+        else:
+            assert grams_all_layers(shape, work) > 28 * 8 * 8960**2
+            assert estimate["in_memory_bytes"] > 24e9 > 2 * estimate["layerwise_bytes"]
+
+
+def test_plan_prints_the_memory(capsys):
+    from compressor.cli.inspect import show_plan
+
+    show_plan("smollm2-135m", CompressOptions.from_values({"ratio": 0.2}), None, as_json=False)
+    out = capsys.readouterr().out
+    assert "memory: about" in out and "with --layerwise" in out
+
+
+def test_compress_refuses_before_reading_a_weight(monkeypatch, tmp_path):
+    """With 10 GiB available the 1.5B model 20% smaller does not fit in memory: `compress` says so in one line
+    naming --layerwise, before the model is fetched or loaded (neither is patched: reaching them would fail or
+    take minutes)."""
+    import compressor.api.memory_check as memory_check
+    from compressor.api.run import compress
+
+    monkeypatch.setattr(memory_check, "available_memory", lambda: 10 * GIB)
+    options = CompressOptions.from_values(
+        {"ratio": 0.2, "targets": "attn,mlp", "ratio_of": "model", "out": str(tmp_path / "out")}
+    )
+    with pytest.raises(UserError, match=r"add --layerwise \(about [0-9.]+ GiB"):
+        compress("qwen2.5-coder-1.5b", options, progress=False)
+    assert not (tmp_path / "out").exists()
