@@ -23,24 +23,9 @@ def verdict(key: str, results: dict) -> str:
     return "met" if results[key] <= TARGETS[key][0] else "**missed**"
 
 
-def _counted_once(run: dict) -> tuple[dict, bool]:
-    """Stage seconds with the neuron orders counted once (runs before e0ee993 also timed them inside
-    `residual_svd`: `other` < 0), and whether that was done; the total, measured whole, is unchanged."""
-    stages = dict(run["stage_seconds"])
-    if stages.get("other", 0.0) >= 0 or not {"neuron_selection", "residual_svd"} <= set(stages):
-        return stages, False
-    stages["residual_svd"] -= stages["neuron_selection"]
-    stages["other"] += stages["neuron_selection"]
-    return stages, True
-
-
 def compression_section(results: dict, rel) -> list[str]:
     c, whole, demo = results["compression"], results.get("whole_model_compression"), results.get("demo")
     runs = {"attention 0.2": c} | ({"model 20% smaller": whole} if whole else {})
-    corrected = []  # runs that counted the neuron orders twice
-    for name, run in list(runs.items()):
-        stages, was = _counted_once(run)
-        runs[name], corrected = run | {"stage_seconds": stages}, corrected + ([name] if was else [])
     seen = {k for run in runs.values() for k in run["stage_seconds"]}
     order = [*STAGE_LABELS, *sorted(seen - set(STAGE_LABELS))]  # the pipeline's order; `other` last
     stages = sorted(seen, key=lambda k: (k == "other", order.index(k)))
@@ -94,11 +79,6 @@ def compression_section(results: dict, rel) -> list[str]:
             f"{results['demo_minutes']:.1f} minutes** (target ≤ {TARGETS['demo_minutes'][0]:g}: "
             f"{verdict('demo_minutes', results)}), of which evaluating the original and the compressed model "
             f"{demo['eval_seconds'] / 60:.1f}; `{demo['command']}`."
-        )
-    if corrected:
-        lines.append(
-            f"- The {', '.join(corrected)} run was recorded before e0ee993, which timed the MLP neuron orders both "
-            "under their own name and inside the residual stage: shown once (the residual stage less them)."
         )
     lines += [
         f"- Achieved ratio {c['achieved_ratio']:.4f}; checkpoint {c['checkpoint_mib']:.1f} MiB.",

@@ -102,16 +102,6 @@ def _rendered(results: dict, tmp_path) -> str:
     return render(results, path, tmp_path / "BENCHMARKS.md", tmp_path)[0].read_text()
 
 
-def test_a_run_that_counted_the_neuron_orders_twice_is_shown_counting_them_once(tmp_path):
-
-    results = _fake_results()
-    results["whole_model_compression"]["stage_seconds"] |= {"residual_svd": 3.0, "other": -1.8}
-    doc = _rendered(results, tmp_path)
-    assert "| residual SVDs, allocation, installing the modules | 2.0 | 1.0 |" in doc
-    assert "| reading and tokenizing the text, planning, setup | — | 0.2 |" in doc
-    assert "recorded before e0ee993" in doc
-
-
 def test_scaling_verdicts_come_from_the_numbers(tmp_path):
     """An overhead that grows 1.3x, a deep model peaking above half its weights and checkpoints that differ are
     reported as missed targets."""
