@@ -3,7 +3,7 @@ refusal before any weight is read, and `plan`'s line."""
 
 import pytest
 
-from compressor.api.memory_check import check_memory, memory_estimate, memory_shape, run_workload
+from compressor.api.memory_check import check_memory, memory_estimate, run_workload
 from compressor.api.run_options import CompressOptions
 from compressor.api.session import resolve_run
 from compressor.runtime.errors import UserError
@@ -82,7 +82,7 @@ def test_the_large_recipe_needs_layerwise_for_the_whole_model():
         estimate = memory_estimate(config, run, options)
         work = run_workload(run, options, gpu=False)
         assert work.mlp == (targets == "attn,mlp") and work.dtype_bytes == 4 and work.eval_seq_len == 512
-        shape = memory_shape(config)
+        shape = Shape.from_config(config)
         assert (shape.hidden, shape.intermediate, shape.layers, shape.kv) == (1536, 8960, 28, 256)
         assert estimate["layerwise_bytes"] < estimate["in_memory_bytes"]
         if targets == "attn":
@@ -114,3 +114,32 @@ def test_compress_refuses_before_reading_a_weight(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"add --layerwise \(about [0-9.]+ GiB"):
         compress("qwen2.5-coder-1.5b", options, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_available_memory_reads_meminfo_and_a_containers_limit(monkeypatch, tmp_path):
+    """MemAvailable (kB) from /proc/meminfo, lowered to what a cgroup's limit leaves (its inactive page cache
+    counted as free); no limit ("max") changes nothing."""
+    import compressor.runtime.memory as memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    limit, usage, stat = (tmp_path / name for name in ("memory.max", "memory.current", "memory.stat"))
+    limit.write_text("max\n")
+    usage.write_text(str(6 * GIB))
+    stat.write_text("anon 123\ninactive_file 1073741824\n")
+    real_open = open
+    absent = tmp_path / "absent"  # no cgroup v1 files: the machine's own must not enter the test
+    paths = {
+        "/proc/meminfo": meminfo,
+        "/sys/fs/cgroup/memory.max": limit,
+        "/sys/fs/cgroup/memory.current": usage,
+        "/sys/fs/cgroup/memory.stat": stat,
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes": absent,
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes": absent,
+    }
+    monkeypatch.setattr(
+        memory, "open", lambda path, *a, **k: real_open(paths.get(path, path), *a, **k), raising=False
+    )
+    assert memory.available_memory() == 20000000 * 1024
+    limit.write_text(str(8 * GIB))  # 8 GiB limit, 6 GiB used of which 1 GiB reclaimable: 3 GiB left
+    assert memory.available_memory() == 3 * GIB

@@ -15,26 +15,10 @@ from compressor.runtime.memory import (
     Shape,
     Workload,
     available_memory,
+    cpu_peak,
     device_peak,
     in_memory_peak,
-    layerwise_peak,
 )
-
-
-def memory_shape(config) -> Shape:
-    """The shapes the memory formulas read, from a transformers config."""
-    heads, hidden = config.num_attention_heads, config.hidden_size
-    return Shape(
-        name=getattr(config, "model_type", ""),
-        hidden=hidden,
-        heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or hidden // heads,
-        intermediate=config.intermediate_size,
-        layers=config.num_hidden_layers,
-        vocab=config.vocab_size,
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
-    )
 
 
 def run_workload(
@@ -61,13 +45,13 @@ def memory_estimate(
 ) -> dict:
     """Peak memory in bytes of the run in memory and with `--layerwise` (host RAM on the CPU; the GPU's memory
     on a GPU), the memory available now, and which pipeline the options choose."""
-    shape, work = memory_shape(config), run_workload(run, options, gpu, dtype_bytes)
+    shape, work = Shape.from_config(config), run_workload(run, options, gpu, dtype_bytes)
     return {
         "device": "gpu" if gpu else "cpu",
         # On a GPU the device's memory: the runtime's base is host memory.
         "in_memory_bytes": int(in_memory_peak(shape, work, runtime=0 if gpu else RUNTIME_BASE)),
         "layerwise_bytes": int(
-            device_peak(shape, work) if gpu else layerwise_peak(shape, work, RUNTIME_BASE)
+            device_peak(shape, work) if gpu else cpu_peak(shape, work, RUNTIME_BASE)  # cpu_peak: --layerwise
         ),
         "available_bytes": None if gpu else available_memory(),
         "layerwise": options.layerwise,

@@ -7,6 +7,7 @@ from rich.text import Text
 
 from compressor.modeling.adapters import PROJECTIONS
 from compressor.report.records import format_groups, group_label
+from compressor.runtime.memory import GIB
 
 
 def _pct(value: float | None) -> str:
@@ -232,16 +233,15 @@ def _plan_ranks_table(plan: dict) -> Table:
 
 def _memory_line(memory: dict) -> Text:
     """The run's estimated peak memory in memory and with --layerwise, against what is available now."""
-    gib = 1024**3
     where = "GPU memory" if memory["device"] == "gpu" else "memory"
     available = memory.get("available_bytes")
     chosen = memory["layerwise_bytes"] if memory["layerwise"] else memory["in_memory_bytes"]
     fits = available is None or chosen <= available
     return Text.assemble(
         (f"{where}: ", "bold"),
-        f"about {memory['in_memory_bytes'] / gib:.1f} GiB at its peak in memory, "
-        f"{memory['layerwise_bytes'] / gib:.1f} GiB with --layerwise",
-        "" if available is None else f" · {available / gib:.1f} GiB available now",
+        f"about {memory['in_memory_bytes'] / GIB:.1f} GiB at its peak in memory, "
+        f"{memory['layerwise_bytes'] / GIB:.1f} GiB with --layerwise",
+        "" if available is None else f" · {available / GIB:.1f} GiB available now",
         ""
         if fits
         else (" · needs --layerwise" if memory["layerwise_bytes"] <= available else " · does not fit"),

@@ -3,7 +3,7 @@ weight read): `plan` prints it, and `compress` refuses a run that cannot fit bef
 
 Two pipelines. In memory (`in_memory_peak`): the whole model, every layer's fp64 input autocorrelations, and the
 largest of the passes (calibration, the loss sensitivity's backward pass, compression, evaluation with the
-original reloaded beside the compressed model). `--layerwise` (`layerwise_peak`, read off `api/layerwise.py`,
+original reloaded beside the compressed model). `--layerwise` (`cpu_peak`, read off `api/layerwise.py`,
 `statistics/layer_stream.py`, `modeling/offload.py`, `methods/offloaded_context.py`): one decoder layer and one
 layer's statistics at a time. Every term is computed from shapes and settings; the one constant is the runtime's
 base R0 (Python, torch, transformers, the tokenizer), measured. `benchmarks/memory_projection.py` checks both
@@ -51,12 +51,23 @@ class Shape:
 
     @classmethod
     def from_width(cls, width: dict, layers: int, name: str = "", tied: bool = True) -> Shape:
-        """A benchmark width (a LlamaConfig's keywords) at `layers` layers."""
+        """A benchmark width (a LlamaConfig's keywords; kv heads and head_dim derived where absent or None) at
+        `layers` layers."""
         heads, hidden = width["num_attention_heads"], width["hidden_size"]
         return cls(
-            name, hidden, heads, width["num_key_value_heads"], width.get("head_dim", hidden // heads),
+            name, hidden, heads, width.get("num_key_value_heads") or heads, width.get("head_dim") or hidden // heads,
             width["intermediate_size"], layers, width["vocab_size"], tied,
         )  # fmt: skip
+
+    @classmethod
+    def from_config(cls, config) -> Shape:
+        """A transformers config's shapes."""
+        return cls.from_width(
+            config.to_dict(),
+            config.num_hidden_layers,
+            name=getattr(config, "model_type", ""),
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
     def params(self) -> int:
         """Every parameter: the layers and the embeddings (and the untied head)."""
@@ -211,9 +222,6 @@ def cpu_peak(shape: Shape, w: Workload, runtime: float) -> float:
     return runtime + overhead(shape, w)
 
 
-layerwise_peak = cpu_peak
-
-
 def grams_all_layers(shape: Shape, w: Workload) -> int:
     """In memory: every layer's fp64 input autocorrelations, held from the calibration to the end of compression."""
     return 8 * shape.layers * sum(n * n for n in shape.inputs(w.mlp))
@@ -263,16 +271,18 @@ CGROUP_FILES = (
 )  # fmt: skip
 
 
-def _stat(path: str, key: str) -> int:
+def _field(path: str, key: str) -> int | None:
+    """The number after `key` on its line of a `key value [unit]` file (/proc/meminfo, a cgroup's memory.stat),
+    or None where the file or the key is absent."""
     try:
         with open(path) as f:
             for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == key:
+                    return int(parts[1])
     except (OSError, ValueError):
         pass
-    return 0
+    return None
 
 
 def _read_int(path: str) -> int | None:
@@ -286,19 +296,12 @@ def _read_int(path: str) -> int | None:
 def available_memory() -> int | None:
     """Bytes this process can still take without swapping: Linux's `MemAvailable`, lowered to what a container's
     memory limit leaves; elsewhere the physical memory; None where nothing can be read."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+    available_kib = _field("/proc/meminfo", "MemAvailable:")
+    available = None if available_kib is None else available_kib * 1024
     for limit_file, usage_file, stat_file, reclaimable in CGROUP_FILES:
         limit, usage = _read_int(limit_file), _read_int(usage_file)
         if limit is not None and usage is not None and limit < 2**60:  # v1 writes "no limit" as ~2^63
-            left = max(limit - usage + _stat(stat_file, reclaimable), 0)
+            left = max(limit - usage + (_field(stat_file, reclaimable) or 0), 0)
             available = left if available is None else min(available, left)
             break
     if available is not None:
