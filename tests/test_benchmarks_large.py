@@ -27,8 +27,10 @@ def test_figures_and_verdicts():
         "attention": _run(16.0, 16.2, {"calibration": 300.0}, 17.0, 17.5, reloaded=16.2),
         "attention-svd-llm": _run(16.0, 18.0, {"calibration": 300.0}, 17.0, 17.5),
         "whole": _run(16.0, 22.0, {"calibration": 600.0, "neuron_selection": 900.0}, 6.6, 6.0),
+        "whole-svd-llm": _run(16.0, 88.0, {"calibration": 600.0}, 6.0, 6.0),
     }
     out = figures(runs)
+    assert out["large_whole_model_ppl_over_svd_llm"] == 0.25
     assert abs(out["large_attention_rise_ratio"] - 0.2 / 2.0) < 1e-12
     assert abs(out["large_whole_model_ppl_ratio"] - 22.0 / 16.0) < 1e-12
     assert abs(out["large_peak_rss_over_planned"] - 1.1) < 1e-12
@@ -37,7 +39,11 @@ def test_figures_and_verdicts():
     assert "`large_attention_rise_ratio`" in rows and "0.100x | ≤ 0.15x | met" in rows
     assert "`large_neuron_selection_over_capture`" in rows and "1.500x | ≤ 1x | **missed**" in rows
     # A figure whose runs were not measured is left out, never shown as a number.
-    assert figures({"whole": runs["whole"]}).keys().isdisjoint({"large_attention_rise_ratio"})
+    assert (
+        figures({"whole": runs["whole"]})
+        .keys()
+        .isdisjoint({"large_attention_rise_ratio", "large_whole_model_ppl_over_svd_llm"})
+    )
     page = render({"command": "python -m benchmarks.large", "machine": {"cpu": "cpu", "cores": 2},
                    "date": "2026-11-27", "runs": runs} | out)  # fmt: skip
     assert "16.2000 on 16,352 tokens (the run: 16.2000 on 16,352)" in page

@@ -3,12 +3,15 @@ the plan say the model's size before and after."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import tiny_config, tiny_model, tiny_model_dir
 
 from compressor.api import compress
 from compressor.api.preview import model_parameter_count, plan_compression
 from compressor.api.run_options import CompressOptions
+from compressor.api.session import heavy_share_warning
 from compressor.math.accounting import targets_ratio
 from compressor.runtime.errors import UserError
 
@@ -49,3 +52,36 @@ def test_a_model_ratio_shrinks_the_whole_model_by_that_much(tmp_path, method):
     plan = plan_compression(folder, options)
     assert plan["model_params_before"] == before
     assert plan["targets_ratio"] == pytest.approx(summary["targets_ratio"])
+
+
+def test_a_model_ratio_warns_only_when_it_takes_over_forty_percent_of_the_targets():
+    assert heavy_share_warning(0.2, 0.25, 1000, 800) is None
+    assert heavy_share_warning(0.3, 0.40, 1000, 750) is None
+    line = heavy_share_warning(0.35, 0.4434, 1000, 790)
+    assert "takes 44% of the targeted parameters" in line and "21% of the model" in line
+    assert "\n" not in line and "--ratio-of targets" in line
+
+
+def test_the_warning_is_said_before_calibrating_and_shown_by_plan(tmp_path, monkeypatch, capsys):
+    import compressor.api.session as session
+
+    folder = str(tiny_model_dir(tmp_path / "tiny", num_hidden_layers=2))
+    options = CompressOptions(
+        ratio=0.15, ratio_of="model", targets="attn", calib_samples=4, seq_len=64, evaluate=False,
+        out=str(tmp_path / "ck"),
+    )  # fmt: skip
+    plan = plan_compression(folder, options)
+    assert plan["targets_ratio"] > 0.4 and "--ratio 0.15 --ratio-of model takes" in plan["warning"]
+
+    class Stopped(Exception):
+        pass
+
+    def no_calibration(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(session, "calibration_token_windows", no_calibration)
+    with pytest.raises(Stopped):
+        compress(folder, options, progress=False)
+    assert "warning: --ratio 0.15 --ratio-of model takes" in " ".join(capsys.readouterr().err.split())
+    # A share of the targets at most 40%: no warning.
+    assert plan_compression(folder, replace(options, ratio_of="targets"))["warning"] is None

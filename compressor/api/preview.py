@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from compressor.api.memory_check import memory_estimate
 from compressor.api.model_loading import read_config, recipe_config, shapes_recipe
 from compressor.api.run_options import CompressOptions
-from compressor.api.session import resolve_run
+from compressor.api.session import heavy_share_warning, resolve_run
 from compressor.math.accounting import CompressionPlan, check_ratio, targets_ratio, with_legacy_keys
 from compressor.math.grouping import ASSUMED_RULE_ENDS, ASSUMED_RULE_EVEN, assumed_groups, groups_from_layout
 from compressor.methods import Method, ModelShape, get_method
@@ -309,6 +309,9 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         "ratio_requested": options.ratio,
         "ratio_of": options.ratio_of,
         "targets_ratio": ratio,
+        "warning": heavy_share_warning(options.ratio, ratio, model_params, target_params)
+        if options.ratio_of == "model"
+        else None,
         "model_params_before": model_params,
         # The targets' numbers change, nothing else does (an upper bound where the ranks are).
         "model_params_after": None if after is None else model_params - target_params + after,

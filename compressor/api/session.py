@@ -36,6 +36,7 @@ from compressor.recipes.schema import (
 )
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.hub import check_hub_model
+from compressor.runtime.progress import note
 
 
 @dataclass
@@ -133,6 +134,26 @@ class Prepared:
     element_size: int  # bytes per weight in the model's dtype
 
 
+#: `--ratio-of model` warns when the request takes more than this share of the targets: the untargeted rest (the
+#: embeddings above all) leaves the whole cut to the layers.
+HEAVY_SHARE_OF_TARGETS = 0.4
+
+
+def heavy_share_warning(
+    ratio: float, targets_share: float, model_params: int, target_params: int
+) -> str | None:
+    """One line when `--ratio-of model` takes more than `HEAVY_SHARE_OF_TARGETS` of the targeted parameters
+    because the rest of the model is not a target; None otherwise."""
+    if targets_share <= HEAVY_SHARE_OF_TARGETS:
+        return None
+    rest = 1.0 - target_params / model_params
+    return (
+        f"--ratio {ratio:g} --ratio-of model takes {targets_share:.0%} of the targeted parameters, because "
+        f"{rest:.0%} of the model (the embeddings, norms and what is not targeted) is not cut: expect a large "
+        "quality loss; lower --ratio, or use --ratio-of targets to set the targets' share directly"
+    )
+
+
 def prepare_run(
     run: RunSpec, options: CompressOptions, model, adapter, tokenizer, calib_text, eval_text
 ) -> Prepared:
@@ -147,6 +168,10 @@ def prepare_run(
     ratio = targets_ratio(
         options.ratio, options.ratio_of, params, shape.params_before, run.compression.targets
     )
+    if options.ratio_of == "model" and (
+        warning := heavy_share_warning(options.ratio, ratio, params, shape.params_before)
+    ):
+        note(f"[yellow]warning:[/] {warning}")  # before calibrating: the user can stop and ask otherwise
     run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
     eval_windows, eval_name = (

@@ -114,55 +114,67 @@ def block_greedy_order(
     every pick updating the pool's gains; then every neuron's gain is updated at once.
 
     It differs from the one-at-a-time greedy only where that would pick, within a block, a neuron outside the
-    pool. The arithmetic is the greedy's O(I² (I + hidden)), but in matrix-matrix products (I/block steps)
-    instead of I matrix-vector passes over the growing factor, which bound the greedy by memory traffic: the
-    cost that made a 0.5B model's neuron selection take 22 minutes."""
+    pool. The work is in matrix-matrix products (I/block steps) instead of I matrix-vector passes over the
+    growing factor, which bound the greedy by memory traffic (the cost that made a 0.5B model's neuron selection
+    take 22 minutes); and only on the neurons not yet kept (the working arrays drop the kept ones whenever they
+    are a quarter of what is held): about I³ (2/3 + hidden/I) multiply-adds instead of 2 I³ (1 + hidden/I),
+    the same order (width 8960: 1.6× faster)."""
     c = autocorr.to(dtype)
     d = down.to(dtype)
     n = c.shape[0]
-    dr = d @ c  # (hidden, I): D R, kept current block by block (R = C at the start)
-    diag = torch.diagonal(c).clone()  # R_jj
+    held = torch.arange(n, device=c.device)  # the neurons the working arrays hold: all not kept, a few kept
+    dr = d @ c  # (hidden, held): D R, kept current block by block (R = C at the start)
+    diag = torch.diagonal(c).clone()  # R_jj on held
     floor = 1e-12 * float(diag.max()) if n else 0.0
-    # The pivoted Cholesky factor, one row per column of it (row t: the t-th kept neuron's column, on all I):
+    # The pivoted Cholesky factor, one row per column of it (row t: the t-th kept neuron's column, on `held`):
     # contiguous to write and to read block by block.
     factor = torch.zeros(n, n, dtype=dtype, device=c.device)
-    chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
+    kept = torch.zeros(n, dtype=torch.bool, device=c.device)  # on held
     order: list[int] = []
     t = 0
     while t < n:
         gain = torch.linalg.vector_norm(dr, dim=0).square() / diag.clamp_min(floor)  # ‖D R_:j‖² / R_jj
-        gain.masked_fill_(chosen | (diag <= floor), -1.0)
+        gain.masked_fill_(kept | (diag <= floor), -1.0)
         ranked = torch.argsort(gain, descending=True, stable=True)[: min(2 * block, n - t)]
-        pool = ranked[gain[ranked] >= 0]
+        pool = ranked[gain[ranked] >= 0]  # positions in held
         if len(pool) == 0:  # nothing left to explain: the rest follow in their index order
             break
-        columns = c[:, pool] - factor[:t].T @ factor[:t, pool]  # R_:pool (I × m)
+        pool_neurons = held[pool]
+        columns = c[pool_neurons][:, held].T - factor[:t].T @ factor[:t, pool]  # R_held,pool (C symmetric)
         d_columns = dr[:, pool]  # D R_:pool (hidden × m; a copy: advanced indexing)
         picked, w_block = [], []  # the block's factor columns and D times them
         arange = torch.arange(len(pool), device=c.device)
         for _ in range(min(block, len(pool))):
             pivots = columns[pool, arange]  # R_jj of the pool
             pool_gain = torch.linalg.vector_norm(d_columns, dim=0).square() / pivots.clamp_min(floor)
-            pool_gain.masked_fill_(chosen[pool] | (pivots <= floor), -1.0)
+            pool_gain.masked_fill_(kept[pool] | (pivots <= floor), -1.0)
             i = int(torch.argmax(pool_gain))
             if float(pool_gain[i]) < 0:  # the rest of the pool is explained by the block's picks
                 break
             scale = pivots[i].sqrt()
             column, w = columns[:, i] / scale, d_columns[:, i] / scale
             on_pool = column[pool]
-            columns -= torch.outer(column, on_pool)
-            d_columns -= torch.outer(w, on_pool)
+            columns.addr_(column, on_pool, alpha=-1.0)
+            d_columns.addr_(w, on_pool, alpha=-1.0)
             picked.append(column)
             w_block.append(w)
-            chosen[int(pool[i])] = True
-            order.append(int(pool[i]))
-        block_factor = torch.stack(picked, dim=1)  # (I × b)
+            kept[int(pool[i])] = True
+            order.append(int(pool_neurons[i]))
+        block_factor = torch.stack(picked, dim=1)  # (held × b)
         factor[t : t + len(picked)] = block_factor.T
         t += len(picked)
-        # D R_new = D R − Wb Vbᵀ: one rank-b update of the (hidden × I) product, cheaper than recomputing it
+        # D R_new = D R − Wb Vbᵀ: one rank-b update of the (hidden × held) product, cheaper than recomputing it
         # from C (hidden·I·b per block instead of I·t·b).
         dr.sub_(torch.stack(w_block, dim=1) @ block_factor.T)
         diag.sub_(block_factor.square().sum(dim=1)).clamp_(min=0.0)
+        if len(held) - (n - t) > len(held) // 4:  # a quarter of what is held is kept: drop those
+            stay = ~kept
+            held, dr, diag = held[stay], dr[:, stay].contiguous(), diag[stay]
+            compact = torch.zeros(n, len(held), dtype=dtype, device=c.device)
+            compact[:t] = factor[:t][:, stay]
+            factor, kept = compact, torch.zeros(len(held), dtype=torch.bool, device=c.device)
+    chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
+    chosen[order] = True
     rest = torch.nonzero(~chosen).flatten().tolist()
     return torch.tensor(order + rest, dtype=torch.long, device=c.device)
 

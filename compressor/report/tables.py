@@ -154,6 +154,8 @@ def _plan_header(plan: dict) -> list:
             f"biases: {', '.join(plan['bias_projections']) or 'none'}"
         ),
     ]
+    if plan.get("warning"):
+        out.append(Text(f"warning: {plan['warning']}", style="yellow"))
     groups = plan["groups"]
     if groups["layers"]:
         out.append(
