@@ -44,8 +44,10 @@ def test_figures_and_verdicts():
         .keys()
         .isdisjoint({"large_attention_rise_ratio", "large_whole_model_ppl_over_svd_llm"})
     )
+    runs["attention-svd-llm"] |= {"note": "its calibration read from the cache", "date": "2026-11-27 09:52"}
     page = render({"command": "python -m benchmarks.large", "machine": {"cpu": "cpu", "cores": 2},
                    "date": "2026-11-27", "runs": runs} | out)  # fmt: skip
+    assert "calibration 300 (its calibration read from the cache)" in page and "| 2026-11-27 09:52 |" in page
     assert "16.2000 on 16,352 tokens (the run: 16.2000 on 16,352)" in page
     assert "16.000 → 22.000" in page
 
