@@ -136,7 +136,8 @@ def render(results: dict) -> str:
         "# A 1.5B model end to end",
         "",
         f"`{results['command']}` on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
-        f"{results['date']} (runs measured in other invocations keep theirs: each row's date). Model `{MODEL}` (Qwen2.5-Coder-1.5B-Instruct, its Q4_K_M GGUF dequantized to fp32); "
+        f"{results['date']} (runs measured in other invocations keep theirs: each row's date). "
+        f"Model `{MODEL}` (Qwen2.5-Coder-1.5B-Instruct, its Q4_K_M GGUF dequantized to fp32); "
         "each run a fresh process of the CLI, with the recipe's calibration (32 windows of 512 tokens) and "
         "evaluation (the test split's first 16,384 tokens, 32 windows of 512): perplexity with its 95% interval, "
         "the rise's interval paired over the same windows.",
@@ -148,7 +149,8 @@ def render(results: dict) -> str:
     for r in runs.values():
         s, q = r["run"], r["run"]["quality"]
         lines.append(
-            f"| {r['what']} | {r.get('date', '')} | {q['ppl_before']:.3f} → {q['ppl_after']:.3f}{interval(q['ppl_after_ci95'])} | "
+            f"| {r['what']} | {r.get('date', '')} | "
+            f"{q['ppl_before']:.3f} → {q['ppl_after']:.3f}{interval(q['ppl_after_ci95'])} | "
             f"{_rise(s):+.3f}{interval(q['ppl_rise_ci95'])} | {q['kl_to_original']:.4f} | "
             f"{100 * q['top1_agreement']:.1f}% | {s['checkpoint_bytes'] / GIB:.2f} | "
             f"{s['process']['peak_rss_gib']:.2f} | {r['plan']['planned_gib']:.2f} | "

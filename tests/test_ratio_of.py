@@ -55,9 +55,10 @@ def test_a_model_ratio_shrinks_the_whole_model_by_that_much(tmp_path, method):
 
 
 def test_a_model_ratio_warns_only_when_it_takes_over_forty_percent_of_the_targets():
-    assert heavy_share_warning(0.2, 0.25, 1000, 800) is None
-    assert heavy_share_warning(0.3, 0.40, 1000, 750) is None
-    line = heavy_share_warning(0.35, 0.4434, 1000, 790)
+    assert heavy_share_warning(0.2, "model", 0.25, 1000, 800) is None
+    assert heavy_share_warning(0.3, "model", 0.40, 1000, 750) is None
+    assert heavy_share_warning(0.5, "targets", 0.5, 1000, 790) is None  # the share asked for itself
+    line = heavy_share_warning(0.35, "model", 0.4434, 1000, 790)
     assert "takes 44% of the targeted parameters" in line and "21% of the model" in line
     assert "\n" not in line and "--ratio-of targets" in line
 

@@ -140,11 +140,12 @@ HEAVY_SHARE_OF_TARGETS = 0.4
 
 
 def heavy_share_warning(
-    ratio: float, targets_share: float, model_params: int, target_params: int
+    ratio: float, ratio_of: str, targets_share: float, model_params: int, target_params: int
 ) -> str | None:
     """One line when `--ratio-of model` takes more than `HEAVY_SHARE_OF_TARGETS` of the targeted parameters
-    because the rest of the model is not a target; None otherwise."""
-    if targets_share <= HEAVY_SHARE_OF_TARGETS:
+    because the rest of the model is not a target; None otherwise (and always with `--ratio-of targets`, where
+    the share is the ratio asked for)."""
+    if ratio_of != "model" or targets_share <= HEAVY_SHARE_OF_TARGETS:
         return None
     rest = 1.0 - target_params / model_params
     return (
@@ -168,9 +169,7 @@ def prepare_run(
     ratio = targets_ratio(
         options.ratio, options.ratio_of, params, shape.params_before, run.compression.targets
     )
-    if options.ratio_of == "model" and (
-        warning := heavy_share_warning(options.ratio, ratio, params, shape.params_before)
-    ):
+    if warning := heavy_share_warning(options.ratio, options.ratio_of, ratio, params, shape.params_before):
         note(f"[yellow]warning:[/] {warning}")  # before calibrating: the user can stop and ask otherwise
     run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
