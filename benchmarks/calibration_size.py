@@ -26,21 +26,18 @@ MODEL = "smollm2-135m"
 FORMS = {"native": {"native": True}, "default": {}}
 
 
-def compress_and_score(
-    form: str, windows: int, ratio: float, eval_settings: EvalSettings, work: Path
-) -> dict:
-    out = work / f"{form}-{windows}"
-    options = CompressOptions(
-        ratio=ratio, ratio_of="model", targets="attn,mlp", calib_samples=windows, evaluate=False,
-        out=str(out), overwrite=True, **FORMS[form],
-    )  # fmt: skip
+def compress_and_score(label: str, options: dict, eval_settings: EvalSettings, work: Path) -> dict:
+    """Compress the bundled model with `options` (`CompressOptions` fields), score the checkpoint on
+    `eval_settings`' windows, and keep what a choice compares: stage times, size, perplexity and the per-window
+    losses a paired difference needs. Other choice benchmarks (`benchmarks.sensitivity_windows`) use it too."""
+    out = work / label
+    options = CompressOptions(evaluate=False, out=str(out), overwrite=True, **options)
     start = time.perf_counter()
     summary = compress(MODEL, options, device="cpu", dtype="float32", progress=False).summary
     seconds = time.perf_counter() - start
     result = evaluate(str(out), eval_settings, progress=False).result
-    log(f"{form}, {windows} windows: ppl {result.ppl:.3f} {result.ppl_ci95} ({seconds:.0f} s to compress)")
+    log(f"{label}: ppl {result.ppl:.3f} {result.ppl_ci95} ({seconds:.0f} s to compress)")
     return {
-        "windows": windows,
         "compress_seconds": seconds,
         "stage_seconds": summary["seconds"],
         "model_params_after": summary["model_params_after"],
@@ -75,7 +72,17 @@ def main(argv: list[str] | None = None) -> None:
     }
     with tempfile.TemporaryDirectory(prefix="masa-calibration-size-") as work:
         for form in args.forms.split(","):
-            runs = {n: compress_and_score(form, n, args.ratio, eval_settings, Path(work)) for n in counts}
+            runs = {
+                n: {"windows": n}
+                | compress_and_score(
+                    f"{form}-{n}",
+                    {"ratio": args.ratio, "ratio_of": "model", "targets": "attn,mlp", "calib_samples": n}
+                    | FORMS[form],
+                    eval_settings,
+                    Path(work),
+                )
+                for n in counts
+            }
             small, large = runs[counts[0]], runs[counts[-1]]
             difference = paired_difference(large["window_nll"], small["window_nll"], large["window_tokens"])
             lo, hi = difference.ci95

@@ -20,8 +20,8 @@ from benchmarks.memory_projection import (
     projection_section,
 )
 from benchmarks.plots import MIN_TARGETS, REPO, TARGETS, UNITS, _width_name, write_plots
+from benchmarks.report_choices import choices_section
 from benchmarks.report_sections import (
-    choices_section,
     compression_section,
     engines_summary,
     verdict,

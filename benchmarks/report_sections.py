@@ -1,17 +1,13 @@
 """Sections of BENCHMARKS.md beyond the attention benchmark: the whole model (curve, second domain, speed of the
-model 20% smaller) from results.json, and the choices behind today's defaults, from the validation runs kept in
-`benchmarks/results/choices/` (each measured once by the command it records; `make bench` does not re-run them).
+model 20% smaller) and the engines' summary rows, from results.json (the choices behind the defaults:
+`benchmarks.report_choices`).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from benchmarks.markdown import difference, interval, number
+from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, STAGE_LABELS, TARGETS
 
-from benchmarks.markdown import difference, interval, link, number
-from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, REPO, STAGE_LABELS, TARGETS
-
-CHOICES = REPO / "benchmarks" / "results" / "choices"
 DEFAULT = "masa-attn-mlp"
 
 
@@ -71,7 +67,10 @@ def compression_section(results: dict, rel) -> list[str]:
             f"- **The model 20% smaller: {results['whole_model_compress_over_forward']:.2f}x** (target ≤ "
             f"{TARGETS['whole_model_compress_over_forward'][0]:g}x: "
             f"{verdict('whole_model_compress_over_forward', results)}); its largest stage is "
-            f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}."
+            f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}, "
+            f"{whole['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x one forward pass by "
+            "itself: beside the attention's, it sums the autocorrelations of the MLP's inputs, `down_proj`'s "
+            "as wide as the MLP (each token's product costs width² multiply-adds at every layer)."
         )
     if demo:
         lines.append(
@@ -89,7 +88,7 @@ def compression_section(results: dict, rel) -> list[str]:
     return lines
 
 
-def _label(method: str) -> str:
+def label(method: str) -> str:
     return CURVE_STYLE.get(method, (f"`{method}`",))[0]
 
 
@@ -127,7 +126,7 @@ def whole_model_section(results: dict, rel) -> list[str]:
         if "rise_ratio_vs_svd_llm" in row:
             diffs += f"; rise ratio {row['rise_ratio_vs_svd_llm']:.3f}"
         lines.append(
-            f"| {row['model_ratio']:.0%} | {_label(row['method'])} | {row['model_mib']:.1f} | {row['ppl']:.3f}"
+            f"| {row['model_ratio']:.0%} | {label(row['method'])} | {row['model_mib']:.1f} | {row['ppl']:.3f}"
             f"{interval(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {number(row.get('kl_to_original'), 3)} | "
             f"{row['top1_agreement']:.1%} | {diffs or '—'} |"
         )
@@ -147,7 +146,7 @@ def _other_texts(w: dict) -> list[str]:
             "| variant | perplexity [95% CI] | KL | top-1 |",
             "|---|---|---|---|",
             *[
-                f"| {_label(name)} | {m['ppl']:.3f}{interval(m['ppl_ci95'])} | {m['kl_to_original']:.3f} | "
+                f"| {label(name)} | {m['ppl']:.3f}{interval(m['ppl_ci95'])} | {m['kl_to_original']:.3f} | "
                 f"{m['top1_agreement']:.1%} |"
                 for name, m in scored["models"].items()
             ],
@@ -227,180 +226,6 @@ def _decode_ceiling_lines(lat: dict) -> list[str]:
         f"{100 * removed:.1f}% of the layers' parameters saves at most {100 * removed:.1f}% of their "
         f"{layers:.0f} ms: **the ceiling of the decode speed-up on this machine is {ceiling:.3f}x**, not 1.25x.",
     ]
-
-
-# -- the choices behind the defaults ---------------------------------------------------------------------------
-def choices_section(doc: Path) -> list[str]:
-    parts = [
-        _neuron_order(doc),
-        _anchored(doc),
-        _calibration_size(doc),
-        _attention_forms(doc),
-        _whole_model_forms(doc),
-    ]
-    body = [line for part in parts for line in part]
-    if not body:
-        return []
-    return [
-        "## 6. The choices behind the defaults (validation split)",
-        "",
-        "Each default was chosen on the **validation** split (58,765 tokens of held-out Wikipedia articles, never "
-        "calibrated on, never used for the numbers above), by paired differences on the same windows; a "
-        "difference whose 95% interval holds 0 is a tie. Each file records the command that measured it. The "
-        "findings of earlier versions are in [docs/past-findings.md](docs/past-findings.md).",
-        "",
-        *body,
-    ]
-
-
-def _load(name: str):
-    path = CHOICES / name
-    return (path, json.loads(path.read_text())) if path.is_file() else (path, None)
-
-
-def _neuron_order(doc: Path) -> list[str]:
-    path, data = _load("neuron-selection-round2.json")
-    if data is None:
-        return []
-    reference = next(k for k in data["rows"][0] if k.startswith("minus_"))
-    lines = [
-        "### Which neurons the MLP keeps (`--neuron-order`)",
-        "",
-        f"From {link(path, doc)}: every MLP keeps the same fraction of its neurons, attention untouched, "
-        f"`down_proj` refit; original {data['original']['ppl']:.3f}. Orders: `greedy` (forward selection by output "
-        "energy explained), `energy` (each neuron's own output energy), `leverage` (MoDeGPT's ridge leverage, "
-        f"with its λ); the refit has no ridge (round 1, {link(CHOICES / 'neuron-selection-round1.json', doc)}, "
-        "on the first 16,384 validation tokens: a ridge of 0.01 or 0.1 of mean(diag C) tied for `energy` and "
-        "hurt `greedy`). Build times: the 30 layers' orders and tails on 2 shared cores (compare within the "
-        "table).",
-        "",
-        f"| kept | order (λ) | perplexity [95% CI] | KL | minus `{reference.removeprefix('minus_')}` | build (s) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in data["rows"]:
-        lam = f" ({r['order_ridge']:g})" if r["rule"] == "leverage" else ""
-        is_reference = r["variant"].split("@")[0] == reference.removeprefix("minus_")
-        lines.append(
-            f"| {r['keep']:.0%} | `{r['rule']}`{lam} | {r['ppl']:.3f}{interval(r['ppl_ci95'])} | "
-            f"{r['kl_to_original']:.3f} | {'—' if is_reference else difference(r[reference])} | "
-            f"{r['build_seconds']:.0f} |"
-        )
-    return [*lines, "", "`greedy` is the default; `energy` (about 15× cheaper to compute) is the option.", ""]
-
-
-def _anchored(doc: Path) -> list[str]:
-    path, data = _load("anchored-refit-validation.json")
-    if data is None:
-        return []
-    d, a = data["default"], data["anchored"]
-    return [
-        "### An anchored refit of `down_proj` (not kept)",
-        "",
-        f"From {link(path, doc)}, the model 20% smaller: every `down_proj` refit, layer by layer in one "
-        "sequential pass, to map the compressed model's own kept activations to the original model's MLP output "
-        f"(AA-SVD's closed form). Default {d['ppl']:.3f}{interval(d['ppl_ci95'])}, anchored "
-        f"{a['ppl']:.3f}{interval(a['ppl_ci95'])}: **{difference(data['anchored_minus_default'])} worse** "
-        f"(original {data['original']['ppl']:.3f}). It fits the calibration's compounded errors and loses on held-out "
-        "text; the tool does not offer it.",
-        "",
-    ]
-
-
-def _calibration_size(doc: Path) -> list[str]:
-    path, data = _load("calibration-size-validation.json")
-    if data is None:
-        return []
-    rows = ["| form | windows | perplexity | compression (s) |", "|---|---|---|---|"]
-    notes = []
-    for form, result in data["forms"].items():
-        for windows, run in result["runs"].items():
-            rows.append(
-                f"| {form} | {windows} | {run['ppl']:.3f}{interval(run['ppl_ci95'])} | {run['compress_seconds']:.0f} |"
-            )
-        notes.append(f"{form} {difference(result['larger_minus_smaller'])}")
-    return [
-        "### Calibration windows for the model 20% smaller (`--native` takes twice the recipe's)",
-        "",
-        f"From {link(path, doc)}: `--targets attn,mlp --ratio {data['ratio_of_model']:g} --ratio-of model`, "
-        f"validation split (first {data['max_tokens']:,} tokens), every checkpoint on the same windows; more "
-        "windows minus fewer: " + "; ".join(notes) + ". `--native` (least-squares refits of `o_proj` and "
-        "`down_proj`) now calibrates on twice the recipe's windows when the MLP is targeted. The default form "
-        "gains as much, but it is not moved yet: every whole-model figure and its peers (which share the "
-        "calibration) would have to be measured again (`make bench`, section 2). Compression times include a "
-        "calibration read from the cache where an earlier run of the same windows had written it.",
-        "",
-        *rows,
-        "",
-    ]
-
-
-# The attention-form comparisons, in the order they were measured (each file records its calibration and windows).
-ATTENTION_FORM_FILES = ("attention-forms-validation.json", "attention-forms-validation-round2.json")
-
-
-def _attention_forms(doc: Path) -> list[str]:
-    tables = [_attention_forms_table(doc, *_load(name)) for name in ATTENTION_FORM_FILES]
-    tables = [table for table in tables if table]
-    if not tables:
-        return []
-    return [
-        "### The attention's form of sharing (`--sharing`, `--basis-layers`) under the loss-aware allocation",
-        "",
-        *(line for table in tables for line in table),
-    ]
-
-
-def _attention_forms_table(doc: Path, path: Path, data: dict | None) -> list[str]:
-    if data is None:
-        return []
-    rows = data["quality"]
-    first = rows[0]["method"]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    ratios = sorted({r["ratio"] for r in rows})
-    at = {(r["method"], r["ratio"]): r for r in rows}
-    key = f"{first}_minus_this"
-    lines = [
-        f"From {link(path, doc)}: attention only, at each ratio one calibration and one scoring pass; original "
-        f"{data['original_ppl']:.3f}. Each cell: perplexity, then `{first}` minus it (paired; negative: `{first}` "
-        "is better).",
-        "",
-        "| ratio | " + " | ".join(f"`{m}`" for m in methods) + " |",
-        "|---|" + "---|" * len(methods),
-    ]
-    for ratio in ratios:
-        cells = []
-        for m in methods:
-            r = at.get((m, ratio))
-            cells.append(
-                "—" if r is None else f"{r['ppl']:.3f}" + (f", {difference(r[key])}" if key in r else "")
-            )
-        lines.append(f"| {ratio:g} | " + " | ".join(cells) + " |")
-    tokens = data.get("evaluation", {}).get("tokens")
-    notes = [f"Scored on {tokens:,} validation tokens." if tokens else "", data.get("note", "")]
-    return [*lines, "", *([" ".join(n for n in notes if n), ""] if any(notes) else [])]
-
-
-def _whole_model_forms(doc: Path) -> list[str]:
-    path, data = _load("whole-model-validation.json")
-    if data is None:
-        return []
-    lines = [
-        "### The whole model's form (the model 20% smaller)",
-        "",
-        f"From {link(path, doc)}; original {data['original_ppl']:.3f}.",
-        "",
-        "| variant | perplexity [95% CI] | KL | differences (paired) |",
-        "|---|---|---|---|",
-    ]
-    for r in data["quality"]:
-        diffs = "; ".join(
-            f"− {k.removeprefix('minus_')}: {difference(v)}" for k, v in r.items() if k.startswith("minus_")
-        )
-        lines.append(
-            f"| `{r['method']}` ({_label(r['method'])}) | {r['ppl']:.3f}{interval(r['ppl_ci95'])} | "
-            f"{r['kl_to_original']:.3f} | {diffs or '—'} |"
-        )
-    return [*lines, ""]
 
 
 #: `make bench-engines`' figures (merged into results.json): key -> (bound, "≤" or "≥", what it is).

@@ -48,6 +48,9 @@ LOWRANK = {"mlp": "lowrank"}
 #: became the default (re-chosen on validation under `global-loss`).
 BASIS = {"sharing": "basis"}
 ATOMS = {"sharing": "atoms", **REL}
+#: Every case weighing by the loss sensitivity recorded while it read 16 windows pins 16 (S16); the `-s4` cases
+#: were recorded when 4 became the default (chosen on validation, where the two tie).
+S16 = {"sensitivity_samples": 16}
 CASES = {
     "llama-masa": ("llama", ATOMS, 0.3),
     "llama-masa-paper": ("llama", {"method": "masa-paper"}, 0.3),
@@ -69,17 +72,19 @@ CASES = {
     "llama-none": ("llama", {"sharing": "none", **REL}, 0.3),
     "llama-auto": ("llama", {"sharing": "auto", **REL}, 0.3),
     "qwen2-basis": ("qwen2", {"sharing": "basis", **REL}, 0.25),
-    "llama-loss": ("llama", BASIS, 0.3),
-    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp", **BASIS, **LOWRANK}, 0.3),
-    "llama-neurons": ("llama", {"targets": "attn,mlp", **BASIS}, 0.3),
-    "llama-neurons-uniform": ("llama", {"targets": "attn,mlp", "uniform_mlp": True, **BASIS}, 0.3),
+    "llama-loss": ("llama", {**BASIS, **S16}, 0.3),
+    "llama-loss-attn-mlp": ("llama", {"targets": "attn,mlp", **BASIS, **LOWRANK, **S16}, 0.3),
+    "llama-neurons": ("llama", {"targets": "attn,mlp", **BASIS, **S16}, 0.3),
+    "llama-neurons-uniform": ("llama", {"targets": "attn,mlp", "uniform_mlp": True, **BASIS, **S16}, 0.3),
     "llama-neurons-atoms": ("llama", {"targets": "attn,mlp", **ATOMS}, 0.3),
-    "qwen2-neurons-energy": ("qwen2", {"targets": "mlp", "neuron_order": "energy"}, 0.25),
-    "llama-loss-auto": ("llama", {"sharing": "auto"}, 0.3),
-    "qwen2-loss": ("qwen2", BASIS, 0.25),
-    "llama-default": ("llama", {}, 0.3),
-    "llama-default-attn-mlp": ("llama", {"targets": "attn,mlp"}, 0.3),
-    "qwen2-default": ("qwen2", {}, 0.25),
+    "qwen2-neurons-energy": ("qwen2", {"targets": "mlp", "neuron_order": "energy", **S16}, 0.25),
+    "llama-loss-auto": ("llama", {"sharing": "auto", **S16}, 0.3),
+    "qwen2-loss": ("qwen2", {**BASIS, **S16}, 0.25),
+    "llama-default": ("llama", S16, 0.3),
+    "llama-default-attn-mlp": ("llama", {"targets": "attn,mlp", **S16}, 0.3),
+    "qwen2-default": ("qwen2", S16, 0.25),
+    "llama-default-s4": ("llama", {}, 0.3),
+    "llama-default-attn-mlp-s4": ("llama", {"targets": "attn,mlp"}, 0.3),
 }
 
 

@@ -423,3 +423,29 @@ def test_the_decode_ceiling_counts_only_the_time_that_reads_layer_weights():
     assert "45 ms elsewhere" in line and "1.111x" in line
     # Measured before the breakdown existed: no claim.
     assert decode_speedup_ceiling({"original": {"decode_ms": 1.0}, "compressed": {}}) is None
+
+
+def test_the_sensitivity_windows_choice_says_a_tie_only_when_every_interval_holds_zero(tmp_path, monkeypatch):
+    """Section 6's line on `sensitivity_samples` reads the ties from the validation file, not from the text."""
+    from benchmarks import report_choices
+
+    def run(ppl: float) -> dict:
+        return {"ppl": ppl, "ppl_ci95": [ppl - 1, ppl + 1], "stage_seconds": {}}
+
+    def data(lo: float, hi: float) -> dict:
+        minus = {"4": {"value": (lo + hi) / 2, "ci95": [lo, hi], "tie": lo <= 0 <= hi}}
+        return {
+            "max_tokens": 32768,
+            "reference_windows": 16,
+            "targets": {"attention": {"runs": {"4": run(19.0), "16": run(19.1)}, "minus_reference": minus}},
+        }
+
+    monkeypatch.setattr(report_choices, "CHOICES", tmp_path / "choices")
+    (tmp_path / "choices").mkdir()
+    path = tmp_path / "choices" / "sensitivity-windows-validation.json"
+    path.write_text(json.dumps(data(-0.2, 0.1)))
+    text = "\n".join(report_choices._sensitivity_windows(tmp_path / "BENCHMARKS.md"))
+    assert "Every count ties with 16" in text and "| attention | 4 | 19.000 [18.00, 20.00] |" in text
+    path.write_text(json.dumps(data(0.05, 0.3)))
+    text = "\n".join(report_choices._sensitivity_windows(tmp_path / "BENCHMARKS.md"))
+    assert "Not every count ties with 16" in text and "+0.175 [+0.050, +0.300] |" in text

@@ -8,6 +8,7 @@ import torch
 from conftest import random_windows, tiny_model
 
 from compressor.modeling.adapters import get_adapter
+from compressor.runtime.errors import NumericalError
 from compressor.statistics.capture import GRAM_CHUNK_TOKENS, add_gram, collect_statistics
 
 UNIT_ROUNDOFF_FP32 = 2.0**-24
@@ -73,6 +74,20 @@ def test_the_sum_does_not_depend_on_how_windows_are_batched():
     for window in x:
         add_gram(one_by_one, window.unsqueeze(0), "test")
     assert torch.equal(batched, one_by_one)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_a_non_finite_or_overflowing_activation_is_refused_naming_where(bad: float):
+    """The check reads the product's diagonal only: one bad activation anywhere in a later window still shows
+    (its column's Σ x² is non-finite; 1e30 overflows fp32 there), and nothing of that window is added."""
+    x = _activations(3 * 40, 16).view(3, 40, 16)
+    x[2, 17, 5] = bad
+    total = torch.zeros(16, 16, dtype=torch.float64)
+    with pytest.raises(NumericalError, match="at the input of layer 7 down_proj"):
+        add_gram(total, x, "layer 7 down_proj")
+    before_bad = torch.zeros(16, 16, dtype=torch.float64)
+    add_gram(before_bad, x[:2], "test")
+    assert torch.equal(total, before_bad)
 
 
 def test_statistics_are_the_same_at_any_batch_size_and_within_the_bound():

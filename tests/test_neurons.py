@@ -246,7 +246,9 @@ def test_width_multiple_keeps_every_width_a_multiple_within_the_budget(uniform, 
     model = tiny_model("llama")
     outcome, _, _ = _compress(model, targets="mlp", ratio=0.3, width_multiple=32, uniform_mlp=uniform)
     plan = outcome.plan
-    widths = [plan.get(layer, NEURON_READER).rank for layer in range(get_adapter(model).num_layers)]
+    readers = [plan.get(layer, NEURON_READER) for layer in range(get_adapter(model).num_layers)]
+    # A layer whose MLP the allocation keeps whole is `dense`, at its full width (128, a multiple too).
+    widths = [pp.rank if pp.mode == "neurons" else pp.in_features for pp in readers]
     assert all(w % 32 == 0 for w in widths) and min(widths) < 128
     assert plan.params_after() <= plan.budget
     assert plan.to_dict()["width_multiple"] == 32

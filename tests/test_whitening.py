@@ -10,6 +10,7 @@ from compressor.math.whitening import (
     low_rank_factors,
     plain_svd,
     plain_svd_factors,
+    whitened_singular_values,
     whitened_svd,
     whitening_factor,
 )
@@ -49,6 +50,24 @@ def test_whitened_error_matches_tail_and_output_error(device: str) -> None:
     a, b = low_rank_factors(u, sigma, vh, factor.S, 6)
     torch.testing.assert_close(a @ b, delta, rtol=0, atol=1e-10)
     assert float(tail[6]) == 0.0
+
+
+def test_singular_values_alone_give_the_installed_factors_error() -> None:
+    """The allocation's tails come from `whitened_singular_values` (no vectors), the installed factors from
+    `whitened_svd`: the error a tail promises is the error the factors at that rank make."""
+    x, delta = _setup(seed=3)
+    factor = whitening_factor(x.T @ x)
+    sigma = whitened_singular_values(delta, factor.S)
+    u, full_sigma, vh = whitened_svd(delta, factor.S)
+    torch.testing.assert_close(sigma, full_sigma, rtol=1e-12, atol=1e-12)
+    tail = discarded_energy(sigma)
+    for rank in range(0, 7):
+        a, b = low_rank_factors(u, full_sigma, vh, factor.S, rank)
+        torch.testing.assert_close(
+            ((delta - a @ b) @ factor.S).square().sum(), tail[rank], rtol=1e-8, atol=1e-12
+        )
+    with pytest.raises(NumericalError, match="non-finite"):
+        whitened_singular_values(torch.full_like(delta, float("nan")), factor.S)
 
 
 def test_whitening_beats_plain_svd_in_output_error() -> None:

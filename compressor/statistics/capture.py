@@ -173,12 +173,18 @@ def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
     activations. Chunks follow window boundaries, so the result does not depend on how windows are batched
     (the in-memory and layer-sequential captures agree bit for bit).
     """
-    if not torch.isfinite(x).all():
-        raise NumericalError(f"non-finite activations at the input of {where} during calibration")
     for window in x.reshape(-1, *x.shape[-2:]):
         for chunk in window.split(GRAM_CHUNK_TOKENS):
             chunk = chunk.float()
-            add_in_float64(target, chunk.T @ chunk)
+            product = chunk.T @ chunk
+            # A non-finite activation makes its column's Σ x² non-finite (squares cannot cancel), as does a
+            # product that overflows fp32: the diagonal tells both, at 1/T the cost of checking every activation.
+            if not torch.isfinite(torch.diagonal(product)).all():
+                raise NumericalError(
+                    f"non-finite activations (or an fp32 overflow of their products) at the input of {where} "
+                    "during calibration"
+                )
+            add_in_float64(target, product)
 
 
 def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from compressor.math.whitening import (
     WhiteningFactor,
     discarded_energy,
     low_rank_factors,
+    whitened_singular_values,
     whitened_svd,
     whitening_factor,
 )
@@ -111,7 +112,7 @@ def residual(ctx: MethodContext, plan: CompressionPlan, atoms: Atoms, layer: int
 def residual_tail(ctx: MethodContext, layer: int, p: str, residual: torch.Tensor) -> torch.Tensor:
     """Discarded whitened energy of the residual at every rank (`tail[r]`), on the CPU."""
     with numerical_context(f"layer {layer} {p}"):
-        _, sigma, _ = whitened_svd(residual, ctx.whitening(layer, p).S)
+        sigma = whitened_singular_values(residual, ctx.whitening(layer, p).S)
     return discarded_energy(sigma).cpu()
 
 
