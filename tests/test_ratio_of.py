@@ -55,12 +55,18 @@ def test_a_model_ratio_shrinks_the_whole_model_by_that_much(tmp_path, method):
 
 
 def test_a_model_ratio_warns_only_when_it_takes_over_forty_percent_of_the_targets():
-    assert heavy_share_warning(0.2, "model", 0.25, 1000, 800) is None
-    assert heavy_share_warning(0.3, "model", 0.40, 1000, 750) is None
-    assert heavy_share_warning(0.5, "targets", 0.5, 1000, 790) is None  # the share asked for itself
-    line = heavy_share_warning(0.35, "model", 0.4434, 1000, 790)
+    assert heavy_share_warning(0.2, "model", 0.25, 1000, 800, "attn,mlp") is None
+    assert heavy_share_warning(0.3, "model", 0.40, 1000, 750, "attn,mlp") is None
+    assert (
+        heavy_share_warning(0.5, "targets", 0.5, 1000, 790, "attn,mlp") is None
+    )  # the share asked for itself
+    line = heavy_share_warning(0.35, "model", 0.4434, 1000, 790, "attn,mlp")
     assert "takes 44% of the targeted parameters" in line and "21% of the model" in line
-    assert "\n" not in line and "--ratio-of targets" in line
+    assert "\n" not in line and "--ratio-of targets" in line and "--targets attn,mlp" not in line
+    # With the MLP left out, adding it is the first thing to try.
+    assert "target the MLP too (--targets attn,mlp)" in heavy_share_warning(
+        0.2, "model", 0.8, 1000, 250, "attn"
+    )
 
 
 def test_the_warning_is_said_before_calibrating_and_shown_by_plan(tmp_path, monkeypatch, capsys):

@@ -309,7 +309,9 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         "ratio_requested": options.ratio,
         "ratio_of": options.ratio_of,
         "targets_ratio": ratio,
-        "warning": heavy_share_warning(options.ratio, options.ratio_of, ratio, model_params, target_params),
+        "warning": heavy_share_warning(
+            options.ratio, options.ratio_of, ratio, model_params, target_params, run.compression.targets
+        ),
         "model_params_before": model_params,
         # The targets' numbers change, nothing else does (an upper bound where the ranks are).
         "model_params_after": None if after is None else model_params - target_params + after,

@@ -140,18 +140,19 @@ HEAVY_SHARE_OF_TARGETS = 0.4
 
 
 def heavy_share_warning(
-    ratio: float, ratio_of: str, targets_share: float, model_params: int, target_params: int
+    ratio: float, ratio_of: str, targets_share: float, model_params: int, target_params: int, targets: str
 ) -> str | None:
     """One line when `--ratio-of model` takes more than `HEAVY_SHARE_OF_TARGETS` of the targeted parameters
     because the rest of the model is not a target; None otherwise (and always with `--ratio-of targets`, where
-    the share is the ratio asked for)."""
+    the share is the ratio asked for). Where the MLP is not a target, it suggests adding it first."""
     if ratio_of != "model" or targets_share <= HEAVY_SHARE_OF_TARGETS:
         return None
     rest = 1.0 - target_params / model_params
+    widen = "target the MLP too (--targets attn,mlp), " if "mlp" not in targets.split(",") else ""
     return (
         f"--ratio {ratio:g} --ratio-of model takes {targets_share:.0%} of the targeted parameters, because "
         f"{rest:.0%} of the model (the embeddings, norms and what is not targeted) is not cut: expect a large "
-        "quality loss; lower --ratio, or use --ratio-of targets to set the targets' share directly"
+        f"quality loss; {widen}lower --ratio, or use --ratio-of targets to set the targets' share directly"
     )
 
 
@@ -169,7 +170,9 @@ def prepare_run(
     ratio = targets_ratio(
         options.ratio, options.ratio_of, params, shape.params_before, run.compression.targets
     )
-    if warning := heavy_share_warning(options.ratio, options.ratio_of, ratio, params, shape.params_before):
+    if warning := heavy_share_warning(
+        options.ratio, options.ratio_of, ratio, params, shape.params_before, run.compression.targets
+    ):
         note(f"[yellow]warning:[/] {warning}")  # before calibrating: the user can stop and ask otherwise
     run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
