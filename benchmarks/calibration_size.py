@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(n): {k: v for k, v in r.items() if not k.startswith("window_")}
                     for n, r in runs.items()
                 },
-                "larger_minus_smaller": {"value": difference.value, "ci95": [lo, hi], "tie": lo <= 0 <= hi},
+                "larger_minus_smaller": difference.to_dict(),
             }
             log(
                 f"{form}: {counts[-1]} − {counts[0]} windows = {difference.value:+.3f} [{lo:+.3f}, {hi:+.3f}]"

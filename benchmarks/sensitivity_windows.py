@@ -5,7 +5,8 @@ second-largest cost, 23 s of 103 s for attention 0.2 on the bundled model with 1
 ‖∂L/∂y‖² at its output, measured on the first `sensitivity_samples` calibration windows. Each target (`attention`:
 `--ratio 0.2`; `whole`: the model 20% smaller) is compressed with each window count, every checkpoint scored on
 the same validation windows; per count, its perplexity minus the reference count's (paired bootstrap: a
-difference whose interval holds 0 is a tie). The sensitivity's own seconds come from each run's summary.
+difference whose interval holds 0 is a tie). Each run's stage times are kept, but they compare only between
+runs that read the calibration alike (section 3 of BENCHMARKS.md times the default).
 
 `python -m benchmarks.sensitivity_windows [--windows 4,8,16] [--reference 16] [--targets attention,whole]
 [--split validation] [--max-tokens 32768] --out F`; `--split test --max-tokens 0` reports the chosen count on
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
                 if n == args.reference:
                     continue
                 d = paired_difference(run["window_nll"], reference["window_nll"], run["window_tokens"])
-                lo, hi = d.ci95
-                differences[str(n)] = {"value": d.value, "ci95": [lo, hi], "tie": lo <= 0 <= hi}
-                log(f"{target}: {n} − {args.reference} windows = {d.value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+                differences[str(n)] = d.to_dict()
+                log(
+                    f"{target}: {n} − {args.reference} windows = {d.value:+.3f} [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}]"
+                )
             results["targets"][target] = {
                 "options": TARGETS[target],
                 "runs": {
