@@ -233,6 +233,7 @@ CURVE_STYLE = {
     "masa-attn-mlp-uniform": ("masa --uniform-mlp (a standard architecture)", "D--", "tab:cyan"),
     "masa-attn-mlp-lowrank": ("masa --mlp lowrank (the former default)", "^-", "tab:purple"),
     "flap-attn-mlp": ("flap (FLAP, a structured peer)", "v-", "tab:green"),
+    "modegpt-attn-mlp": ("modegpt (MoDeGPT, a decomposing peer)", "P-", "tab:red"),
     "svd-llm-attn-mlp": ("svd-llm", "s-", "tab:orange"),
 }
 

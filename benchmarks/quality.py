@@ -48,6 +48,8 @@ VARIANTS: dict[str, dict] = {
     "svd-llm-attn-mlp": {"method": "svd-llm", "targets": "attn,mlp"},
     # A structured peer (FLAP, An et al. 2024) in the engine-native forms.
     "flap-attn-mlp": {"method": "flap", "targets": "attn,mlp"},
+    # A decomposing peer (MoDeGPT, Lin et al. 2025): q/k dimensions, v/o ranks, Nyström MLP, per-layer sparsity.
+    "modegpt-attn-mlp": {"method": "modegpt", "targets": "attn,mlp"},
     "masa-zero-atoms": {"method": "masa", "sharing": "atoms", "bases": 0},
     "svd-llm": {"method": "svd-llm"},
     "svd": {"method": "svd"},

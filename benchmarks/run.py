@@ -70,7 +70,13 @@ FULL = {
     # The whole model (`--targets attn,mlp --ratio-of model`): the curve at these fractions of the model, the
     # headline fraction also on a second text and timed (section latency).
     "whole_model": {
-        "variants": ["masa-attn-mlp", "masa-attn-mlp-lowrank", "flap-attn-mlp", "svd-llm-attn-mlp"],
+        "variants": [
+            "masa-attn-mlp",
+            "masa-attn-mlp-lowrank",
+            "flap-attn-mlp",
+            "modegpt-attn-mlp",
+            "svd-llm-attn-mlp",
+        ],
         "model_ratios": [0.1, 0.2, 0.3, 0.4],
         # One MLP width in every layer (the standard architecture of export-dense), at the headline fraction.
         "headline_variants": ["masa-attn-mlp-uniform"],

@@ -34,20 +34,22 @@ from compressor.modeling.adapters import target_projections
 MODEL = "smollm2-135m"
 #: The default (the MLP by neuron selection, widths per layer), the MLP by low-rank factors (the former default),
 #: one MLP width in every layer (a standard architecture: export-dense), and SVD-LLM's uniform ranks.
-DEFAULT, LOWRANK, UNIFORM, BASELINE, FLAP = (
+DEFAULT, LOWRANK, UNIFORM, BASELINE, FLAP, MODEGPT = (
     "masa-attn-mlp",
     "masa-attn-mlp-lowrank",
     "masa-attn-mlp-uniform",
     "svd-llm-attn-mlp",
     "flap-attn-mlp",
+    "modegpt-attn-mlp",
 )
-CURVE = (DEFAULT, LOWRANK, UNIFORM, FLAP, BASELINE)
+CURVE = (DEFAULT, LOWRANK, UNIFORM, FLAP, MODEGPT, BASELINE)
 #: Paired differences reported per row: this variant minus each partner, on the same windows.
 PARTNERS = {
-    DEFAULT: (LOWRANK, BASELINE, FLAP),
+    DEFAULT: (LOWRANK, BASELINE, FLAP, MODEGPT),
     UNIFORM: (DEFAULT,),
     "masa-attn-mlp-basis": (DEFAULT,),
     FLAP: (BASELINE,),
+    MODEGPT: (BASELINE,),
 }
 BYTES_PER_NUMBER = 4  # the bundled model's weights are float32
 

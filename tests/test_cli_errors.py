@@ -165,6 +165,11 @@ CASES = [
         "--method flap reads every input's mean",
     ),
     (
+        "--layerwise with modegpt",
+        lambda t, mp: ["smollm2-135m", "--layerwise", "--method", "modegpt", "--targets", "attn,mlp"],
+        "--method modegpt measures each layer's block influence",
+    ),
+    (
         "missing text file",
         lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"],
         "does not exist",

@@ -101,12 +101,13 @@ def export_dense(
 @torch.no_grad()
 def _dense_linear(module: nn.Module) -> nn.Linear:
     """An nn.Linear holding the module's effective weight, summed in float32 (a bf16 sum would round twice)."""
-    dtype = module.lowrank_a.dtype
+    dtype = next(module.parameters()).dtype
     weight = copy.deepcopy(module).float().dense_weight().to(dtype)  # copies one projection's atoms at most
     linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     linear.weight = nn.Parameter(weight)
-    if module.bias is not None:
-        linear.bias = nn.Parameter(module.bias.detach().clone())
+    if module.bias is not None:  # a module keeping some rows holds their bias entries only
+        bias = module.dense_bias() if hasattr(module, "dense_bias") else module.bias
+        linear.bias = nn.Parameter(bias.detach().clone())
     return linear
 
 

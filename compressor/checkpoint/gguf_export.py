@@ -124,7 +124,7 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
             module = adapter.projection(index, name)
             if not isinstance(module, nn.Linear):
                 raise UserError(
-                    f"layer {index} {name} is {type(module).__name__} (a low-rank or shared factor): llama.cpp "
+                    f"layer {index} {name} is {type(module).__name__} (not a plain projection): llama.cpp "
                     "runs whole heads only: compress with --native (or leave the attention out of --targets)"
                 )
         for name in ("gate_proj", "up_proj", "down_proj"):

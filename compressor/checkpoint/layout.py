@@ -14,7 +14,9 @@ from compressor.modeling.adapters import DecoderAdapter
 from compressor.modeling.remote_code.masa_modules import (
     ATOMS_KEY,
     BASIS_KEY,
+    ColumnSubsetLinear,
     LowRankLinear,
+    RowSubsetLinear,
     SharedBasisLinear,
     SharedInputLinear,
     group_tensor,
@@ -72,6 +74,8 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
         mode, n_atoms, rank = "basis", 0, module.rank
     elif isinstance(module, LowRankLinear):
         mode, n_atoms, rank = "lowrank", 0, module.rank
+    elif isinstance(module, (RowSubsetLinear, ColumnSubsetLinear)):  # MoDeGPT's kept rows / read columns
+        mode, n_atoms, rank = "rows" if isinstance(module, RowSubsetLinear) else "columns", 0, module.rank
     elif (
         isinstance(module, nn.Linear) and planned.mode == "neurons"
     ):  # a smaller plain Linear: its kept neurons

@@ -34,7 +34,8 @@ def read_count(record: dict, key: str):
     return record[key] if key in record else record.get(LEGACY_KEYS.get(key, key))
 
 
-Mode = Literal["dense", "shared", "lowrank", "basis", "neurons", "heads"]
+Mode = Literal["dense", "shared", "lowrank", "basis", "neurons", "heads", "rows", "columns"]
+#: `rows` / `columns` mode (MoDeGPT): `rank` of the output rows kept (the others zero), or of the input columns read.
 #: `neurons` mode: the projection that reads the MLP's neurons (its *input* side is cut); gate/up are cut on
 #: their output side. Every projection of one layer's MLP in this mode keeps the same `rank` neurons.
 NEURON_READER = "down_proj"
@@ -70,7 +71,7 @@ class ProjectionPlan:
         """The bias numbers that do not depend on the rank (a kept neuron keeps its own gate/up bias entries, a
         kept head its q bias entries)."""
         rows = self.projection != NEURON_READER if self.mode == "neurons" else self.projection == HEADS_ROWS
-        return 0 if self.mode in ("neurons", "heads") and rows else self.bias
+        return 0 if (self.mode in ("neurons", "heads") and rows) or self.mode == "rows" else self.bias
 
     def floor_params(self) -> int:
         """`heads` mode: the numbers of the one head per KV group every layer keeps (rank 1), whatever the rank."""
@@ -82,8 +83,10 @@ class ProjectionPlan:
         rank = self.rank or 0
         if self.mode == "heads":  # the heads beyond the floor's one per KV group
             return max(rank - 1, 0) * self.head_step()
-        if self.mode == "basis":
+        if self.mode in ("basis", "columns"):
             return rank * self.out_features
+        if self.mode == "rows":
+            return rank * (self.in_features + (1 if self.bias else 0))
         if self.mode == "neurons":
             if self.projection == NEURON_READER:
                 return self.out_features * rank
@@ -95,7 +98,8 @@ class ProjectionPlan:
         gate/up in `neurons` mode (their MLP's error is measured once, at down_proj's output)."""
         if self.mode == "heads":
             return self.projection == HEADS_READER
-        return self.mode != "dense" and (self.mode != "neurons" or self.projection == NEURON_READER)
+        own = self.mode not in ("dense", "rows", "columns")  # rows/columns: sized by MoDeGPT's own rule
+        return own and (self.mode != "neurons" or self.projection == NEURON_READER)
 
     def head_step(self) -> int:
         """`heads` mode: numbers one more kept head per KV group adds (q rows with their bias, or o columns)."""
@@ -269,12 +273,8 @@ def atoms_per_group(groups: list[list[int]], bases: int, largest_group_bases: in
     """The atoms each group gets: singletons none (kept whole or low rank), the largest group (earliest on
     ties) `largest_group_bases` when set, the others `bases`."""
     largest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
-    return [
-        0
-        if len(layers) == 1
-        else (largest_group_bases if g == largest and largest_group_bases is not None else bases)
-        for g, layers in enumerate(groups)
-    ]
+    special = {largest: largest_group_bases} if largest_group_bases is not None else {}
+    return [0 if len(layers) == 1 else special.get(g, bases) for g, layers in enumerate(groups)]
 
 
 def shared_plan(

@@ -9,6 +9,7 @@ from compressor.methods.basis_sharing import BasisSharing
 from compressor.methods.flap import Flap
 from compressor.methods.lowrank import PlainSvd, SvdLlm
 from compressor.methods.masa.method import Masa, MasaPaper
+from compressor.methods.modegpt import ModeGpt
 from compressor.methods.shared_mean import SharedMean
 
 register(Masa())
@@ -18,5 +19,6 @@ register(PlainSvd())
 register(SharedMean())
 register(BasisSharing())
 register(Flap())
+register(ModeGpt())
 
 __all__ = ["REGISTRY", "Method", "MethodContext", "ModelShape", "get_method", "register"]

@@ -71,7 +71,8 @@ def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
     over its dense weight's: 1 kept whole; rank·(out + in) / (out·in) for own factors; for a reader of a shared
     input basis rank·out plus its share of the basis (rank·in over the readers); for shared atoms its
     coefficients, its share of the atoms and its residual factors; for an MLP keeping neurons, the kept share of
-    its neurons; for an attention keeping heads, the kept share of its heads. Biases are left out."""
+    its neurons; for an attention keeping heads, the kept share of its heads; for kept rows or read columns, their
+    share. Biases are left out."""
     readers = Counter((pp["group"], pp["basis"]) for pp in projections if pp["mode"] == "basis")
     sharers = Counter((pp["group"], pp["projection"]) for pp in projections if pp["mode"] == "shared")
     out = {}
@@ -83,6 +84,8 @@ def kept_fractions(projections: Sequence[dict]) -> dict[tuple[int, str], float]:
             stored = rank * o + rank * i / readers[(pp["group"], pp["basis"])]
         elif pp["mode"] == "neurons":  # the kept neurons' columns of down, rows of gate/up
             stored = rank * (o if pp["projection"] == NEURON_READER else i)
+        elif pp["mode"] in ("rows", "columns"):  # MoDeGPT: the kept rows, or the columns read
+            stored = rank * (i if pp["mode"] == "rows" else o)
         elif pp["mode"] == "heads":  # the kept heads' rows of q, columns of o (rank: heads per KV head)
             stored = rank * pp["head_block"] * (o if pp["projection"] == "o_proj" else i)
         elif pp["mode"] == "shared":

@@ -41,7 +41,7 @@ def write_run_report(out_dir: Path, summary: dict) -> list[Path]:
     projections = (summary.get("plan") or {}).get("projections") or []
     # An MLP keeping neurons has a width, an attention keeping heads a head count, not a rank: allocation.png shows
     # them (as the kept share of its neurons or heads).
-    factored = [pp for pp in projections if pp["mode"] not in ("neurons", "heads")]
+    factored = [pp for pp in projections if pp["mode"] not in ("neurons", "heads", "rows", "columns")]
     if any(pp["mode"] != "dense" and pp.get("rank") is not None for pp in factored):
         paths.append(
             plot_ranks(out_dir / "ranks.png", factored, f"{title} · residual ranks", _initial_ranks(report))

@@ -10,6 +10,10 @@ not installed.
   (and by several projection types when they read the same input), A_l per layer (Basis Sharing).
 - An MLP that keeps some of its neurons (`neurons` mode) needs no module of its own: its gate/up/down are plain
   `nn.Linear`s of a smaller width, so the MLP stays a standard one.
+- `RowSubsetLinear` / `ColumnSubsetLinear` (`rows` / `columns` mode, MoDeGPT): a projection that stores only
+  some of its output rows (the others are zero: q/k dimensions pruned in rotary pairs, v reduced to a rank) or
+  reads only some of its input columns (o_proj reading those dimensions); the positions are an int64 buffer
+  saved with the weights, so the model keeps the base architecture's shapes.
 
 Both compute y = x Wᵀ + bias without storing a dense per-layer weight for the residual.
 `projection_module` builds either from one entry of a checkpoint layout (`config.masa["projections"]`).
@@ -56,6 +60,81 @@ class LowRankLinear(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features}, rank={self.rank}, bias={self.bias is not None}"
         )
+
+
+class _SubsetLinear(nn.Module):
+    """A projection storing `rank` of its rows (`axis` 0) or columns (`axis` 1) and their positions (an int64
+    buffer named `positions_name`, saved with the weights)."""
+
+    axis: int
+    positions_name: str
+
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        kw = {"dtype": dtype, "device": device}
+        shape = (rank, in_features) if self.axis == 0 else (out_features, rank)
+        self.weight = nn.Parameter(torch.zeros(shape, **kw), requires_grad=False)
+        bias_size = rank if self.axis == 0 else out_features
+        self.bias = nn.Parameter(torch.zeros(bias_size, **kw), requires_grad=False) if bias else None
+        # Built on the CPU (never on the meta device of a skeleton): the loaders replace it from the file.
+        self.register_buffer(self.positions_name, torch.arange(rank, dtype=torch.long))
+
+    def dense_weight(self) -> torch.Tensor:
+        full = self.weight.new_zeros(self.out_features, self.in_features)
+        return full.index_copy(self.axis, getattr(self, self.positions_name).to(full.device), self.weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, {self.positions_name}={self.rank}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class RowSubsetLinear(_SubsetLinear):
+    """y[..., rows] = x Wᵀ + bias, every other output 0: W (rank, in) holds the kept rows of an (out, in) weight."""
+
+    axis, positions_name = 0, "rows"
+
+    def dense_bias(self) -> torch.Tensor:
+        """The (out,) bias: the kept rows' entries, zero elsewhere (requires a bias)."""
+        return self.bias.new_zeros(self.out_features).index_copy(0, self.rows.to(self.bias.device), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = nn.functional.linear(x, self.weight, self.bias)
+        return kept.new_zeros(*kept.shape[:-1], self.out_features).index_copy(-1, self.rows, kept)
+
+
+class ColumnSubsetLinear(_SubsetLinear):
+    """y = x[..., columns] Wᵀ + bias: W (out, rank) holds the columns of an (out, in) weight that are read."""
+
+    axis, positions_name = 1, "columns"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.index_select(-1, self.columns), self.weight, self.bias)
+
+
+def subset_linear(
+    kind: str,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    dtype,
+    device,
+) -> nn.Module:
+    """A `rows` (kind "rows": `weight` the kept rows) or `columns` module from its kept weight and positions."""
+    cls = RowSubsetLinear if kind == "rows" else ColumnSubsetLinear
+    rank = weight.shape[0] if kind == "rows" else weight.shape[1]
+    module = cls(in_features, out_features, rank, bias=bias is not None, dtype=dtype, device=device)
+    module.weight.data.copy_(weight)
+    getattr(module, kind).copy_(positions.to(torch.long))
+    if bias is not None:
+        module.bias.data.copy_(bias)
+    return module
 
 
 class SharedBasisLinear(nn.Module):
@@ -194,6 +273,9 @@ def projection_module(spec: dict, group_shared, dtype=None, device=None) -> nn.M
         "heads",
     ):  # a plain, smaller nn.Linear: an MLP's kept neurons, an attention's kept heads
         return nn.Linear(shape[1], shape[0], bias=spec["bias"], dtype=dtype, device=device)
+    if mode in ("rows", "columns"):
+        cls = RowSubsetLinear if mode == "rows" else ColumnSubsetLinear
+        return cls(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "lowrank":
         return LowRankLinear(shape[1], shape[0], spec["rank"], bias=spec["bias"], dtype=dtype, device=device)
     if mode == "shared":

@@ -7,7 +7,8 @@ and other tools load checkpoints where masa-compress is not installed.
 `Masa<Family>ForCausalLM` is the stock Hugging Face class of the base family whose attention projections are
 replaced, at final shapes, by the modules of `masa_modules.py` (the very file masa-compress itself uses), so the
 same safetensors keys load in both. `config.masa` holds the layout: per layer and
-projection its mode (dense / shared / lowrank / basis), group, number of atoms, residual rank and bias.
+projection its mode (dense / shared / lowrank / basis / neurons / heads / rows / columns), group, number of
+atoms, rank and bias.
 
 Shared atoms: the atoms of a group are ONE Parameter, stored once in the checkpoint under
 `masa.groups.{group}.{projection}.atoms`, which is a real parameter path here (the `masa` submodule). Every layer
