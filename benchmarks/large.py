@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GIB, log, machine_info, run_module_measured
+from benchmarks.common import GIB, exit_on_sigterm, log, machine_info, run_module_measured
 from benchmarks.markdown import interval
 
 MODEL = "qwen2.5-coder-1.5b"
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             measure(name, Path(args.keep), keep=True)
     else:
+        exit_on_sigterm()  # a killed benchmark removes its temporary checkpoints
         with tempfile.TemporaryDirectory(prefix="masa-large-") as work:
             for name in names:
                 measure(name, Path(work), keep=False)

@@ -59,3 +59,26 @@ def test_every_run_has_a_command_line():
     whole = [values for values, _, _ in RUNS.values() if values.get("targets") == "attn,mlp"]
     # In memory the 1.5B model's MLP statistics do not fit 24 GB: every whole-model run is layer by layer.
     assert whole and all(values["layerwise"] for values in whole)
+
+
+def test_sigterm_unwinds_the_temporary_directory(tmp_path):
+    """A killed benchmark (SIGTERM) exits through its `with` blocks: the temporary checkpoints are removed."""
+    import os
+    import signal
+    import tempfile
+
+    import pytest
+
+    from benchmarks.common import exit_on_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        exit_on_sigterm()
+        with pytest.raises(SystemExit) as exited:
+            with tempfile.TemporaryDirectory(dir=tmp_path) as work:
+                (tmp_path / "seen").write_text(work)
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.value.code == 128 + signal.SIGTERM
+        assert not os.path.exists((tmp_path / "seen").read_text())
+    finally:
+        signal.signal(signal.SIGTERM, previous)

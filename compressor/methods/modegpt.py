@@ -110,7 +110,8 @@ class ModeGpt(Method):
         return "no groups: every layer at the sparsity of its block influence"
 
     def plan(self, shape, settings, ratio, groups_of=None, check_feasible: bool = True) -> CompressionPlan:
-        """The layout with the ranks of a uniform sparsity (a preview: the run weighs layers by influence)."""
+        """The layout, its ranks left to the run (they follow the block influence); `check_feasible`: refuse a
+        ratio that even every layer at the cap cannot meet."""
         g = shape.geometry
         if g.head_dim % 2:
             raise UserError(f"--method modegpt keeps rotary pairs: a head dimension of {g.head_dim} is odd")
@@ -125,6 +126,8 @@ class ModeGpt(Method):
         plan = CompressionPlan(self.name, ratio, shape.params_before, g, [], projections, shape.targets)
         if check_feasible:
             fit_budget(plan, shape, None)
+            for pp in plan.projections:
+                pp.rank = None
         return plan
 
     def apply(self, ctx: MethodContext) -> CompressionPlan:

@@ -79,8 +79,9 @@ class _SubsetLinear(nn.Module):
         self.weight = nn.Parameter(torch.zeros(shape, **kw), requires_grad=False)
         bias_size = rank if self.axis == 0 else out_features
         self.bias = nn.Parameter(torch.zeros(bias_size, **kw), requires_grad=False) if bias else None
-        # Built on the CPU (never on the meta device of a skeleton): the loaders replace it from the file.
-        self.register_buffer(self.positions_name, torch.arange(rank, dtype=torch.long))
+        # Beside the weight, but never on the meta device of a skeleton (the loaders replace it from the file).
+        where = None if str(device) == "meta" else device
+        self.register_buffer(self.positions_name, torch.arange(rank, dtype=torch.long, device=where))
 
     def dense_weight(self) -> torch.Tensor:
         full = self.weight.new_zeros(self.out_features, self.in_features)
