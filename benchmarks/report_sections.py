@@ -92,6 +92,12 @@ def label(method: str) -> str:
     return CURVE_STYLE.get(method, (f"`{method}`",))[0]
 
 
+MODEGPT_VARIANT = (
+    "MoDeGPT (`--method modegpt`: q/k dimensions in rotary pairs, value heads at a rank, the MLP's neurons by "
+    "ridge leverage with down_proj refit, each layer's share from its block influence; Lin et al. 2025); "
+)
+
+
 def whole_model_section(results: dict, rel) -> list[str]:
     w = results.get("whole_model")
     if not w:
@@ -110,13 +116,17 @@ def whole_model_section(results: dict, rel) -> list[str]:
         "layer: the base architecture with a smaller `intermediate_size`, which `export-dense` writes as a "
         "standard checkpoint with the same logits); `--mlp lowrank` (whitened low-rank factors of gate/up/down, "
         "the default before); FLAP (`--method flap`: whole heads and neurons by the fluctuation metric, a "
-        "compensating bias, nothing refit; An et al. 2024); SVD-LLM (the same kept fraction of every matrix). "
-        "Differences are paired, on the "
-        "same windows; rise ratio: the default's perplexity rise over SVD-LLM's.",
+        "compensating bias, nothing refit; An et al. 2024); "
+        + (MODEGPT_VARIANT if any(r["method"] == "modegpt-attn-mlp" for r in w["quality"]) else "")
+        + "SVD-LLM (the same kept fraction of every matrix). "
+        "Differences are paired, on the same windows; rise ratio: the default's perplexity rise over SVD-LLM's; "
+        "time: the method's own stages, after the calibration all share"
+        + (f" ({w['calibration_seconds']:.0f} s)" if w.get("calibration_seconds") else "")
+        + ".",
         "",
-        "| removed of the model | variant | model MiB | perplexity [95% CI] | × original | KL | top-1 | "
+        "| removed of the model | variant | model MiB | perplexity [95% CI] | × original | KL | top-1 | time (s) | "
         "differences (paired) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(w["quality"], key=lambda r: (r["model_ratio"], list(CURVE_STYLE).index(r["method"])
                                                      if r["method"] in CURVE_STYLE else 99)):  # fmt: skip
@@ -128,10 +138,16 @@ def whole_model_section(results: dict, rel) -> list[str]:
         lines.append(
             f"| {row['model_ratio']:.0%} | {label(row['method'])} | {row['model_mib']:.1f} | {row['ppl']:.3f}"
             f"{interval(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {number(row.get('kl_to_original'), 3)} | "
-            f"{row['top1_agreement']:.1%} | {diffs or '—'} |"
+            f"{row['top1_agreement']:.1%} | {_method_seconds(row)} | {diffs or '—'} |"
         )
     lines += ["", f"![perplexity vs model size]({rel('whole_model')})", "", *_other_texts(w)]
     return lines
+
+
+def _method_seconds(row: dict) -> str:
+    """The seconds of a variant's own stages (sensitivity, neuron orders, factors...), calibration excluded."""
+    stages = row.get("stage_seconds")
+    return f"{sum(stages.values()):.0f}" if stages else "—"
 
 
 def _other_texts(w: dict) -> list[str]:
