@@ -26,6 +26,7 @@ from compressor.methods.modegpt import ModeGpt
 from compressor.modeling.adapters import get_adapter, target_projections
 from compressor.modeling.remote_code.masa_modules import ColumnSubsetLinear, subset_linear
 from compressor.recipes.schema import CompressionSettings
+from compressor.report.records import kept_fractions
 from compressor.runtime.errors import UserError
 from compressor.statistics.block_influence import block_influence
 from compressor.statistics.capture import collect_statistics
@@ -131,6 +132,11 @@ def test_modegpt_meets_the_budget_keeps_rotary_pairs_and_reloads_exactly(family,
         # the group's first query head keeps the key head's dimensions
         assert torch.equal(q.rows[: len(dims)] % head_dim, k.rows[: len(dims)] % head_dim)
     assert len(set(outcome.report["modegpt"]["sparsity"])) > 1  # layers differ by their influence
+    kept = kept_fractions(plan.to_dict()["projections"])  # the report's share: kept rows, or columns read
+    for projection in ("q_proj", "o_proj"):
+        pp = plan.get(0, projection)
+        width = pp.out_features if pp.mode == "rows" else pp.in_features
+        assert kept[(0, projection)] == pytest.approx(pp.rank / width)
     path = save_compressed(model, plan, tmp_path / "ckpt")
     reloaded_identically(model, path)
 
