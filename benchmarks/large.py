@@ -62,7 +62,9 @@ TARGETS = {
     "large_attention_rise_ratio": (0.15, "≤", "1.5B: attention 0.2's perplexity rise / SVD-LLM's at that size"),
     "large_whole_model_ppl_ratio": (1.5, "≤", "1.5B: the model 20% smaller, perplexity / the original's"),
     "large_whole_model_ppl_over_svd_llm": (1.0, "≤", "1.5B: the model 20% smaller, perplexity / SVD-LLM's at that size"),
-    "large_peak_rss_over_planned": (1.1, "≤", "1.5B: the model 20% smaller, peak RSS / what `plan` printed"),
+    "large_peak_rss_over_planned": (
+        1.1, "≤", "1.5B: the model 20% smaller (default, --uniform-mlp), the larger peak RSS / what `plan` printed"
+    ),
     "large_neuron_selection_over_capture": (1.0, "≤", "1.5B: neuron selection time / calibration capture time"),
 }  # fmt: skip
 SUMMARY_KEYS = (*TARGETS, "large_peak_rss_gib", "large_planned_rss_gib")
@@ -118,7 +120,12 @@ def figures(runs: dict) -> dict:
         out["large_whole_model_ppl_ratio"] = whole["run"]["quality"]["ppl_ratio"]
         out["large_peak_rss_gib"] = whole["run"]["process"]["peak_rss_gib"]
         out["large_planned_rss_gib"] = whole["plan"]["planned_gib"]
-        out["large_peak_rss_over_planned"] = out["large_peak_rss_gib"] / out["large_planned_rss_gib"]
+        # The tool's own runs of the model 20% smaller (SVD-LLM is a peer): the one furthest over its plan.
+        out["large_peak_rss_over_planned"] = max(
+            runs[name]["run"]["process"]["peak_rss_gib"] / runs[name]["plan"]["planned_gib"]
+            for name in ("whole", "whole-uniform")
+            if name in runs
+        )
         seconds = whole["run"]["seconds"]
         out["large_neuron_selection_over_capture"] = seconds["neuron_selection"] / seconds["calibration"]
     if {"whole", "whole-svd-llm"} <= set(runs):

@@ -35,6 +35,8 @@ def test_figures_and_verdicts():
     assert abs(out["large_whole_model_ppl_ratio"] - 22.0 / 16.0) < 1e-12
     assert abs(out["large_peak_rss_over_planned"] - 1.1) < 1e-12
     assert out["large_neuron_selection_over_capture"] == 1.5
+    runs["whole-uniform"] = _run(16.0, 23.0, {"calibration": 600.0}, 7.2, 6.0)  # further over its plan
+    assert abs(figures(runs)["large_peak_rss_over_planned"] - 1.2) < 1e-12
     rows = "\n".join(summary_rows(out))
     assert "`large_attention_rise_ratio`" in rows and "0.100x | ≤ 0.15x | met" in rows
     assert "`large_neuron_selection_over_capture`" in rows and "1.500x | ≤ 1x | **missed**" in rows
