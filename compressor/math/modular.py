@@ -64,10 +64,10 @@ def layer_sparsities(
 ) -> torch.Tensor:
     """Per layer, the fraction removed: `L · φ̄ · softmax(−s / ε)` (a layer that changes its input least loses
     most), none above `cap`, what a capped layer could not take spread over the others by their weights."""
-    weights = torch.softmax(-influence.to(torch.float64) / smoothing, dim=0)
-    sparsity = weights * mean_sparsity * influence.numel()
     if mean_sparsity > cap:
         raise ValueError(f"a mean sparsity of {mean_sparsity:g} exceeds the cap {cap:g} of every layer")
+    weights = torch.softmax(-influence.to(torch.float64) / smoothing, dim=0)
+    sparsity = weights * mean_sparsity * influence.numel()
     while (over := sparsity > cap + 1e-12).any():
         excess = float((sparsity[over] - cap).sum())
         sparsity[over] = cap

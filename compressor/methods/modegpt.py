@@ -31,9 +31,9 @@ from compressor.math.modular import (
     row_energies,
     value_output_factors,
 )
-from compressor.math.neurons import leverage_order, order_tail, refit_down
+from compressor.math.neurons import leverage_order, order_tail
 from compressor.methods.base import Method, MethodContext, numerical_context
-from compressor.methods.masa.mlp import GATED, install_rows, plain_linear
+from compressor.methods.masa.mlp import RIDGE, install_neurons
 from compressor.modeling.adapters import MLP_PROJECTIONS
 from compressor.modeling.remote_code.masa_modules import subset_linear
 from compressor.runtime.errors import UserError
@@ -225,16 +225,11 @@ def _install_value_output(ctx: MethodContext, plan: CompressionPlan, layer: int)
 
 
 def _install_mlp(ctx: MethodContext, plan: CompressionPlan, layer: int) -> None:
-    """The neurons of largest ridge leverage, gate/up keeping their rows, down_proj refit (Nyström)."""
-    width = plan.get(layer, NEURON_READER).rank
+    """The neurons of largest ridge leverage, gate/up keeping their rows, down_proj refit (Nyström): the default's
+    installation (`masa.mlp.install_neurons`) of MoDeGPT's order."""
     autocorr = ctx.autocorr(layer, NEURON_READER).to(ctx.compute_device)
-    down = ctx.weight(layer, NEURON_READER)
     with numerical_context(f"layer {layer} MLP neurons"):
-        neurons = order_tail(autocorr, down, leverage_order(autocorr, LEVERAGE_RIDGE), 0.0)
-        refit = refit_down(autocorr, down, neurons, width, 0.0)
+        order = leverage_order(autocorr, LEVERAGE_RIDGE)
+        neurons = order_tail(autocorr, ctx.weight(layer, NEURON_READER), order, RIDGE)
     ctx.record_damping(neurons, layer=layer, input="down (neuron selection)")
-    kept = neurons.kept(width)
-    for p in GATED:
-        install_rows(ctx, layer, p, kept)
-    ctx.install(layer, NEURON_READER, plain_linear(refit, ctx.bias(layer, NEURON_READER), ctx.model_dtype,
-                                                  ctx.model_device))  # fmt: skip
+    install_neurons(ctx, plan, layer, neurons)
