@@ -22,6 +22,7 @@ def choices_section(doc: Path) -> list[str]:
         _sensitivity_windows(doc),
         _attention_forms(doc),
         _whole_model_forms(doc),
+        _embedding_target(doc),
     ]
     body = [line for part in parts for line in part]
     if not body:
@@ -240,3 +241,44 @@ def _whole_model_forms(doc: Path) -> list[str]:
             f"{r['kl_to_original']:.3f} | {diffs or '—'} |"
         )
     return [*lines, ""]
+
+
+def _embedding_target(doc: Path) -> list[str]:
+    """The low-rank embedding taking part of the model's cut, against the default alone (`--targets embed` is not
+    built: this is why)."""
+    path, data = _load("embedding-validation.json")
+    if data is None:
+        return []
+    rows = ["| model | embedding rank | row weights | metric | model smaller by | perplexity | minus the default |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    minus = next(k for row in data["rows"].values() for k in row if k.startswith("minus_"))
+    for name, row in data["rows"].items():
+        rank = row["embedding_rank"]
+        weights = "—" if rank is None else f"counts + {row['pseudo_count']:g}"
+        metric = "—" if rank is None else ("H + ḡ² I" if row["input_term"] else "H")
+        rows.append(
+            f"| {label(name) if rank is None else name} | {rank or 'whole'} | {weights} | {metric} | "
+            f"{row['model_ratio']:.2%} | {row['ppl']:.3f}{interval(row['ppl_ci95'])} | {difference(row.get(minus))} |"
+        )
+    differences = [row[minus] for row in data["rows"].values() if minus in row]
+    wins = sum(d["ci95"][1] < 0 for d in differences)
+    ties = sum(d["tie"] for d in differences)
+    verdict = (
+        f"No low-rank embedding beats the default, which cuts the layers alone ({ties} tie, "
+        f"{len(differences) - ties} lose): the embedding is not offered as a target."
+        if not wins
+        else f"{wins} of {len(differences)} low-rank embeddings beat the default (the table says which)."
+    )
+    return [
+        "### The embedding as a target (measured; not offered)",
+        "",
+        f"From {link(path, doc)}: the model 20% smaller, part of the cut taken by a low-rank tied embedding "
+        "`E ≈ A B` (`compressor/math/embedding.py`: the SVD weighted by each token's calibration count on one side "
+        "and by `M = H + ḡ² I` on the other, H the autocorrelation of the output head's input, ḡ² the loss "
+        "gradient's mean square at the embedding's output: the second-order loss of the error), the layers "
+        f"compressed by the default at the rest of the budget; validation split, original {data['original_ppl']:.3f}. "
+        f'{verdict} Docs: docs/method.md, "The embedding".',
+        "",
+        *rows,
+        "",
+    ]

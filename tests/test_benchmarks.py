@@ -449,3 +449,30 @@ def test_the_sensitivity_windows_choice_says_a_tie_only_when_every_interval_hold
     path.write_text(json.dumps(data(0.05, 0.3)))
     text = "\n".join(report_choices._sensitivity_windows(tmp_path / "BENCHMARKS.md"))
     assert "Not every count ties with 16" in text and "+0.175 [+0.050, +0.300] |" in text
+
+
+def test_the_embedding_choice_counts_wins_ties_and_losses_from_the_file(tmp_path, monkeypatch):
+    """Section 6's verdict on the embedding as a target reads each paired interval, not a fixed sentence."""
+    from benchmarks import report_choices
+
+    def row(rank, lo, hi):
+        base = {"embedding_rank": rank, "pseudo_count": 1.0, "input_term": True, "model_ratio": 0.2,
+                "ppl": 30.0, "ppl_ci95": [29.0, 31.0]}  # fmt: skip
+        if rank is not None:
+            base["minus_masa-attn-mlp"] = {"value": (lo + hi) / 2, "ci95": [lo, hi], "tie": lo <= 0 <= hi}
+        return base
+
+    def data(*intervals) -> dict:
+        rows = {"masa-attn-mlp": row(None, 0, 0)}
+        rows |= {f"embed-{i}": row(512, lo, hi) for i, (lo, hi) in enumerate(intervals)}
+        return {"original_ppl": 20.6, "rows": rows}
+
+    monkeypatch.setattr(report_choices, "CHOICES", tmp_path / "choices")
+    (tmp_path / "choices").mkdir()
+    path = tmp_path / "choices" / "embedding-validation.json"
+    path.write_text(json.dumps(data((-0.2, 0.1), (0.3, 0.9))))
+    text = "\n".join(report_choices._embedding_target(tmp_path / "BENCHMARKS.md"))
+    assert "No low-rank embedding beats the default" in text and "(1 tie, 1 lose)" in text
+    path.write_text(json.dumps(data((-0.9, -0.3), (0.3, 0.9))))
+    text = "\n".join(report_choices._embedding_target(tmp_path / "BENCHMARKS.md"))
+    assert "1 of 2 low-rank embeddings beat the default" in text and "-0.600 [-0.900, -0.300] |" in text
