@@ -5,8 +5,12 @@ model 20% smaller) and the engines' summary rows, from results.json (the choices
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from statistics import mean
+
 from benchmarks.markdown import difference, interval, number
-from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, STAGE_LABELS, TARGETS
+from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, REPO, STAGE_LABELS, TARGETS
 
 DEFAULT = "masa-attn-mlp"
 
@@ -140,8 +144,52 @@ def whole_model_section(results: dict, rel) -> list[str]:
             f"{interval(row['ppl_ci95'])} | {row['ppl'] / w['original_ppl']:.2f} | {number(row.get('kl_to_original'), 3)} | "
             f"{row['top1_agreement']:.1%} | {_method_seconds(row)} | {diffs or '—'} |"
         )
-    lines += ["", f"![perplexity vs model size]({rel('whole_model')})", "", *_other_texts(w)]
+    lines += [
+        "",
+        f"![perplexity vs model size]({rel('whole_model')})",
+        "",
+        *_other_texts(w),
+        *zero_shot_lines(),
+    ]
     return lines
+
+
+ZERO_SHOT_FILE = "benchmarks/results/zero-shot-peers.json"
+ZERO_SHOT_COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
+                     "winogrande": "WinoGr.", "boolq": "BoolQ", "lambada_openai": "LAMBADA"}  # fmt: skip
+
+
+def zero_shot_lines(path: Path | None = None) -> list[str]:
+    """The model 20% smaller on the zero-shot suite (`python -m benchmarks.zero_shot_peers`, its own file)."""
+    path = path or REPO / ZERO_SHOT_FILE
+    if not path.is_file():
+        return []
+    z = json.loads(path.read_text())
+    lines = [
+        f"Zero-shot accuracy of the model 20% smaller ({ZERO_SHOT_FILE}, {z['date']}: each model compressed by "
+        "`masa-compress compress`, its checkpoint scored by `masa-compress eval CHECKPOINT --tasks zero-shot`, "
+        f"lm-evaluation-harness's tasks, the first {z['limit_per_task']} items of each; `acc_norm` where the "
+        "task has it, else `acc`; ARC and the others on their validation splits, LAMBADA on its test set). "
+        "Intervals: 95% Wilson per task, and for the mean from the tasks' binomial variances; the means are not "
+        "paired, so overlapping intervals do not tell two models apart. At this model's scale BoolQ measures a "
+        "yes/no bias more than reading (its validation split is 62% yes: a model answering one way throughout "
+        "scores that share or the rest), and compression moves that bias, so the mean is also given without it.",
+        "",
+        "| variant | "
+        + " | ".join(ZERO_SHOT_COLUMNS.values())
+        + " | mean [95% CI] | mean − original's | mean without BoolQ |",
+        "|---|" + "---|" * (len(ZERO_SHOT_COLUMNS) + 3),
+    ]
+    for name, row in z["rows"].items():
+        cells = [row["tasks"][t].get("acc_norm", row["tasks"][t]["acc"]) for t in ZERO_SHOT_COLUMNS]
+        lines.append(
+            f"| {'original' if name == 'original' else label(name)} | "
+            + " | ".join(f"{c:.1%}" for c in cells)
+            + f" | {row['mean']:.1%} [{row['mean_ci95'][0]:.1%}, {row['mean_ci95'][1]:.1%}] | "
+            + ("—" if name == "original" else f"{-100 * row['mean_drop']:+.1f} pt")
+            + f" | {mean(c for t, c in zip(ZERO_SHOT_COLUMNS, cells, strict=True) if t != 'boolq'):.1%} |"
+        )
+    return [*lines, ""]
 
 
 def _method_seconds(row: dict) -> str:

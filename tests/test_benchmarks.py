@@ -476,3 +476,32 @@ def test_the_embedding_choice_counts_wins_ties_and_losses_from_the_file(tmp_path
     path.write_text(json.dumps(data((-0.9, -0.3), (0.3, 0.9))))
     text = "\n".join(report_choices._embedding_target(tmp_path / "BENCHMARKS.md"))
     assert "1 of 2 low-rank embeddings beat the default" in text and "-0.600 [-0.900, -0.300] |" in text
+
+
+def test_the_zero_shot_suite_mean_and_its_interval_read_acc_norm_where_a_task_has_it():
+    from benchmarks.zero_shot_peers import suite_mean_interval
+
+    tasks = {"arc_easy": {"acc": 0.9, "acc_norm": 0.5, "items": 100}, "boolq": {"acc": 0.8, "items": 100}}
+    mean, (lo, hi) = suite_mean_interval(tasks)
+    half = 1.96 * math.sqrt(0.5 * 0.5 / 100 + 0.8 * 0.2 / 100) / 2
+    assert mean == pytest.approx(0.65) and (lo, hi) == pytest.approx((0.65 - half, 0.65 + half))
+
+
+def test_the_zero_shot_table_shows_each_task_the_mean_and_the_drop(tmp_path):
+    from benchmarks.report_sections import ZERO_SHOT_COLUMNS, zero_shot_lines
+
+    def row(share, drop):
+        tasks = {t: {"acc": share, "items": 100} for t in ZERO_SHOT_COLUMNS}
+        tasks["boolq"]["acc"] = 0.9  # left out of the last column
+        return {"tasks": tasks, "mean": share, "mean_ci95": [share - 0.05, share + 0.05], "mean_drop": drop}
+
+    path = tmp_path / "zero-shot-peers.json"
+    assert zero_shot_lines(path) == []
+    rows = {"original": row(0.5, 0.0), "masa-attn-mlp": row(0.45, 0.05)}
+    path.write_text(json.dumps({"date": "2026-11-27", "limit_per_task": 100, "rows": rows}))
+    text = "\n".join(zero_shot_lines(path))
+    assert "the first 100 items of each" in text
+    assert (
+        "| 45.0% | 45.0% [40.0%, 50.0%] | -5.0 pt | 45.0% |" in text
+        and "| 50.0% [45.0%, 55.0%] | — |" in text
+    )

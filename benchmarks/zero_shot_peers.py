@@ -1,0 +1,108 @@
+"""Zero-shot accuracy of the model 20% smaller, the default beside its peers, as a user would run it: each model
+compressed by `masa-compress compress` (no evaluation), written as a checkpoint, then scored by `masa-compress eval
+CHECKPOINT --tasks zero-shot` (lm-evaluation-harness loading the checkpoint with its remote code), with the
+original scored the same way. An item cap per task keeps it to minutes on 2 cores (stated in the file).
+
+`python -m benchmarks.zero_shot_peers [--limit 100] [--batch-size 16] [--out benchmarks/results/zero-shot-peers.json]`
+
+Intervals: each accuracy's 95% Wilson interval over its items. The difference of two models' suite means is not
+paired here (lm-eval's per-item answers are not kept), so two means whose intervals overlap are not told apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import log
+
+MODEL = "smollm2-135m"
+CLI = [sys.executable, "-m", "compressor"]
+WHOLE_MODEL = ["--targets", "attn,mlp", "--ratio", "0.2", "--ratio-of", "model"]
+#: name -> the compress options after the model's (None: the original, not compressed)
+MODELS = {
+    "original": None,
+    "masa-attn-mlp": [],
+    "masa-attn-mlp-uniform": ["--uniform-mlp"],
+    "flap-attn-mlp": ["--method", "flap"],
+    "modegpt-attn-mlp": ["--method", "modegpt"],
+    "svd-llm-attn-mlp": ["--method", "svd-llm"],
+}
+
+
+def _run_json(args: list[str]) -> dict:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[2:])} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
+def suite_mean_interval(tasks: dict) -> tuple[float, list[float]]:
+    """The suite mean (`acc_norm` where a task has it, else `acc`) and its 95% interval from the tasks'
+    binomial variances (the tasks are independent item sets: the variance of a mean of k shares is the sum of
+    theirs over k²)."""
+    shares = []
+    for metrics in tasks.values():
+        key = "acc_norm" if "acc_norm" in metrics else "acc"
+        shares.append((metrics[key], metrics["items"]))
+    mean = sum(p for p, _ in shares) / len(shares)
+    half = 1.96 * math.sqrt(sum(p * (1 - p) / n for p, n in shares)) / len(shares)
+    return mean, [mean - half, mean + half]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--out", default="benchmarks/results/zero-shot-peers.json")
+    args = parser.parse_args(argv)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="zero-shot-peers-") as folder:
+        for name, options in MODELS.items():
+            path, compress_seconds = MODEL, None
+            if options is not None:
+                path = str(Path(folder) / name)
+                start = time.perf_counter()
+                compressed = _run_json(
+                    [*CLI, "compress", MODEL, *WHOLE_MODEL, *options, "--no-eval", "--out", path, "--json"]
+                )
+                compress_seconds = time.perf_counter() - start
+                log(f"{name}: compressed, achieved {compressed.get('achieved_ratio')}")
+            start = time.perf_counter()
+            scored = _run_json(
+                [*CLI, "eval", path, "--tasks", "zero-shot", "--limit", str(args.limit),
+                 "--batch-size", str(args.batch_size), "--json"]
+            )  # fmt: skip
+            mean, ci95 = suite_mean_interval(scored["tasks"])
+            rows[name] = {
+                "options": options,
+                "tasks": scored["tasks"],
+                "mean": mean,
+                "mean_ci95": ci95,
+                "eval_seconds": time.perf_counter() - start,
+                "compress_seconds": compress_seconds,
+            }
+            log(f"{name}: mean {mean:.4f} [{ci95[0]:.4f}, {ci95[1]:.4f}]")
+    for row in rows.values():
+        row["mean_drop"] = rows["original"]["mean"] - row["mean"]
+    payload = {
+        "what": "zero-shot accuracy of the model 20% smaller (--targets attn,mlp --ratio 0.2 --ratio-of model)",
+        "command": "python -m benchmarks.zero_shot_peers " + " ".join(argv or sys.argv[1:]),
+        "model": MODEL,
+        "limit_per_task": args.limit,
+        "batch_size": args.batch_size,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print(json.dumps({n: [r["mean"], r["mean_ci95"]] for n, r in rows.items()}))
+
+
+if __name__ == "__main__":
+    main()
