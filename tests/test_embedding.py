@@ -73,3 +73,12 @@ def test_row_weights_and_counting():
     with pytest.raises(ValueError, match="every row weight must be positive"):
         weighted_low_rank(weight, torch.zeros_like(w), metric, 2)
     assert factored_params(49152, 576, 512) == 512 * (49152 + 576)
+
+
+def test_a_singular_metric_is_damped_and_said(capsys):
+    """A metric that is not positive definite (a hidden direction never used) is damped, and the damping is printed."""
+    weight, w, _ = _problem()
+    metric = torch.diag(torch.tensor([1.0, 2.0, 0.0, 1.0, 3.0, 1.0], dtype=torch.float64))
+    a, b, _ = weighted_low_rank(weight, w, metric, 3)
+    assert torch.isfinite(a @ b).all()
+    assert "the embedding's metric M was damped by" in capsys.readouterr().err

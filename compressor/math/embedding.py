@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from compressor.math.whitening import low_rank_factors, whitened_svd, whitening_factor
+from compressor.runtime.progress import note
 
 
 def token_row_weights(counts: torch.Tensor, pseudo_count: float) -> torch.Tensor:
@@ -47,7 +48,10 @@ def weighted_low_rank(
     if not bool((row_weights > 0).all()):
         raise ValueError("every row weight must be positive (smooth the token counts: token_row_weights)")
     root = row_weights.to(torch.float64).sqrt().unsqueeze(1)
-    factor = whitening_factor(metric).S
+    whitening = whitening_factor(metric)
+    if whitening.damping:  # reported, never silent: M was not positive definite to working precision
+        note(f"the embedding's metric M was damped by {whitening.damping:.3g} (attempt {whitening.attempts})")
+    factor = whitening.S
     u, sigma, vh = whitened_svd(root * weight.to(torch.float64), factor)
     a, b = low_rank_factors(u, sigma, vh, factor, rank)
     energy = sigma.square()
