@@ -18,12 +18,13 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.common import log
 from benchmarks.quality import VARIANTS, build_variant, compare, prepare_quality, score, strip_windows
 from benchmarks.whole_model import DEFAULT, MODEL, model_ratio_as_targets
 from compressor.math.embedding import factored_params, token_row_weights, weighted_low_rank
+from compressor.modeling.adapters import get_adapter
+from compressor.statistics.sensitivity import LossGradients
 
 MODEL_RATIO = 0.2
 #: (name, rank, pseudo count, whether the input term ḡ² I joins the metric)
@@ -55,28 +56,22 @@ def embedding_statistics(model: torch.nn.Module, windows: torch.Tensor) -> dict:
             counts.add_(torch.bincount(window.reshape(-1), minlength=vocab).double())
             model(window)
     hook.remove()
-    squared, tokens = torch.zeros((), dtype=torch.float64), 0
+    squared = torch.zeros((), dtype=torch.float64)
 
-    def track_gradient(_module, _args, output):
-        output = output.detach().requires_grad_(True)
-        output.register_hook(add_squared)
-        return output
-
-    def add_squared(gradient):
+    def add_squared(gradient: torch.Tensor) -> None:
         squared.add_(gradient.double().pow(2).sum())
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for parameter in trainable:  # the gradient reaches the activations only
-        parameter.requires_grad_(False)
-    hook = embedding.register_forward_hook(track_gradient)
-    for window in windows[:GRADIENT_WINDOWS].split(1):
-        logits = model(window).logits[:, :-1].float()
-        F.cross_entropy(logits.reshape(-1, vocab), window[:, 1:].reshape(-1), reduction="sum").backward()
-        tokens += window.numel()
-    hook.remove()
-    for parameter in trainable:
-        parameter.requires_grad_(True)
-    return {"counts": counts, "gram": gram / windows.numel(), "g2": float(squared) / tokens / width}
+    def track_gradient(_module, _args, output):
+        # After LossGradients' own hook, which starts the graph at the embeddings' output (parameters frozen).
+        output.register_hook(add_squared)
+
+    with LossGradients(model, get_adapter(model), ()) as gradients, torch.enable_grad():
+        hook = embedding.register_forward_hook(track_gradient)
+        for window in windows[:GRADIENT_WINDOWS].split(1):
+            gradients.backward(window, model(window).logits)
+        hook.remove()
+    g2 = float(squared) / gradients.tokens / width
+    return {"counts": counts, "gram": gram / windows.numel(), "g2": g2}
 
 
 def with_low_rank_embedding(model: torch.nn.Module, stats: dict, rank: int, pseudo: float, input_term: bool):

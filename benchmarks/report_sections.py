@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from statistics import mean
 
 from benchmarks.markdown import difference, interval, number
 from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, REPO, STAGE_LABELS, TARGETS
+from compressor.evaluation.zero_shot import suite_mean
 
 DEFAULT = "masa-attn-mlp"
 
@@ -187,7 +187,7 @@ def zero_shot_lines(path: Path | None = None) -> list[str]:
             + " | ".join(f"{c:.1%}" for c in cells)
             + f" | {row['mean']:.1%} [{row['mean_ci95'][0]:.1%}, {row['mean_ci95'][1]:.1%}] | "
             + ("—" if name == "original" else f"{-100 * row['mean_drop']:+.1f} pt")
-            + f" | {mean(c for t, c in zip(ZERO_SHOT_COLUMNS, cells, strict=True) if t != 'boolq'):.1%} |"
+            + f" | {suite_mean({t: m for t, m in row['tasks'].items() if t != 'boolq'}):.1%} |"
         )
     return [*lines, ""]
 

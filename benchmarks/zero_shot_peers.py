@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import log
+from compressor.evaluation.zero_shot import suite_mean
 
 MODEL = "smollm2-135m"
 CLI = [sys.executable, "-m", "compressor"]
@@ -44,14 +45,11 @@ def _run_json(args: list[str]) -> dict:
 
 
 def suite_mean_interval(tasks: dict) -> tuple[float, list[float]]:
-    """The suite mean (`acc_norm` where a task has it, else `acc`) and its 95% interval from the tasks'
-    binomial variances (the tasks are independent item sets: the variance of a mean of k shares is the sum of
-    theirs over k²)."""
-    shares = []
-    for metrics in tasks.values():
-        key = "acc_norm" if "acc_norm" in metrics else "acc"
-        shares.append((metrics[key], metrics["items"]))
-    mean = sum(p for p, _ in shares) / len(shares)
+    """The suite mean (`zero_shot.suite_mean`: `acc_norm` where a task has it, else `acc`) and its 95% interval
+    from the tasks' binomial variances (the tasks are independent item sets: the variance of a mean of k shares
+    is the sum of theirs over k²)."""
+    mean = suite_mean(tasks)
+    shares = [(metrics.get("acc_norm", metrics["acc"]), metrics["items"]) for metrics in tasks.values()]
     half = 1.96 * math.sqrt(sum(p * (1 - p) / n for p, n in shares)) / len(shares)
     return mean, [mean - half, mean + half]
 
