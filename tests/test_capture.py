@@ -9,7 +9,14 @@ from conftest import random_windows, tiny_model
 
 from compressor.modeling.adapters import get_adapter
 from compressor.runtime.errors import NumericalError
-from compressor.statistics.capture import GRAM_CHUNK_TOKENS, add_gram, collect_statistics
+from compressor.statistics.capture import (
+    GRAM_BLOCK_COLUMNS,
+    GRAM_CHUNK_TOKENS,
+    add_gram,
+    collect_statistics,
+    gram_blocks,
+    token_mean,
+)
 
 UNIT_ROUNDOFF_FP32 = 2.0**-24
 
@@ -47,15 +54,42 @@ def _activations(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
     return x + 0.5  # a non-zero mean
 
 
-@pytest.mark.parametrize("tokens", [7, GRAM_CHUNK_TOKENS, 3 * GRAM_CHUNK_TOKENS + 5])
-def test_fp32_products_stay_within_the_stated_bound(tokens):
-    x = _activations(tokens, 96)
-    total = torch.zeros(96, 96, dtype=torch.float64)
-    add_gram(total, x.view(1, tokens, 96), "test")
+@pytest.mark.parametrize(
+    "tokens,width",
+    [
+        (7, 96),
+        (GRAM_CHUNK_TOKENS, 96),
+        (3 * GRAM_CHUNK_TOKENS + 5, 96),
+        (GRAM_CHUNK_TOKENS + 3, 2 * GRAM_BLOCK_COLUMNS + 40),
+    ],
+)
+def test_fp32_products_stay_within_the_stated_bound(tokens, width):
+    x = _activations(tokens, width)
+    total = torch.zeros(width, width, dtype=torch.float64)
+    add_gram(total, x.view(1, tokens, width), "test")
+    token_mean(total, 1)  # completes the blocks below the diagonal (divides by 1)
     assert_within_gram_bound(total, x)
     # and the bound is not vacuous: the relative error in the Frobenius norm is that of fp32, not of nothing
     exact = x.double().T @ x.double()
     assert ((total - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_only_the_blocks_on_and_above_the_diagonal_are_summed_then_mirrored():
+    width = 2 * GRAM_BLOCK_COLUMNS + 40
+    blocks = gram_blocks(width)
+    assert [b.stop - b.start for b in blocks] == [GRAM_BLOCK_COLUMNS, GRAM_BLOCK_COLUMNS, 40]
+    total = torch.zeros(width, width, dtype=torch.float64)
+    add_gram(total, _activations(50, width).view(1, 50, width), "test")
+    for i, rows in enumerate(blocks):
+        for columns in blocks[:i]:
+            assert not total[rows, columns].any()  # below the diagonal: left to token_mean
+        assert total[rows, rows.start :].abs().min() > 0
+    token_mean(total, 50)
+    assert torch.equal(
+        total[GRAM_BLOCK_COLUMNS:, :GRAM_BLOCK_COLUMNS], total[:GRAM_BLOCK_COLUMNS, GRAM_BLOCK_COLUMNS:].T
+    )
+    for rows in blocks:  # a diagonal block is one fp32 product: symmetric up to its rounding
+        torch.testing.assert_close(total[rows, rows], total[rows, rows].T, rtol=1e-6, atol=0)
 
 
 def test_a_half_precision_product_would_break_the_bound():

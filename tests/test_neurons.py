@@ -14,6 +14,7 @@ from compressor.checkpoint import save_compressed
 from compressor.math.accounting import NEURON_READER
 from compressor.math.neurons import (
     ORDERS,
+    _greedy_steps,
     block_greedy_order,
     greedy_order,
     neuron_order,
@@ -21,6 +22,7 @@ from compressor.math.neurons import (
     output_error,
     refit_down,
 )
+from compressor.math.whitening import whitening_factor
 from compressor.methods.masa.mlp import RIDGE
 from compressor.modeling.adapters import MLP_PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
@@ -60,6 +62,14 @@ def test_refit_is_the_least_squares_solution_and_the_tail_its_error(rule, ridge)
     assert float(found.tail[-1]) == pytest.approx(0.0, abs=1e-8 * float(found.tail[0]))
 
 
+def test_the_error_at_width_zero_is_the_whitened_output_energy():
+    """The report reads a neuron unit's output energy ‖D S‖² (S Sᵀ = C) from its tail at width 0."""
+    _, c, down = _activations()
+    found = order_tail(c, down, neuron_order("greedy", c, down, 0.0), 0.0)
+    energy = float((down @ whitening_factor(c).S).square().sum())
+    assert float(found.tail[0]) == pytest.approx(energy, rel=1e-12)
+
+
 def test_keeping_every_neuron_reproduces_down_proj():
     _, c, down = _activations()
     found = order_tail(c, down, neuron_order("energy", c, down, 0.0), 0.0)
@@ -86,6 +96,15 @@ def test_greedy_in_float32_loses_nothing_measurable():
     exact = order_tail(c, down, greedy_order(c, down, dtype=torch.float64), 0.0).tail
     single = order_tail(c, down, greedy_order(c, down), 0.0).tail
     torch.testing.assert_close(single, exact, rtol=1e-3, atol=1e-9 * float(exact[0]))
+
+
+def test_the_greedy_on_numpy_arrays_and_on_tensors_is_one_order():
+    """The CPU runs the greedy's loop on numpy arrays, an accelerator on torch tensors: the same steps, the same
+    order (in fp64, 200 neurons: the working arrays drop the kept neurons five times on the way)."""
+    _, c, down = _activations(neurons=200, tokens=3000, hidden=16)
+    on_tensors = _greedy_steps(c, down, lambda *shape: torch.zeros(shape, dtype=torch.float64))
+    assert greedy_order(c, down, dtype=torch.float64).tolist() == on_tensors
+    assert sorted(on_tensors) == list(range(200))
 
 
 def test_the_block_greedy_of_one_neuron_per_block_is_the_greedy():

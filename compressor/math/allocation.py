@@ -7,6 +7,7 @@ All ranks index discarded-energy tails from `whitening.discarded_energy`: `tail[
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -218,7 +219,11 @@ def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Unit], budge
         r = ranks[name]
         if name not in hulls:
             return r + 1
-        return next((v for v in hulls[name] if v > r), r + 1)
+        hull = hulls[
+            name
+        ]  # increasing: the first vertex past r by bisection (a neuron unit's hull is ~I long)
+        i = bisect.bisect_right(hull, r)
+        return hull[i] if i < len(hull) else r + 1
 
     def push(heap: list[tuple[float, int, str]], name: str) -> None:
         r, tail = ranks[name], lists[name]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compressor.math.whitening import whitening_factor
@@ -66,38 +67,74 @@ def greedy_order(
 
     The selection runs in `dtype`, float32 by default: its steps are bound by memory traffic, which float32
     halves; only the order comes out of it (the errors of that order are then computed in float64 by
-    `order_tail`), and near-ties it may break otherwise than float64 would cost nothing measurable."""
-    c = autocorr.to(dtype)
-    d = down.to(dtype)
+    `order_tail`), and near-ties it may break otherwise than float64 would cost nothing measurable.
+    On the CPU the loop runs on numpy arrays: its ~I steps are matrix-vector products and a dozen small
+    operations each, where numpy's BLAS and per-call cost were 2-3× cheaper than torch's on the CPUs measured
+    (BENCHMARKS.md, section 3); on an accelerator, on torch tensors where they are. Same code, same order."""
+    if autocorr.device.type == "cpu":
+        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        c = autocorr.detach().to(dtype).numpy()
+        d = down.detach().to(dtype=dtype, device="cpu").numpy()
+        order = _greedy_steps(c, d, lambda *shape: np.zeros(shape, dtype=numpy_dtype))
+        return torch.tensor(order, dtype=torch.long)
+    c, d = autocorr.to(dtype), down.to(dtype=dtype, device=autocorr.device)
+    order = _greedy_steps(c, d, lambda *shape: torch.zeros(shape, dtype=dtype, device=c.device))
+    return torch.tensor(order, dtype=torch.long, device=c.device)
+
+
+def _greedy_steps(c, d, zeros) -> list[int]:
+    """`greedy_order`'s loop on arrays `c` (I × I) and `d` (hidden × I), numpy or torch alike (`zeros(*shape)`
+    makes one of theirs): only the operators and methods the two share.
+
+    The working arrays hold only the neurons not yet kept (and those kept since the last compaction): a kept
+    neuron's row of the factor and column of D R no longer change any gain, so whenever a quarter of what is held
+    is kept they are dropped, which takes the matrix-vector steps from 2·I²·(I/2 + hidden) multiply-adds to
+    about I²·(I/3 + hidden)."""
     n = c.shape[0]
-    dc = d @ c  # (hidden, I): D R at the start (R = C)
-    numer = dc.square().sum(dim=0)  # ‖D R_:j‖² for every j
-    diag = torch.diagonal(c).clone()  # R_jj
-    floor = 1e-12 * float(diag.max()) if n else 0.0
-    v_rows = torch.zeros(n, n, dtype=dtype, device=c.device)  # [j, t]: the pivoted Cholesky factor
-    w_rows = torch.zeros(n, d.shape[0], dtype=dtype, device=c.device)  # [t]: D times its column t
-    chosen = torch.zeros(n, dtype=torch.bool, device=c.device)
-    order = torch.empty(n, dtype=torch.long, device=c.device)
-    gain = torch.empty_like(numer)
+    if n == 0:
+        return []
+    held = list(range(n))  # the neurons the working arrays hold, by position
+    c_held, d_held = c, d  # C's rows and D's columns of the held neurons
+    dc = d @ c  # (hidden, held): D C; D R = D C − W Vᵀ with the factor V and W = D V below
+    numer = (dc * dc).sum(0)  # ‖D R_:j‖² on held
+    diag = c.diagonal() * 1  # R_jj on held (a copy)
+    floor = 1e-12 * float(diag.max())
+    factor = zeros(n, n)  # [j, t]: the pivoted Cholesky factor's column t on held neuron j
+    w_rows = zeros(n, d.shape[0])  # [t]: D times the factor's column t
+    chosen = diag < 0  # on held: kept (all False; an array of the right kind)
+    order: list[int] = []
+    kept_since_compaction = 0
     for t in range(n):
-        torch.div(numer, diag.clamp_min(floor), out=gain)
-        gain.masked_fill_(chosen | (diag <= floor), -1.0)
-        p = int(torch.argmax(gain))
-        if chosen[p] or diag[p] <= floor:
-            # Nothing left to explain (fewer calibration tokens than neurons leaves C singular): every gain is
-            # masked, so argmax may name a neuron already kept. The rest follow in their index order.
-            order[t:] = torch.nonzero(~chosen).flatten()
-            break
-        order[t] = p
+        gain = numer / diag.clip(min=floor)
+        gain[chosen | (diag <= floor)] = -1.0
+        p = int(gain.argmax())
+        if float(gain[p]) < 0:
+            # Nothing left to explain (fewer calibration tokens than neurons leaves C singular): the rest
+            # follow in their index order.
+            kept = set(order)
+            return order + [j for j in range(n) if j not in kept]
+        order.append(held[p])
         chosen[p] = True
-        column = c[:, p] - v_rows[:, :t] @ v_rows[p, :t]  # R_:p
-        v = column / column[p].sqrt()
-        w = d @ v  # (hidden,)
+        kept_since_compaction += 1
+        column = c_held[:, held[p]] - factor[:, :t] @ factor[p, :t]  # R_:p on held (C symmetric)
+        v = column / float(column[p]) ** 0.5
+        w = d_held @ v  # (hidden,): D times the new column (zero on neurons no longer held)
         # D R_new_:j = D R_:j − w v_j, so ‖·‖² drops by 2 v_j (wᵀ D R_:j) − v_j² ‖w‖².
-        cross = dc.T @ w - v_rows[:, :t] @ (w_rows[:t] @ w)  # wᵀ D R_:j for every j
-        numer.sub_(2 * v * cross).add_(v.square() * w.square().sum()).clamp_(min=0.0)
-        diag.sub_(v.square()).clamp_(min=0.0)
-        v_rows[:, t], w_rows[t] = v, w
+        cross = dc.T @ w - factor[:, :t] @ (w_rows[:t] @ w)  # wᵀ D R_:j for every held j
+        numer -= 2 * v * cross
+        numer += v * v * float(w @ w)
+        numer[numer < 0] = 0
+        diag -= v * v
+        diag[diag < 0] = 0
+        factor[:, t], w_rows[t] = v, w
+        if kept_since_compaction > len(held) // 4 and t + 1 < n:
+            stay = ~chosen
+            held = [j for j, keep in zip(held, stay.tolist(), strict=True) if keep]
+            c_held, d_held, dc = c[held], d[:, held], dc[:, stay]
+            numer, diag = numer[stay], diag[stay]
+            compact = zeros(len(held), n)
+            compact[:, : t + 1] = factor[stay, : t + 1]
+            factor, chosen, kept_since_compaction = compact, diag < 0, 0
     return order
 
 

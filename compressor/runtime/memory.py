@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from compressor.runtime.device import GRAM_BLOCK_COLUMNS
+
 GIB = 1024**3
 #: The evaluation's chunk of windows advanced together through the layers (`statistics.layer_stream.evaluate_layerwise`).
 EVAL_CHUNK = 32
@@ -118,11 +120,11 @@ def svd_bytes(m: int, n: int) -> int:
 
 
 def _hook_copy(shape: Shape, w: Workload) -> int:
-    """`capture.add_gram` on the widest input: two fp64 copies on the CPU; two fp32 copies, the fp32 product
-    and its fp64 copy on a GPU."""
+    """`capture.add_gram` on the widest input: two fp64 copies on the CPU; two fp32 copies, one block row of the
+    fp32 product and its fp64 copy on a GPU."""
     widest = max(shape.inputs(w.mlp))
     if w.gpu:
-        return 8 * w.seq_len * widest + 12 * widest * widest
+        return 8 * w.seq_len * widest + 12 * min(widest, GRAM_BLOCK_COLUMNS) * widest
     return 16 * w.seq_len * widest
 
 

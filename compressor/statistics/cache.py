@@ -30,8 +30,9 @@ from compressor.statistics.sensitivity import Sensitivity
 #: What the cached numbers mean; part of the key, so a file of another format is never reused. 2: the
 #: autocorrelations are token means (format 1 held the sums Σ xᵀx); 3: with every input's token mean (`mean.KIND`);
 #: 4: each window's product taken in fp32 (`capture.add_gram`), so a format-3 file would differ in the last digits
-#: from what this version computes, and a run would depend on the cache's history.
-STATS_FORMAT = 4
+#: from what this version computes, and a run would depend on the cache's history; 5: the products by column blocks
+#: above the diagonal, mirrored (`capture.gram_blocks`), again different in the last digits.
+STATS_FORMAT = 5
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from compressor.modeling.adapters import DecoderAdapter
-from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.runtime.device import GRAM_BLOCK_COLUMNS, add_in_float64, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
 from compressor.statistics.sensitivity import LossGradients, Sensitivity
@@ -163,8 +163,16 @@ class _Accumulator:
 GRAM_CHUNK_TOKENS = 512
 
 
+def gram_blocks(width: int) -> list[slice]:
+    """The column blocks of a `width`-wide autocorrelation that `add_gram` fills and `token_mean` mirrors."""
+    return [
+        slice(start, min(start + GRAM_BLOCK_COLUMNS, width)) for start in range(0, width, GRAM_BLOCK_COLUMNS)
+    ]
+
+
 def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
-    """`target += xᵀx` over the tokens of activations `x (..., T, d)`, one window (the last-but-one axis) at a time.
+    """`target += xᵀx` over the tokens of activations `x (..., T, d)`, one window (the last-but-one axis) at a
+    time, on and above the diagonal blocks of `gram_blocks(d)` only: `token_mean` completes the symmetric matrix.
 
     Each window's product is computed in fp32 over at most `GRAM_CHUNK_TOKENS` tokens and added to the fp64
     accumulator (`target`'s device: the CPU for a model on MPS, see `device.float64_zeros`): about half the time
@@ -173,24 +181,31 @@ def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
     activations. Chunks follow window boundaries, so the result does not depend on how windows are batched
     (the in-memory and layer-sequential captures agree bit for bit).
     """
+    blocks = gram_blocks(x.shape[-1])
     for window in x.reshape(-1, *x.shape[-2:]):
         for chunk in window.split(GRAM_CHUNK_TOKENS):
             chunk = chunk.float()
-            product = chunk.T @ chunk
-            # A non-finite activation makes its column's Σ x² non-finite (squares cannot cancel), as does a
-            # product that overflows fp32: the diagonal tells both, at 1/T the cost of checking every activation.
-            if not torch.isfinite(torch.diagonal(product)).all():
-                raise NumericalError(
-                    f"non-finite activations (or an fp32 overflow of their products) at the input of {where} "
-                    "during calibration"
-                )
-            add_in_float64(target, product)
+            for block in blocks:
+                product = chunk[:, block].T @ chunk[:, block.start :]  # the block row, from its diagonal on
+                # A non-finite activation makes its column's Σ x² non-finite (squares cannot cancel), as does a
+                # product that overflows fp32: the diagonal tells both, at 1/T the cost of checking every one.
+                if not torch.isfinite(torch.diagonal(product)).all():
+                    raise NumericalError(
+                        f"non-finite activations (or an fp32 overflow of their products) at the input of {where} "
+                        "during calibration"
+                    )
+                add_in_float64(target[block, block.start :], product)
 
 
 def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The autocorrelation as the statistics hold it: an accumulated `Σ xᵀx` divided, in place, by its tokens."""
+    """The autocorrelation as the statistics hold it, in place: the blocks below the diagonal set from those
+    above (what `add_gram` left out), then the accumulated `Σ xᵀx` divided by its tokens."""
     if tokens <= 0:
         raise ValueError(f"an autocorrelation needs calibration tokens, got {tokens}")
+    blocks = gram_blocks(gram.shape[-1])
+    for i, rows in enumerate(blocks):
+        for columns in blocks[i + 1 :]:
+            gram[columns, rows] = gram[rows, columns].T
     return gram.div_(tokens)
 
 
@@ -241,8 +256,10 @@ def collect_statistics(
             adapter.decoder(input_ids=batch, use_cache=False)  # no LM head: nothing here reads the logits
             bar.advance(len(batch))
     tokens = int(windows.numel())  # every position of every window reaches every projection's input
-    for gram in [*acc.accumulators(), *acc.sums.values()]:
+    for gram in acc.accumulators():
         token_mean(gram, tokens)
+    for sums in acc.sums.values():
+        sums.div_(tokens)
     return CalibrationStats(
         attn_autocorr=acc.attn,
         o_autocorr=acc.o,

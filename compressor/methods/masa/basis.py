@@ -334,9 +334,10 @@ def sharing_report(plan: CompressionPlan, tails: dict, output_energy, weight) ->
     def relative(pp) -> float:
         if not pp.carries_error():
             return 0.0
-        return float(tails[(pp.layer, pp.projection)][pp.rank]) / (
-            output_energy(pp.layer, pp.projection) or 1.0
-        )
+        tail = tails[(pp.layer, pp.projection)]
+        # A neuron unit's error at width 0 is its whole output energy ‖D S‖² = tr(D C Dᵀ): no second Cholesky of C.
+        energy = float(tail[0]) if pp.mode == "neurons" else output_energy(pp.layer, pp.projection)
+        return float(tail[pp.rank]) / (energy or 1.0)
 
     bases = {}
     for pp in plan.projections:
