@@ -177,24 +177,39 @@ def zero_shot_lines(path: Path | None = None) -> list[str]:
         "`masa-compress compress`, its checkpoint scored by `masa-compress eval CHECKPOINT --tasks zero-shot`, "
         f"lm-evaluation-harness's tasks, the first {z['limit_per_task']} items of each; `acc_norm` where the "
         "task has it, else `acc`; ARC and the others on their validation splits, LAMBADA on its test set). "
-        "Intervals: 95% Wilson per task, and for the mean from the tasks' binomial variances; the means are not "
-        "paired, so overlapping intervals do not tell two models apart. At this model's scale BoolQ measures a "
-        "yes/no bias more than reading (its validation split is 62% yes: a model answering one way throughout "
-        "scores that share or the rest), and compression moves that bias, so the mean is also given without it.",
+        "Intervals: 95% Wilson per task, and for the mean from the tasks' binomial variances. The differences "
+        "are paired on the same items (each model's per-item scores, `eval --items`; ±1.96 standard errors of the "
+        "mean per-item difference per task, over the tasks' mean): a difference whose interval holds 0 is a tie. "
+        "At this model's scale BoolQ measures a yes/no bias more than reading (its validation split is 62% yes: a "
+        "model answering one way throughout scores that share or the rest), and compression moves that bias, so "
+        "the mean and the differences are also given without it.",
         "",
         "| variant | "
         + " | ".join(ZERO_SHOT_COLUMNS.values())
-        + " | mean [95% CI] | mean − original's | mean without BoolQ |",
-        "|---|" + "---|" * (len(ZERO_SHOT_COLUMNS) + 3),
+        + " | mean [95% CI] | − original's, paired | default − this, paired | mean without BoolQ | "
+        "without BoolQ: − original's | without BoolQ: default − this |",
+        "|---|" + "---|" * (len(ZERO_SHOT_COLUMNS) + 6),
     ]
+
+    def paired(row: dict, key: str) -> str:
+        found = row.get(key)
+        if not found:
+            return "—"
+        low, high = found["ci95"]
+        return f"{100 * found['value']:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]" + (
+            " tie" if found["tie"] else ""
+        )
+
     for name, row in z["rows"].items():
         cells = [row["tasks"][t].get("acc_norm", row["tasks"][t]["acc"]) for t in ZERO_SHOT_COLUMNS]
         lines.append(
             f"| {'original' if name == 'original' else label(name)} | "
             + " | ".join(f"{c:.1%}" for c in cells)
             + f" | {row['mean']:.1%} [{row['mean_ci95'][0]:.1%}, {row['mean_ci95'][1]:.1%}] | "
-            + ("—" if name == "original" else f"{-100 * row['mean_drop']:+.1f} pt")
-            + f" | {suite_mean({t: m for t, m in row['tasks'].items() if t != 'boolq'}):.1%} |"
+            + f"{paired(row, 'paired_minus_original')} | {paired(row, 'default_minus_this')} | "
+            + f"{suite_mean({t: m for t, m in row['tasks'].items() if t != 'boolq'}):.1%} | "
+            + f"{paired(row, 'paired_minus_original_without_boolq')} | "
+            + f"{paired(row, 'default_minus_this_without_boolq')} |"
         )
     return [*lines, ""]
 

@@ -5,8 +5,10 @@ original scored the same way. An item cap per task keeps it to minutes on 2 core
 
 `python -m benchmarks.zero_shot_peers [--limit 100] [--batch-size 16] [--out benchmarks/results/zero-shot-peers.json]`
 
-Intervals: each accuracy's 95% Wilson interval over its items. The difference of two models' suite means is not
-paired here (lm-eval's per-item answers are not kept), so two means whose intervals overlap are not told apart.
+Intervals: each accuracy's 95% Wilson interval over its items; every model's per-item scores (`eval --items`,
+kept under `benchmarks/results/zero-shot-items/`) give the differences of suite means paired on the same items
+(`zero_shot.paired_suite_difference`): each model minus the original, and the default minus each other model,
+with and without BoolQ.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import log
-from compressor.evaluation.zero_shot import suite_mean
+from compressor.evaluation.zero_shot import paired_suite_difference, read_items, suite_mean
 
 MODEL = "smollm2-135m"
+DEFAULT = "masa-attn-mlp"
+ITEMS = Path("benchmarks/results/zero-shot-items")
 CLI = [sys.executable, "-m", "compressor"]
 WHOLE_MODEL = ["--targets", "attn,mlp", "--ratio", "0.2", "--ratio-of", "model"]
 #: name -> the compress options after the model's (None: the original, not compressed)
@@ -73,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
                 compress_seconds = time.perf_counter() - start
                 log(f"{name}: compressed, achieved {compressed.get('achieved_ratio')}")
             start = time.perf_counter()
+            ITEMS.mkdir(parents=True, exist_ok=True)
             scored = _run_json(
                 [*CLI, "eval", path, "--tasks", "zero-shot", "--limit", str(args.limit),
-                 "--batch-size", str(args.batch_size), "--json"]
+                 "--batch-size", str(args.batch_size), "--items", str(ITEMS / f"{name}.jsonl"), "--json"]
             )  # fmt: skip
             mean, ci95 = suite_mean_interval(scored["tasks"])
             rows[name] = {
@@ -87,8 +92,21 @@ def main(argv: list[str] | None = None) -> None:
                 "compress_seconds": compress_seconds,
             }
             log(f"{name}: mean {mean:.4f} [{ci95[0]:.4f}, {ci95[1]:.4f}]")
-    for row in rows.values():
+    items = {name: read_items(ITEMS / f"{name}.jsonl") for name in rows}
+    without_boolq = {name: {t: v for t, v in found.items() if t != "boolq"} for name, found in items.items()}
+    for name, row in rows.items():
         row["mean_drop"] = rows["original"]["mean"] - row["mean"]
+        if name == "original":
+            continue
+        row["paired_minus_original"] = paired_suite_difference(items[name], items["original"])
+        row["paired_minus_original_without_boolq"] = paired_suite_difference(
+            without_boolq[name], without_boolq["original"]
+        )
+        if name != DEFAULT:
+            row["default_minus_this"] = paired_suite_difference(items[DEFAULT], items[name])
+            row["default_minus_this_without_boolq"] = paired_suite_difference(
+                without_boolq[DEFAULT], without_boolq[name]
+            )
     payload = {
         "what": "zero-shot accuracy of the model 20% smaller (--targets attn,mlp --ratio 0.2 --ratio-of model)",
         "command": "python -m benchmarks.zero_shot_peers " + " ".join(argv or sys.argv[1:]),

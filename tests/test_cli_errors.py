@@ -213,6 +213,11 @@ CASES = [
     ),
     ("unknown dtype", lambda t, mp: ["eval", "smollm2-135m", "--dtype", "float8"], "unknown dtype"),
     (
+        "per-item scores asked without tasks",
+        lambda t, mp: ["eval", "smollm2-135m", "--items", str(t / "items.jsonl")],
+        "--items writes the per-item scores of lm-eval tasks: add --tasks",
+    ),
+    (
         "an option the method does not read",
         lambda t, mp: ["smollm2-135m", "--method", "svd-llm", "--groups", "4"],
         "--groups has no effect with --method svd-llm",

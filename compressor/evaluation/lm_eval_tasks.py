@@ -9,9 +9,11 @@ that cannot be fetched offline) and plain JSON results. `lm-eval` is an optional
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+from compressor.runtime.cache_root import atomic_write_bytes
 from compressor.runtime.errors import UserError
 
 _LOCAL_TASK_HINT = (
@@ -89,11 +91,13 @@ def run_tasks(
     batch_size: int = 1,
     limit: int | None = None,
     include_path: str | list[str] | None = None,
+    items_out: Path | None = None,
 ) -> dict[str, dict[str, float | None]]:
     """Score a model directory (a masa-compress checkpoint or any HF folder) on lm-eval tasks.
 
     Returns ``{task: {metric: value}}`` (with `items`: how many were scored). Runs lm-eval's `hf` model with `trust_remote_code=True`, so the
-    checkpoint is loaded the way any lm-eval user would load it.
+    checkpoint is loaded the way any lm-eval user would load it. With `items_out`, every item's scores are written
+    there too (`write_items`): what a paired comparison of two models on the same items reads.
     """
     if not tasks:
         raise UserError("no lm-eval task named: pass --tasks NAME[,NAME...]")
@@ -116,10 +120,33 @@ def run_tasks(
         device=device,
         limit=limit,
         task_manager=manager,
-        log_samples=False,
+        log_samples=items_out is not None,
     )
+    if items_out is not None:
+        write_items(items_out, results.get("samples", {}))
     counts = results.get("n-samples", {})
     return {
         task: _plain_metrics(metrics) | ({"items": counts[task]["effective"]} if task in counts else {})
         for task, metrics in results["results"].items()
     }
+
+
+def item_scores(samples: dict[str, list[dict]]) -> list[dict]:
+    """lm-eval's logged samples reduced to what a paired comparison needs: per task and item (`doc_id`), its
+    accuracies (`acc`, `acc_norm`: the per-item metrics that are plain numbers)."""
+    rows = []
+    for task, logged in samples.items():
+        for sample in logged:
+            scores = {
+                metric: float(sample[metric])
+                for metric in sample.get("metrics", ())
+                if metric in ("acc", "acc_norm") and isinstance(sample.get(metric), (int, float))
+            }
+            rows.append({"task": task, "doc_id": int(sample["doc_id"]), **scores})
+    return rows
+
+
+def write_items(path: Path, samples: dict[str, list[dict]]) -> None:
+    """`item_scores` as JSON lines at `path`, written whole or not at all."""
+    rows = "".join(json.dumps(row) + "\n" for row in item_scores(samples))
+    atomic_write_bytes(Path(path), rows.encode())

@@ -115,6 +115,56 @@ def suite_mean(scores: dict[str, dict]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def read_items(path: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """The per-item scores `eval --tasks ... --items FILE` wrote: task -> item (`doc_id`) -> {metric: score}."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"{path}: no such file of per-item scores (write one with `eval --tasks ... --items FILE`)"
+        )
+    items: dict[str, dict[int, dict[str, float]]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            task, doc = plain_name(row.pop("task")), int(row.pop("doc_id"))
+        except (ValueError, KeyError, TypeError):
+            raise UserError(
+                f"{path}:{number} is not a per-item score line written by `eval --items`"
+            ) from None
+        items.setdefault(task, {})[doc] = row
+    return items
+
+
+def paired_suite_difference(a: dict, b: dict) -> dict:
+    """Suite mean of model a minus model b's on the items both answered (`read_items` of each), paired.
+
+    Per task the metric `suite_mean` reads (`acc_norm` where every item has it, else `acc`), its mean
+    per-item difference d̄_t over the n_t shared items, and the suite's difference the mean of the d̄_t over its
+    k tasks. Its 95% interval is ±1.96·√(Σ_t s_t²/n_t)/k (s_t: the per-item differences' standard deviation):
+    an item both models answer alike adds nothing to it, so the interval is narrower than two unpaired ones.
+    A difference whose interval holds 0 is a tie."""
+    tasks, variance = {}, 0.0
+    for task in sorted(set(a) & set(b)):
+        shared = sorted(set(a[task]) & set(b[task]))
+        if not shared:
+            continue
+        rows = [(a[task][doc], b[task][doc]) for doc in shared]
+        metric = "acc_norm" if all("acc_norm" in x and "acc_norm" in y for x, y in rows) else "acc"
+        differences = [x[metric] - y[metric] for x, y in rows]
+        n = len(differences)
+        mean = sum(differences) / n
+        spread = sum((d - mean) ** 2 for d in differences) / (n - 1) if n > 1 else 0.0
+        tasks[task] = {"metric": metric, "items": n, "value": mean}
+        variance += spread / n
+    if not tasks:
+        raise UserError("the two per-item score files share no task and item: score both on the same tasks")
+    k = len(tasks)
+    value = sum(t["value"] for t in tasks.values()) / k
+    half = 1.96 * math.sqrt(variance) / k
+    low, high = value - half, value + half
+    return {"value": value, "ci95": [low, high], "tie": low <= 0.0 <= high, "tasks": tasks}
+
+
 def _lm_eval_tasks_dir() -> Path:
     lm_eval, _ = import_lm_eval()
     return Path(lm_eval.__file__).parent / "tasks"
