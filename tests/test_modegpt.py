@@ -12,6 +12,7 @@ from conftest import random_windows, reloaded_identically, tiny_model
 from test_attention_heads import plan_untargeted
 
 from compressor.api.pipeline import compress_model
+from compressor.api.preview import plan_from_config
 from compressor.checkpoint import save_compressed
 from compressor.math.modular import (
     kept_rotary_dims,
@@ -164,6 +165,17 @@ def test_modegpt_at_full_keep_is_the_original_model():
 def test_modegpt_refuses_an_impossible_ratio_and_the_layerwise_path():
     with pytest.raises(UserError, match="infeasible"):
         _compress(tiny_model("llama"), 0.95, targets="attn")
+
+
+def test_the_plan_states_modegpts_own_largest_ratio_and_a_run_just_past_it_is_refused():
+    """Every module keeps at least 1 − CAP of its dimensions: `plan`'s largest feasible ratio is that bound,
+    not the 1.0 a method with no cap would reach."""
+    model = tiny_model("llama")
+    settings = CompressionSettings(method="modegpt", targets="attn,mlp")
+    largest = plan_from_config(model.config, 0.5, settings)["max_ratio"]
+    assert modegpt.CAP - 0.05 < largest < modegpt.CAP + 0.05
+    with pytest.raises(UserError, match="infeasible"):
+        _compress(model, min(0.99, largest + 0.02))
 
 
 def test_modegpt_exports_dense_with_its_zeros_and_the_same_logits(tmp_path):

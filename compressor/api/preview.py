@@ -77,6 +77,7 @@ def plan_from_config(
         "geometry": asdict(shape.geometry),
         "bias_projections": [p for p in bias_projections(config) if p in shape.targets],
         **_counts(plan, reason, preview, allocated=plan.ranks_allocated() and reason is None),
+        "max_ratio": method.largest_ratio(plan, shape),
         "groups": _groups_info(plan, rule, ("layout" if layout else "assumed") if calibrated else "fixed"),
         "ranks": {
             "kind": preview.kind,
@@ -152,7 +153,6 @@ def _counts(plan: CompressionPlan, reason: str | None, preview: RankPreview, all
         "target_params_after": after,
         "target_params_after_max": preview.after_max,
         "achieved_ratio": plan.achieved_ratio() if allocated else None,
-        "max_ratio": 1.0 - plan.fixed_params() / plan.params_before,
     }
 
 

@@ -305,6 +305,11 @@ class Method:
         calibration statistics). `check_feasible=False` returns an over-budget layout instead of refusing it."""
         raise NotImplementedError
 
+    def largest_ratio(self, plan: CompressionPlan, shape: ModelShape) -> float:
+        """The largest ratio `plan`'s layout can reach: everything not stored whatever the ranks removed (a method
+        that bounds what a module may lose says less)."""
+        return 1.0 - plan.fixed_params() / plan.params_before
+
     def apply(self, ctx: MethodContext) -> CompressionPlan:
         """Build and install the replacement modules; return the plan with every rank allocated."""
         raise NotImplementedError

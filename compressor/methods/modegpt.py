@@ -18,6 +18,7 @@ smoothing `SMOOTHING` and the cap `CAP`.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -108,6 +109,12 @@ class ModeGpt(Method):
 
     def groups_rule(self, settings) -> str:
         return "no groups: every layer at the sparsity of its block influence"
+
+    def largest_ratio(self, plan: CompressionPlan, shape) -> float:
+        """Every layer at the cap: each module loses at most `CAP` of its dimensions (a copy's ranks are set)."""
+        at_cap = copy.deepcopy(plan)
+        _set_ranks(at_cap, shape, [1.0 - CAP] * shape.num_layers)
+        return at_cap.achieved_ratio()
 
     def plan(self, shape, settings, ratio, groups_of=None, check_feasible: bool = True) -> CompressionPlan:
         """The layout, its ranks left to the run (they follow the block influence); `check_feasible`: refuse a
