@@ -487,21 +487,31 @@ def test_the_zero_shot_suite_mean_and_its_interval_read_acc_norm_where_a_task_ha
     assert mean == pytest.approx(0.65) and (lo, hi) == pytest.approx((0.65 - half, 0.65 + half))
 
 
-def test_the_zero_shot_table_shows_each_task_the_mean_and_the_drop(tmp_path):
+def test_the_zero_shot_table_shows_each_task_the_mean_and_the_paired_differences(tmp_path):
     from benchmarks.report_sections import ZERO_SHOT_COLUMNS, zero_shot_lines
 
-    def row(share, drop):
+    def row(share, **paired):
         tasks = {t: {"acc": share, "items": 100} for t in ZERO_SHOT_COLUMNS}
-        tasks["boolq"]["acc"] = 0.9  # left out of the last column
-        return {"tasks": tasks, "mean": share, "mean_ci95": [share - 0.05, share + 0.05], "mean_drop": drop}
+        tasks["boolq"]["acc"] = 0.9  # left out of the mean without BoolQ
+        return {"tasks": tasks, "mean": share, "mean_ci95": [share - 0.05, share + 0.05], **paired}
+
+    def difference(value, low, high):
+        return {"value": value, "ci95": [low, high], "tie": low <= 0 <= high}
 
     path = tmp_path / "zero-shot-peers.json"
     assert zero_shot_lines(path) == []
-    rows = {"original": row(0.5, 0.0), "masa-attn-mlp": row(0.45, 0.05)}
+    rows = {
+        "original": row(0.5),
+        "masa-attn-mlp": row(0.45, paired_minus_original=difference(-0.05, -0.08, -0.02)),
+        "svd-llm-attn-mlp": row(
+            0.40,
+            paired_minus_original=difference(-0.10, -0.13, -0.07),
+            default_minus_this=difference(0.05, -0.01, 0.11),
+        ),
+    }
     path.write_text(json.dumps({"date": "2026-11-27", "limit_per_task": 100, "rows": rows}))
     text = "\n".join(zero_shot_lines(path))
-    assert "the first 100 items of each" in text
-    assert (
-        "| 45.0% | 45.0% [40.0%, 50.0%] | -5.0 pt | 45.0% |" in text
-        and "| 50.0% [45.0%, 55.0%] | — |" in text
-    )
+    assert "the first 100 items of each" in text and "paired on the same items" in text
+    assert "| 45.0% [40.0%, 50.0%] | -5.0 pt [-8.0, -2.0] | — | 45.0% |" in text
+    assert "| 40.0% [35.0%, 45.0%] | -10.0 pt [-13.0, -7.0] | +5.0 pt [-1.0, +11.0] tie | 40.0% |" in text
+    assert "| 50.0% [45.0%, 55.0%] | — | — | 50.0% |" in text
