@@ -219,9 +219,8 @@ def allocate_global(tails: Mapping[str, Tail], shapes: Mapping[str, Unit], budge
         r = ranks[name]
         if name not in hulls:
             return r + 1
-        hull = hulls[
-            name
-        ]  # increasing: the first vertex past r by bisection (a neuron unit's hull is ~I long)
+        # The hull is increasing: its first vertex past r by bisection (a neuron unit's hull is ~I long).
+        hull = hulls[name]
         i = bisect.bisect_right(hull, r)
         return hull[i] if i < len(hull) else r + 1
 
