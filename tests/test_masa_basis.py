@@ -293,6 +293,17 @@ def test_mlp_only_targets_work_with_auto_and_none():
         get_method("masa").effective_settings(_form(sharing, targets="mlp"))
 
 
+@pytest.mark.parametrize("sharing", ["none", "basis", "qkv", "auto"])
+def test_every_mlp_setting_of_the_neurons_form_is_accepted_by_every_input_basis_form(sharing):
+    """The neuron form reads its order, width multiple and uniform width whatever the attention's form: none of
+    them is refused as unread (`--neuron-order greedy-block` with the default form once was)."""
+    settings = _form(sharing, targets="attn,mlp")
+    get_method("masa").refuse_unread(
+        {"mlp": "neurons", "neuron_order": "greedy-block", "width_multiple": 32, "uniform_mlp": True},
+        settings,
+    )
+
+
 def test_options_of_the_other_form_are_refused():
     masa = get_method("masa")
     with pytest.raises(UserError, match="--bases has no effect with --method masa --sharing basis"):

@@ -72,6 +72,7 @@ def settings_read(form: str) -> frozenset[str]:
         "mlp",
         "uniform_mlp",
         "width_multiple",
+        "neuron_order",
     }
     return frozenset(read if form == "none" else read | {"basis_layers"})
 
