@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_windows, reloaded_identically, tiny_model
@@ -21,6 +22,7 @@ from compressor.math.neurons import (
     order_tail,
     output_error,
     refit_down,
+    regularized,
 )
 from compressor.math.whitening import whitening_factor
 from compressor.methods.masa.mlp import RIDGE
@@ -102,9 +104,29 @@ def test_the_greedy_on_numpy_arrays_and_on_tensors_is_one_order():
     """The CPU runs the greedy's loop on numpy arrays, an accelerator on torch tensors: the same steps, the same
     order (in fp64, 200 neurons: the working arrays drop the kept neurons five times on the way)."""
     _, c, down = _activations(neurons=200, tokens=3000, hidden=16)
-    on_tensors = _greedy_steps(c, down, lambda *shape: torch.zeros(shape, dtype=torch.float64))
+    on_tensors = _greedy_steps(
+        c, down, lambda *shape: torch.zeros(shape, dtype=torch.float64), torch.finfo(torch.float64).eps
+    )
     assert greedy_order(c, down, dtype=torch.float64).tolist() == on_tensors
     assert sorted(on_tensors) == list(range(200))
+
+
+def test_a_singular_autocorrelation_in_float32_never_divides_by_rounding():
+    """Fewer tokens than neurons, a few massive channels, float32: the pivots of exhausted neurons are rounding
+    (zero or negative when recomputed). They are marked exhausted, never divided by: no inf, no NaN, and the
+    neurons the tokens span explain them."""
+    g = torch.Generator().manual_seed(2)  # a case whose recomputed pivot was once exactly 0
+    z = torch.nn.functional.silu(3 * torch.randn(300, 1536, generator=g)) * torch.randn(
+        300, 1536, generator=g
+    )
+    z[:, :5] *= 100
+    c = regularized(z.T.double() @ z.double() / 300, 0.0)
+    down = torch.randn(64, 1536, generator=g, dtype=torch.float64)
+    with np.errstate(divide="raise", invalid="raise", over="raise"):
+        order = greedy_order(c, down)
+    assert sorted(order.tolist()) == list(range(1536))
+    tail = order_tail(c, down, order, 0.0).tail
+    assert float(tail[300]) <= 1e-3 * float(tail[0])  # 300 tokens: 300 neurons span them
 
 
 def test_the_block_greedy_of_one_neuron_per_block_is_the_greedy():

@@ -76,21 +76,28 @@ def greedy_order(
         numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         c = autocorr.detach().to(dtype).numpy()
         d = down.detach().to(dtype=dtype, device="cpu").numpy()
-        order = _greedy_steps(c, d, lambda *shape: np.zeros(shape, dtype=numpy_dtype))
+        order = _greedy_steps(c, d, lambda *shape: np.zeros(shape, dtype=numpy_dtype), torch.finfo(dtype).eps)
         return torch.tensor(order, dtype=torch.long)
     c, d = autocorr.to(dtype), down.to(dtype=dtype, device=autocorr.device)
-    order = _greedy_steps(c, d, lambda *shape: torch.zeros(shape, dtype=dtype, device=c.device))
+    order = _greedy_steps(
+        c, d, lambda *shape: torch.zeros(shape, dtype=dtype, device=c.device), torch.finfo(dtype).eps
+    )
     return torch.tensor(order, dtype=torch.long, device=c.device)
 
 
-def _greedy_steps(c, d, zeros) -> list[int]:
+def _greedy_steps(c, d, zeros, eps: float) -> list[int]:
     """`greedy_order`'s loop on arrays `c` (I × I) and `d` (hidden × I), numpy or torch alike (`zeros(*shape)`
-    makes one of theirs): only the operators and methods the two share.
+    makes one of theirs): only the operators and methods the two share; `eps`: the precision of their dtype.
 
     The working arrays hold only the neurons not yet kept (and those kept since the last compaction): a kept
     neuron's row of the factor and column of D R no longer change any gain, so whenever a quarter of what is held
     is kept they are dropped, which takes the matrix-vector steps from 2·I²·(I/2 + hidden) multiply-adds to
-    about I²·(I/3 + hidden)."""
+    about I²·(I/3 + hidden).
+
+    A neuron is exhausted (nothing of it left that the kept ones do not explain) once its Schur complement
+    R_jj is at most I·eps·C_jj, what rounding leaves of it (LAPACK's pivoted Cholesky stops at I·eps·max C_jj):
+    below that its gain is noise. The pivot is recomputed from the factor before it is used; one that rounding
+    left at or below that floor marks its neuron exhausted instead of dividing by it."""
     n = c.shape[0]
     if n == 0:
         return []
@@ -100,25 +107,28 @@ def _greedy_steps(c, d, zeros) -> list[int]:
     numer = (dc * dc).sum(0)  # ‖D R_:j‖² on held
     diag = c.diagonal() * 1  # R_jj on held (a copy)
     floor = 1e-12 * float(diag.max())
+    exhausted = diag * (n * eps)  # R_jj at or below this: nothing left of neuron j
+    exhausted[exhausted < floor] = floor
     factor = zeros(n, n)  # [j, t]: the pivoted Cholesky factor's column t on held neuron j
     w_rows = zeros(n, d.shape[0])  # [t]: D times the factor's column t
     chosen = diag < 0  # on held: kept (all False; an array of the right kind)
     order: list[int] = []
-    kept_since_compaction = 0
-    for t in range(n):
+    kept_since_compaction = t = 0  # t: the factor's columns so far, one per kept neuron
+    while t < n:
         gain = numer / diag.clip(min=floor)
-        gain[chosen | (diag <= floor)] = -1.0
+        gain[chosen | (diag <= exhausted)] = -1.0
         p = int(gain.argmax())
-        if float(gain[p]) < 0:
-            # Nothing left to explain (fewer calibration tokens than neurons leaves C singular): the rest
-            # follow in their index order.
-            kept = set(order)
-            return order + [j for j in range(n) if j not in kept]
+        if float(gain[p]) < 0:  # nothing left to explain (e.g. fewer calibration tokens than neurons)
+            break
+        column = c_held[:, held[p]] - factor[:, :t] @ factor[p, :t]  # R_:p on held (C symmetric)
+        pivot = float(column[p])
+        if not pivot > float(exhausted[p]):  # the tracked R_pp was rounding: p is exhausted
+            diag[p] = 0
+            continue
         order.append(held[p])
         chosen[p] = True
         kept_since_compaction += 1
-        column = c_held[:, held[p]] - factor[:, :t] @ factor[p, :t]  # R_:p on held (C symmetric)
-        v = column / float(column[p]) ** 0.5
+        v = column / pivot**0.5
         w = d_held @ v  # (hidden,): D times the new column (zero on neurons no longer held)
         # D R_new_:j = D R_:j − w v_j, so ‖·‖² drops by 2 v_j (wᵀ D R_:j) − v_j² ‖w‖².
         cross = dc.T @ w - factor[:, :t] @ (w_rows[:t] @ w)  # wᵀ D R_:j for every held j
@@ -128,15 +138,18 @@ def _greedy_steps(c, d, zeros) -> list[int]:
         diag -= v * v
         diag[diag < 0] = 0
         factor[:, t], w_rows[t] = v, w
-        if kept_since_compaction > len(held) // 4 and t + 1 < n:
+        t += 1
+        if kept_since_compaction > len(held) // 4 and t < n:
             stay = ~chosen
             held = [j for j, keep in zip(held, stay.tolist(), strict=True) if keep]
             c_held, d_held, dc = c[held], d[:, held], dc[:, stay]
-            numer, diag = numer[stay], diag[stay]
+            numer, diag, exhausted = numer[stay], diag[stay], exhausted[stay]
             compact = zeros(len(held), n)
-            compact[:, : t + 1] = factor[stay, : t + 1]
+            compact[:, :t] = factor[stay, :t]
             factor, chosen, kept_since_compaction = compact, diag < 0, 0
-    return order
+    # The exhausted neurons follow in their index order.
+    kept = set(order)
+    return order + [j for j in range(n) if j not in kept]
 
 
 #: Neurons a block of `block_greedy_order` commits at once: llama.cpp's quantization block (widths of the native
