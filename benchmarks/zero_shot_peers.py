@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/zero-shot-peers.json")
     args = parser.parse_args(argv)
     rows = {}
+    ITEMS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="zero-shot-peers-") as folder:
         for name, options in MODELS.items():
             path, compress_seconds = MODEL, None
@@ -77,7 +78,6 @@ def main(argv: list[str] | None = None) -> None:
                 compress_seconds = time.perf_counter() - start
                 log(f"{name}: compressed, achieved {compressed.get('achieved_ratio')}")
             start = time.perf_counter()
-            ITEMS.mkdir(parents=True, exist_ok=True)
             scored = _run_json(
                 [*CLI, "eval", path, "--tasks", "zero-shot", "--limit", str(args.limit),
                  "--batch-size", str(args.batch_size), "--items", str(ITEMS / f"{name}.jsonl"), "--json"]

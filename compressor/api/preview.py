@@ -231,7 +231,7 @@ def _alternatives(method: Method, shape: ModelShape, settings, ratio: float) -> 
                     plan = method.plan(shape, changed, ratio, lambda _n, g=groups: g, check_feasible=False)
                 except UserError:
                     continue
-                max_ratio = 1.0 - plan.fixed_params() / shape.params_before
+                max_ratio = method.largest_ratio(plan, shape)
                 if max_ratio >= ratio:
                     found.append({"groups": n, "bases": bases, "end_boundaries": ends, "max_ratio": max_ratio,
                                   "layers": groups})  # fmt: skip
