@@ -18,6 +18,7 @@ def choices_section(doc: Path) -> list[str]:
     parts = [
         _neuron_order(doc),
         _anchored(doc),
+        _neuron_refinements(doc),
         _calibration_size(doc),
         _sensitivity_windows(doc),
         _attention_forms(doc),
@@ -90,6 +91,53 @@ def _anchored(doc: Path) -> list[str]:
         "text; the tool does not offer it.",
         "",
     ]
+
+
+def _neuron_refinements(doc: Path) -> list[str]:
+    path, data = _load("neuron-refinements-validation.json")
+    if data is None:
+        return []
+    lines = [
+        "### A compensating bias, and a per-channel Fisher weight, for the neuron form (neither kept)",
+        "",
+        f"From {link(path, doc)}: every MLP keeps the same fraction of its neurons by the greedy order, attention "
+        f"untouched; original {data['original']['ppl']:.3f}. `centered`: the order and refit on the covariance "
+        "with a new `down_proj` bias (FLAP's bias compensation made the least-squares optimum; never worse on the "
+        "calibration tokens). `fisher`: the order weighs each output channel by its mean squared loss gradient "
+        f"(first {data['fisher_windows']} calibration windows), a diagonal Fisher where the allocation takes it "
+        "isotropic.",
+        "",
+        "| kept | variant | perplexity [95% CI] | KL | minus `greedy` |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['keep']:.0%} | `{r['variant']}` | {r['ppl']:.3f}{interval(r['ppl_ci95'])} | "
+            f"{r['kl_to_original']:.3f} | {'—' if r['variant'] == 'greedy' else difference(r['minus_greedy'])} |"
+        )
+    verdicts = []
+    for variant in ("centered", "fisher"):
+        found = [r for r in data["rows"] if r["variant"] == variant]
+        verdicts.append(
+            f"`{variant}` "
+            + ", ".join(_paired_verdict(r["minus_greedy"]) + f" at {r['keep']:.0%} kept" for r in found)
+        )
+    improved = any(not r["minus_greedy"]["tie"] and r["minus_greedy"]["value"] < 0 for r in data["rows"])
+    decision = (
+        "Not adopted: a gain at one kept fraction moves no default before the whole-model runs at 20% and 30% on "
+        "validation, and `centered` needs a bias on every down_proj (a tensor per layer the plain layout lacks)."
+        if improved
+        else "Neither is better anywhere: the default stays."
+    )
+    return [*lines, "", "Against `greedy`, paired: " + "; ".join(verdicts) + ". " + decision, ""]
+
+
+def _paired_verdict(diff: dict) -> str:
+    """'better (x)', 'worse (x)' or 'a tie (x)' for a paired difference of perplexity (negative: better)."""
+    value = f"{diff['value']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}]"
+    if diff["tie"]:
+        return f"a tie ({value})"
+    return f"{'better' if diff['value'] < 0 else 'worse'} ({value})"
 
 
 def _calibration_size(doc: Path) -> list[str]:

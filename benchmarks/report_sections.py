@@ -167,11 +167,12 @@ ZERO_SHOT_COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag":
 
 
 def zero_shot_lines(path: Path | None = None) -> list[str]:
-    """The model 20% smaller on the zero-shot suite (`python -m benchmarks.zero_shot_peers`, its own file)."""
-    path = path or REPO / ZERO_SHOT_FILE
-    if not path.is_file():
+    """The model 10/20/30% smaller on the zero-shot suite (`python -m benchmarks.zero_shot_peers`, one file per
+    ratio): the 20% file (`path`) with how it was measured, then the other ratios' files beside it."""
+    main = path or REPO / ZERO_SHOT_FILE
+    if not main.is_file():
         return []
-    z = json.loads(path.read_text())
+    z = json.loads(main.read_text())
     lines = [
         f"Zero-shot accuracy of the model 20% smaller ({ZERO_SHOT_FILE}, {z['date']}: each model compressed by "
         "`masa-compress compress`, its checkpoint scored by `masa-compress eval CHECKPOINT --tasks zero-shot`, "
@@ -184,6 +185,25 @@ def zero_shot_lines(path: Path | None = None) -> list[str]:
         "model answering one way throughout scores that share or the rest), and compression moves that bias, so "
         "the mean and the differences are also given without it.",
         "",
+        *_zero_shot_table(z),
+    ]
+    for other in sorted(main.parent.glob("zero-shot-peers-*.json")):
+        z = json.loads(other.read_text())
+        lines += [
+            f"The model {z['model_ratio']:.0%} smaller, measured the same way (benchmarks/results/{other.name}, "
+            f"{z['date']}, the first {z['limit_per_task']} items of each task"
+            + ("; the original's row and items are the 20% run's: the same model on the same items"
+               if z["rows"]["original"].get("reused_from") else "")
+            + "):",
+            "",
+            *_zero_shot_table(z),
+        ]  # fmt: skip
+    return lines
+
+
+def _zero_shot_table(z: dict) -> list[str]:
+    """One zero-shot results file as a table: per model the tasks, the mean and the paired differences."""
+    lines = [
         "| variant | "
         + " | ".join(ZERO_SHOT_COLUMNS.values())
         + " | mean [95% CI] | − original's, paired | default − this, paired | mean without BoolQ | "

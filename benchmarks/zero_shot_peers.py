@@ -1,9 +1,15 @@
-"""Zero-shot accuracy of the model 20% smaller, the default beside its peers, as a user would run it: each model
-compressed by `masa-compress compress` (no evaluation), written as a checkpoint, then scored by `masa-compress eval
-CHECKPOINT --tasks zero-shot` (lm-evaluation-harness loading the checkpoint with its remote code), with the
-original scored the same way. An item cap per task keeps it to minutes on 2 cores (stated in the file).
+"""Zero-shot accuracy of the model 10/20/30% smaller, the default beside its peers, as a user would run it: each
+model compressed by `masa-compress compress` (no evaluation), written as a checkpoint, then scored by
+`masa-compress eval CHECKPOINT --tasks zero-shot` (lm-evaluation-harness loading the checkpoint with its remote
+code), with the original scored the same way. An item cap per task keeps it to minutes on 2 cores (stated in the
+file).
 
-`python -m benchmarks.zero_shot_peers [--limit 100] [--batch-size 16] [--out benchmarks/results/zero-shot-peers.json]`
+`python -m benchmarks.zero_shot_peers [--model-ratio 0.2] [--limit 100] [--batch-size 16] [--out F]`
+
+The model 20% smaller writes `benchmarks/results/zero-shot-peers.json` (items under `zero-shot-items/`); another
+ratio `zero-shot-peers-30.json` (items under `zero-shot-items/30/`), and reads the original's row and items from
+the 20% run when that scored the same items (same `--limit` and batch size): the original is not compressed, so it
+scores the same; otherwise it scores it again.
 
 Intervals: each accuracy's 95% Wilson interval over its items; every model's per-item scores (`eval --items`,
 kept under `benchmarks/results/zero-shot-items/`) give the differences of suite means paired on the same items
@@ -28,8 +34,10 @@ from compressor.evaluation.zero_shot import paired_suite_difference, read_items,
 MODEL = "smollm2-135m"
 DEFAULT = "masa-attn-mlp"
 ITEMS = Path("benchmarks/results/zero-shot-items")
+RESULTS = Path("benchmarks/results/zero-shot-peers.json")
+#: The ratio whose files have the plain names (the others carry their percent)
+MAIN_RATIO = 0.2
 CLI = [sys.executable, "-m", "compressor"]
-WHOLE_MODEL = ["--targets", "attn,mlp", "--ratio", "0.2", "--ratio-of", "model"]
 #: name -> the compress options after the model's (None: the original, not compressed)
 MODELS = {
     "original": None,
@@ -58,29 +66,59 @@ def suite_mean_interval(tasks: dict) -> tuple[float, list[float]]:
     return mean, [mean - half, mean + half]
 
 
+def ratio_paths(model_ratio: float) -> tuple[Path, Path]:
+    """The results file and the per-item folder of `model_ratio`."""
+    if model_ratio == MAIN_RATIO:
+        return RESULTS, ITEMS
+    percent = f"{100 * model_ratio:g}"
+    return RESULTS.with_name(f"zero-shot-peers-{percent}.json"), ITEMS / percent
+
+
+def reused_original(limit: int, batch_size: int) -> dict | None:
+    """The original's row from the main ratio's results when it scored `limit` items per task in batches of
+    `batch_size` (and its per-item file is there): the same model on the same items."""
+    if not RESULTS.is_file() or not (ITEMS / "original.jsonl").is_file():
+        return None
+    found = json.loads(RESULTS.read_text())
+    if found["limit_per_task"] != limit or found["batch_size"] != batch_size:
+        return None
+    return {**found["rows"]["original"], "reused_from": str(RESULTS)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-ratio", type=float, default=MAIN_RATIO)
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--out", default="benchmarks/results/zero-shot-peers.json")
+    parser.add_argument("--out", help="default: zero-shot-peers.json, or with the ratio's percent")
     args = parser.parse_args(argv)
-    rows = {}
-    ITEMS.mkdir(parents=True, exist_ok=True)
+    out, items_folder = ratio_paths(args.model_ratio)
+    out = Path(args.out) if args.out else out
+    whole_model = ["--targets", "attn,mlp", "--ratio", f"{args.model_ratio:g}", "--ratio-of", "model"]
+    rows, item_files = {}, {}
+    items_folder.mkdir(parents=True, exist_ok=True)
+    original = None if args.model_ratio == MAIN_RATIO else reused_original(args.limit, args.batch_size)
+    if original is not None:
+        rows["original"], item_files["original"] = original, ITEMS / "original.jsonl"
+        log(f"original: the {original['reused_from']} row, same items")
     with tempfile.TemporaryDirectory(prefix="zero-shot-peers-") as folder:
         for name, options in MODELS.items():
+            if name in rows:
+                continue
             path, compress_seconds = MODEL, None
+            item_files[name] = items_folder / f"{name}.jsonl"
             if options is not None:
                 path = str(Path(folder) / name)
                 start = time.perf_counter()
                 compressed = _run_json(
-                    [*CLI, "compress", MODEL, *WHOLE_MODEL, *options, "--no-eval", "--out", path, "--json"]
+                    [*CLI, "compress", MODEL, *whole_model, *options, "--no-eval", "--out", path, "--json"]
                 )
                 compress_seconds = time.perf_counter() - start
                 log(f"{name}: compressed, achieved {compressed.get('achieved_ratio')}")
             start = time.perf_counter()
             scored = _run_json(
                 [*CLI, "eval", path, "--tasks", "zero-shot", "--limit", str(args.limit),
-                 "--batch-size", str(args.batch_size), "--items", str(ITEMS / f"{name}.jsonl"), "--json"]
+                 "--batch-size", str(args.batch_size), "--items", str(item_files[name]), "--json"]
             )  # fmt: skip
             mean, ci95 = suite_mean_interval(scored["tasks"])
             rows[name] = {
@@ -92,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 "compress_seconds": compress_seconds,
             }
             log(f"{name}: mean {mean:.4f} [{ci95[0]:.4f}, {ci95[1]:.4f}]")
-    items = {name: read_items(ITEMS / f"{name}.jsonl") for name in rows}
+    items = {name: read_items(item_files[name]) for name in rows}
     without_boolq = {name: {t: v for t, v in found.items() if t != "boolq"} for name, found in items.items()}
     for name, row in rows.items():
         row["mean_drop"] = rows["original"]["mean"] - row["mean"]
@@ -108,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                 without_boolq[DEFAULT], without_boolq[name]
             )
     payload = {
-        "what": "zero-shot accuracy of the model 20% smaller (--targets attn,mlp --ratio 0.2 --ratio-of model)",
+        "what": f"zero-shot accuracy of the model {args.model_ratio:.0%} smaller ({' '.join(whole_model)})",
+        "model_ratio": args.model_ratio,
         "command": "python -m benchmarks.zero_shot_peers " + " ".join(argv or sys.argv[1:]),
         "model": MODEL,
         "limit_per_task": args.limit,
@@ -116,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps({n: [r["mean"], r["mean_ci95"]] for n, r in rows.items()}))
 
 

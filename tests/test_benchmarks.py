@@ -478,6 +478,35 @@ def test_the_embedding_choice_counts_wins_ties_and_losses_from_the_file(tmp_path
     assert "1 of 2 low-rank embeddings beat the default" in text and "-0.600 [-0.900, -0.300] |" in text
 
 
+def test_the_neuron_refinements_verdicts_read_each_paired_interval(tmp_path, monkeypatch):
+    """Section 6's line on the refinements of the neuron form says better, worse or tie from the file."""
+    from benchmarks import report_choices
+
+    def row(variant, keep, lo=0.0, hi=0.0):
+        diff = {"value": (lo + hi) / 2, "ci95": [lo, hi], "tie": lo <= 0 <= hi}
+        return {"variant": variant, "keep": keep, "ppl": 30.0, "ppl_ci95": [29.0, 31.0], "kl_to_original": 0.5,
+                "minus_greedy": diff}  # fmt: skip
+
+    rows = [row("greedy", 0.75), row("centered", 0.75, -0.1, 0.05), row("fisher", 0.75, 0.03, 0.3),
+            row("centered", 0.6, -0.3, -0.02)]  # fmt: skip
+    monkeypatch.setattr(report_choices, "CHOICES", tmp_path / "choices")
+    (tmp_path / "choices").mkdir()
+    data = {"original": {"ppl": 20.6}, "fisher_windows": 16, "rows": rows}
+    (tmp_path / "choices" / "neuron-refinements-validation.json").write_text(json.dumps(data))
+    text = "\n".join(report_choices._neuron_refinements(tmp_path / "BENCHMARKS.md"))
+    assert (
+        "`centered` a tie (-0.025 [-0.100, +0.050]) at 75% kept, better (-0.160 [-0.300, -0.020]) at 60%"
+        in text
+    )
+    assert "`fisher` worse (+0.165 [+0.030, +0.300]) at 75% kept" in text
+    assert "| 75% | `greedy` | 30.000 [29.00, 31.00] | 0.500 | — |" in text
+    assert "Not adopted" in text and "the default stays" not in text
+    rows[3] = row("centered", 0.6, -0.3, 0.02)  # no variant better anywhere
+    (tmp_path / "choices" / "neuron-refinements-validation.json").write_text(json.dumps(data))
+    text = "\n".join(report_choices._neuron_refinements(tmp_path / "BENCHMARKS.md"))
+    assert "Neither is better anywhere: the default stays." in text and "Not adopted" not in text
+
+
 def test_the_zero_shot_suite_mean_and_its_interval_read_acc_norm_where_a_task_has_it():
     from benchmarks.zero_shot_peers import suite_mean_interval
 
@@ -515,3 +544,45 @@ def test_the_zero_shot_table_shows_each_task_the_mean_and_the_paired_differences
     assert "| 45.0% [40.0%, 50.0%] | -5.0 pt [-8.0, -2.0] | — | 45.0% |" in text
     assert "| 40.0% [35.0%, 45.0%] | -10.0 pt [-13.0, -7.0] | +5.0 pt [-1.0, +11.0] tie | 40.0% |" in text
     assert "| 50.0% [45.0%, 55.0%] | — | — | 50.0% |" in text
+    assert "smaller, measured the same way" not in text
+    # Another ratio's file beside it: its own table after the 20% one, saying where the original's row came from.
+    rows["masa-attn-mlp"]["mean"] = 0.35
+    rows["original"]["reused_from"] = str(path)
+    other = {"date": "2026-11-28", "limit_per_task": 100, "model_ratio": 0.3, "rows": rows}
+    (tmp_path / "zero-shot-peers-30.json").write_text(json.dumps(other))
+    text = "\n".join(zero_shot_lines(path))
+    assert "The model 30% smaller, measured the same way (benchmarks/results/zero-shot-peers-30.json" in text
+    assert "the original's row and items are the 20% run's" in text
+    assert (
+        text.index("| 45.0% [40.0%, 50.0%]")
+        < text.index("30% smaller")
+        < text.index("| 35.0% [40.0%, 50.0%]")
+    )
+
+
+def test_another_ratios_zero_shot_run_has_its_own_files_and_reuses_the_original_only_on_the_same_items(
+    tmp_path, monkeypatch
+):
+    from benchmarks import zero_shot_peers
+
+    monkeypatch.setattr(zero_shot_peers, "RESULTS", tmp_path / "zero-shot-peers.json")
+    monkeypatch.setattr(zero_shot_peers, "ITEMS", tmp_path / "items")
+    assert zero_shot_peers.ratio_paths(0.2) == (tmp_path / "zero-shot-peers.json", tmp_path / "items")
+    assert zero_shot_peers.ratio_paths(0.3) == (
+        tmp_path / "zero-shot-peers-30.json",
+        tmp_path / "items" / "30",
+    )
+    assert zero_shot_peers.reused_original(200, 16) is None  # no 20% run yet
+    original = {"tasks": {}, "mean": 0.44}
+    main = {"limit_per_task": 200, "batch_size": 16, "rows": {"original": original}}
+    (tmp_path / "zero-shot-peers.json").write_text(json.dumps(main))
+    assert zero_shot_peers.reused_original(200, 16) is None  # its per-item scores are missing
+    (tmp_path / "items").mkdir()
+    (tmp_path / "items" / "original.jsonl").write_text("")
+    assert zero_shot_peers.reused_original(200, 16) == {
+        **original,
+        "reused_from": str(tmp_path / "zero-shot-peers.json"),
+    }
+    assert (
+        zero_shot_peers.reused_original(100, 16) is None and zero_shot_peers.reused_original(200, 8) is None
+    )
