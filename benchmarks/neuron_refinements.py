@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.neuron_selection import narrow_mlp
 from benchmarks.quality import prepare_quality
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against
@@ -96,16 +97,7 @@ def prune(model: nn.Module, stats, keep: float, variant: str, fisher: dict[int, 
         kept = neurons.kept(width)
         refit = refit_down(c, down, neurons, width, 0.0)
         bias = down @ mean - refit @ mean[kept] if variant == "centered" else None
-        for name in ("gate_proj", "up_proj"):
-            old = getattr(mlp, name)
-            new = nn.Linear(old.in_features, width, bias=False)
-            new.weight.data.copy_(old.weight.data[kept])
-            setattr(mlp, name, new)
-        new = nn.Linear(width, down.shape[0], bias=bias is not None)
-        new.weight.data.copy_(refit.float())
-        if bias is not None:
-            new.bias.data.copy_(bias.float())
-        mlp.down_proj = new
+        narrow_mlp(mlp, kept, refit, bias)
     return model
 
 

@@ -44,19 +44,29 @@ def prune_uniform(
         kept = neurons.kept(width)
         refit = refit_down(c, down, neurons, width, ridge)
         error += float(neurons.tail[width])
-        for name in ("gate_proj", "up_proj"):
-            old = getattr(mlp, name)
-            new = nn.Linear(old.in_features, width, bias=old.bias is not None)
-            new.weight.data.copy_(old.weight.data[kept])
-            if old.bias is not None:
-                new.bias.data.copy_(old.bias.data[kept])
-            setattr(mlp, name, new)
-        new = nn.Linear(width, down.shape[0], bias=mlp.down_proj.bias is not None)
-        new.weight.data.copy_(refit.float())
-        if mlp.down_proj.bias is not None:
-            new.bias.data.copy_(mlp.down_proj.bias.data)
-        mlp.down_proj = new
+        bias = None if mlp.down_proj.bias is None else mlp.down_proj.bias.data
+        narrow_mlp(mlp, kept, refit, bias)
     return model, error
+
+
+def narrow_mlp(
+    mlp: nn.Module, kept: torch.Tensor, refit: torch.Tensor, down_bias: torch.Tensor | None
+) -> None:
+    """`mlp` keeping the neurons `kept` (their gate/up rows and biases) with `refit` (hidden × len(kept)) as its
+    down_proj, whose bias is `down_bias` (None: none)."""
+    width = len(kept)
+    for name in ("gate_proj", "up_proj"):
+        old = getattr(mlp, name)
+        new = nn.Linear(old.in_features, width, bias=old.bias is not None)
+        new.weight.data.copy_(old.weight.data[kept])
+        if old.bias is not None:
+            new.bias.data.copy_(old.bias.data[kept])
+        setattr(mlp, name, new)
+    down = nn.Linear(width, refit.shape[0], bias=down_bias is not None)
+    down.weight.data.copy_(refit.float())
+    if down_bias is not None:
+        down.bias.data.copy_(down_bias.float())
+    mlp.down_proj = down
 
 
 def main(argv: list[str] | None = None) -> None:
