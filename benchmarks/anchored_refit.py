@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 from torch import nn
 
+from benchmarks.common import command_line, write_json
 from benchmarks.quality import build_variant, prepare_quality
 from benchmarks.whole_model import model_ratio_as_targets
 from compressor.evaluation.intervals import paired_difference
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     (d, df), (a, af) = scored["default"], scored["anchored"]
     diff = paired_difference(a.window_nll, d.window_nll, a.window_tokens)
     payload = {
-        "command": "python -m benchmarks.anchored_refit " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.anchored_refit", argv),
         "split": "validation", "tokens": original.tokens, "targets_ratio": ratio,
         "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95},
         "default": {"ppl": d.ppl, "ppl_ci95": d.ppl_ci95, "kl": df.kl_to_original, "top1": df.top1_agreement},
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     print(json.dumps(payload, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        write_json(args.out, payload)
 
 
 if __name__ == "__main__":

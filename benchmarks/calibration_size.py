@@ -12,13 +12,11 @@ interval holds 0 is a tie).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, machine_info
+from benchmarks.common import command_line, log, machine_info, write_json
 from compressor.api import CompressOptions, EvalSettings, compress, evaluate
 from compressor.evaluation.intervals import paired_difference
 
@@ -60,9 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     counts = [int(x) for x in args.windows.split(",")]
     eval_settings = EvalSettings(split="validation", max_tokens=args.max_tokens)
     results = {
-        "command": " ".join(
-            ["python -m benchmarks.calibration_size", *(argv if argv is not None else sys.argv[1:])]
-        ),
+        "command": command_line("benchmarks.calibration_size", argv),
         "model": MODEL,
         "ratio_of_model": args.ratio,
         "split": "validation",
@@ -96,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             log(
                 f"{form}: {counts[-1]} − {counts[0]} windows = {difference.value:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

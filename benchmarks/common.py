@@ -32,6 +32,19 @@ NARROW_WIDTH = {
 }
 
 
+def write_json(path: str | Path, payload) -> None:
+    """A benchmark's results file, written whole or not at all (a temporary file renamed over it): an
+    interrupted run leaves the previous results, never half of a JSON that the report would fail to read."""
+    from compressor.runtime.cache_root import atomic_write_bytes
+
+    atomic_write_bytes(Path(path), (json.dumps(payload, indent=2) + "\n").encode())
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How a results file says it was made: `python -m MODULE ARGS` (the process's own arguments by default)."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
 def log(message: str) -> None:
     """Progress lines go to stderr, so a child's stdout carries only its JSON answer."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

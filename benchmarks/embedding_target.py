@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from benchmarks.common import log
+from benchmarks.common import command_line, log, write_json
 from benchmarks.quality import VARIANTS, build_variant, compare, prepare_quality, score, strip_windows
 from benchmarks.whole_model import DEFAULT, MODEL, model_ratio_as_targets
 from compressor.math.embedding import factored_params, token_row_weights, weighted_low_rank
@@ -135,17 +135,15 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{name:>24} ppl {row['ppl']:.3f} model ratio {row['model_ratio']:.4f}")
     payload = {
         "what": "the model 20% smaller with a low-rank embedding taking part of the cut, against the default",
-        "command": "python -m benchmarks.embedding_target " + " ".join(argv or sys.argv[1:]),
+        "command": command_line("benchmarks.embedding_target", argv),
         "split": args.split,
         "original_ppl": scores["original"]["ppl"],
         "evaluation": strip_windows(scores)["evaluation"],
         "rows": rows,
     }
-    text = json.dumps(payload, indent=2)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+        write_json(args.out, payload)
+    print(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

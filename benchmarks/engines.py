@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, machine_info
+from benchmarks.common import command_line, log, machine_info, write_json
 from benchmarks.markdown import interval, number
 from benchmarks.plots import engines_plot
 from compressor.api import CompressOptions, EvalSettings, compress, evaluate
@@ -418,15 +417,15 @@ def main(argv: list[str] | None = None) -> None:
             results = retime(json.loads(Path(args.out).read_text()), Path(work))
         else:
             results = run(args.ratio, args.max_tokens, Path(work))
-    command = " ".join(["python -m benchmarks.engines", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("benchmarks.engines", argv)
     results["retime_command" if args.retime else "command"] = command
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     Path(args.doc).write_text(render(results))
     engines_plot(results, Path(args.doc).with_name(FIGURE))
     summary = Path(args.out).with_name("results.json")
     if summary.is_file():  # the summary figures beside `make bench`'s, where BENCHMARKS.md's targets are read
         merged = json.loads(summary.read_text()) | {key: results[key] for key in SUMMARY_KEYS}
-        summary.write_text(json.dumps(merged, indent=2) + "\n")
+        write_json(summary, merged)
     log(f"wrote {args.out} and {args.doc}")
 
 

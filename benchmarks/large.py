@@ -22,12 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GIB, exit_on_sigterm, log, machine_info, run_module_measured
+from benchmarks.common import (
+    GIB,
+    command_line,
+    exit_on_sigterm,
+    log,
+    machine_info,
+    run_module_measured,
+    write_json,
+)
 from benchmarks.markdown import interval
 
 MODEL = "qwen2.5-coder-1.5b"
@@ -222,14 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     results = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
     # Runs not asked for this time keep their last measurement; each run is saved as soon as it is measured.
     results |= {
-        "command": " ".join(["python -m benchmarks.large", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("benchmarks.large", argv),
         "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d"),
     }
 
     def measure(name: str, work: Path, keep: bool) -> None:
         results["runs"][name] = one_run(name, work, keep) | {"date": time.strftime("%Y-%m-%d %H:%M")}
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(out, results)
 
     if args.keep:
         for name in names:
@@ -240,12 +247,12 @@ def main(argv: list[str] | None = None) -> None:
             for name in names:
                 measure(name, Path(work), keep=False)
     results |= figures(results["runs"])
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     out.with_suffix(".md").write_text(render(results))
     summary = out.with_name("results.json")
     if summary.is_file():
         merged = json.loads(summary.read_text()) | {k: results[k] for k in SUMMARY_KEYS if k in results}
-        summary.write_text(json.dumps(merged, indent=2) + "\n")
+        write_json(summary, merged)
     log(f"wrote {out} and {out.with_suffix('.md')}")
 
 

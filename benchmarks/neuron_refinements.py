@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import command_line, write_json
 from benchmarks.neuron_selection import narrow_mlp
 from benchmarks.quality import prepare_quality
 from compressor.evaluation.intervals import paired_difference
@@ -134,8 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:16s} ppl {result.ppl:8.3f} vs greedy {diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]"
         )
     payload = {
-        "command": "python -m benchmarks.neuron_refinements "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.neuron_refinements", argv),
         "split": "validation",
         "tokens": original.tokens,
         "fisher_windows": FISHER_WINDOWS,
@@ -143,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
     }
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        write_json(args.out, payload)
 
 
 if __name__ == "__main__":

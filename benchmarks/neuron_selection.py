@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import sys
 import time
 
 import torch
 from torch import nn
 
+from benchmarks.common import command_line, write_json
 from benchmarks.quality import prepare_quality
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against
@@ -118,16 +117,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:28s} ppl {result.ppl:8.3f} KL {faith.kl_to_original:.4f} "
               f"vs {args.reference} {diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]", flush=True)  # fmt: skip
     payload = {
-        "command": "python -m benchmarks.neuron_selection "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.neuron_selection", argv),
         "split": "validation",
         "tokens": original.tokens,
         "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95},
         "rows": rows,
     }
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        write_json(args.out, payload)
 
 
 if __name__ == "__main__":

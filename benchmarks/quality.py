@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import write_json
 from compressor.api.model_loading import load_model
 from compressor.api.pipeline import compress_model, sensitivity_projections
 from compressor.api.run_options import CompressOptions
@@ -361,11 +362,10 @@ def main() -> None:
         row["rise"] = compare(result["_scores"], this, "original")
         if row["method"] != first:
             row[f"{first}_minus_this"] = compare(result["_scores"], variant_key(first, row["ratio"]), this)
-    text = json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2)
+    public = {k: v for k, v in result.items() if not k.startswith("_")}
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+        write_json(args.out, public)
+    print(json.dumps(public, indent=2))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import BUNDLED_WIDTH, NARROW_WIDTH, log, machine_info, non_finite
+from benchmarks.common import BUNDLED_WIDTH, NARROW_WIDTH, log, machine_info, non_finite, write_json
 from benchmarks.measurements import (
     MODEL,
     section_compression,
@@ -308,7 +308,7 @@ def _run_sections(
             log(f"== section {name} done in {durations[name] / 60:.1f} min")
     except BaseException:
         partial = results_path.with_name("results.partial.json")
-        partial.write_text(json.dumps({**results, "durations_seconds": durations}, indent=2) + "\n")
+        write_json(partial, {**results, "durations_seconds": durations})
         log(f"a section failed: what was measured so far is in {partial}")
         raise
     finally:
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     results["notes"] = notes(results)
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(results_path, results)
     files = [results_path, *render(results, results_path, doc, out_dir)]
     problems = check(results, files)
     log(f"wrote {', '.join(str(f) for f in files)}")

@@ -16,13 +16,11 @@ every test token.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.calibration_size import MODEL, compress_and_score
-from benchmarks.common import log, machine_info
+from benchmarks.common import command_line, log, machine_info, write_json
 from compressor.api import EvalSettings
 from compressor.evaluation.intervals import paired_difference
 
@@ -49,9 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     # The checkpoints alone: the paired differences read their per-window losses, not the original's.
     eval_settings = EvalSettings(split=args.split, max_tokens=args.max_tokens or None, compare=False)
     results = {
-        "command": " ".join(
-            ["python -m benchmarks.sensitivity_windows", *(argv if argv is not None else sys.argv[1:])]
-        ),
+        "command": command_line("benchmarks.sensitivity_windows", argv),
         "model": MODEL,
         "split": args.split,
         "max_tokens": args.max_tokens,
@@ -85,8 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                 },
                 "minus_reference": differences,
             }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ BENCHMARKS.md then renders in its choices section: none is kept today).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
+from benchmarks.common import command_line, write_json
 from benchmarks.quality import (
     VARIANTS,
     compare,
@@ -147,12 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         headline_variants=tuple(v for v in args.headline_variants.split(",") if v),
         eval_max_tokens=args.eval_max_tokens,
     )  # fmt: skip
-    payload["command"] = "python -m benchmarks.whole_model " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    payload["command"] = command_line("benchmarks.whole_model", argv)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        write_json(args.out, payload)
     for row in payload["quality"]:
         print(row["method"], f"model {row['model_ratio']:.2f}", f"{row['ppl']:.3f}", row["ppl_ci95"],
               {k: v["value"] for k, v in row.items() if k.startswith("minus_")})  # fmt: skip

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log
+from benchmarks.common import command_line, log, write_json
 from compressor.evaluation.zero_shot import paired_suite_difference, read_items, suite_mean
 
 MODEL = "smollm2-135m"
@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     payload = {
         "what": f"zero-shot accuracy of the model {args.model_ratio:.0%} smaller ({' '.join(whole_model)})",
         "model_ratio": args.model_ratio,
-        "command": "python -m benchmarks.zero_shot_peers " + " ".join(argv or sys.argv[1:]),
+        "command": command_line("benchmarks.zero_shot_peers", argv),
         "model": MODEL,
         "limit_per_task": args.limit,
         "batch_size": args.batch_size,
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(out, payload)
     print(json.dumps({n: [r["mean"], r["mean_ci95"]] for n, r in rows.items()}))
 
 

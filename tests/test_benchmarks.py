@@ -185,6 +185,34 @@ def test_non_finite_paths():
     ]
 
 
+def test_a_results_file_is_replaced_whole_or_kept(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    out = tmp_path / "sub" / "results.json"
+    common.write_json(out, {"a": 1})
+    assert json.loads(out.read_text()) == {"a": 1} and out.read_text().endswith("\n")
+
+    def failing_dump(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    # A payload that cannot be written leaves the previous file as it was, and no temporary file beside it.
+    monkeypatch.setattr(common.json, "dumps", failing_dump)
+    with pytest.raises(RuntimeError):
+        common.write_json(out, {"a": 2})
+    assert json.loads(out.read_text()) == {"a": 1}
+    assert [p.name for p in out.parent.iterdir()] == ["results.json"]
+
+
+def test_a_results_file_names_the_command_that_made_it(monkeypatch):
+    from benchmarks.common import command_line
+
+    monkeypatch.setattr(sys, "argv", ["x", "--from-the-process"])
+    assert command_line("benchmarks.large", ["--runs", "whole"]) == "python -m benchmarks.large --runs whole"
+    # An empty list is the arguments given (none), not the process's.
+    assert command_line("benchmarks.large", []) == "python -m benchmarks.large"
+    assert command_line("benchmarks.large", None) == "python -m benchmarks.large --from-the-process"
+
+
 def _scaling_run(layers: int, overhead: float, **extra) -> dict:
     """One depth of `benchmarks.scaling.run_scaling` (the narrow width, tiny numbers)."""
     loaded = 0.38

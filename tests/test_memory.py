@@ -143,3 +143,21 @@ def test_available_memory_reads_meminfo_and_a_containers_limit(monkeypatch, tmp_
     assert memory.available_memory() == 20000000 * 1024
     limit.write_text(str(8 * GIB))  # 8 GiB limit, 6 GiB used of which 1 GiB reclaimable: 3 GiB left
     assert memory.available_memory() == 3 * GIB
+
+
+@pytest.mark.parametrize(
+    ("values", "layers"),
+    [
+        ({}, 1),  # --sharing none, the default: one layer at a time (masa.basis.runs_of)
+        ({"sharing": "basis", "basis_layers": 8}, 8),  # a run sharing a basis holds its layers together
+        ({"method": "svd-llm"}, 1),
+        (
+            {"method": "basis-sharing"},
+            4,
+        ),  # shares within groups whatever --sharing says: the --basis-layers proxy
+    ],
+)
+def test_the_estimate_holds_the_layers_a_run_compresses_together(values, layers):
+    options = CompressOptions.from_values({"ratio": 0.2, "targets": "attn,mlp", **values})
+    run = resolve_run("qwen2.5-coder-1.5b", options)
+    assert run_workload(run, options, gpu=False).basis_layers == layers

@@ -41,6 +41,22 @@ def _activations(tokens=400, neurons=24, hidden=8, seed=0):
     return z, z.T @ z / tokens, down
 
 
+@pytest.mark.parametrize("ridge", [0.0, 0.05])
+def test_the_neuron_steps_leave_the_statistics_as_they_were(ridge):
+    # The order's tail symmetrizes and damps its own copy in place: the statistics a run holds (in memory, for
+    # every layer) must come out unchanged, also when the Cholesky needs damping (a dead neuron here).
+    z, c, down = _activations(seed=5)
+    z[:, 3] = 0.0
+    c = z.T @ z / len(z)
+    c[0, 1] += 1e-12  # symmetric only up to rounding, as accumulated sums are
+    before = c.clone()
+    found = order_tail(c, down, neuron_order("greedy-block", c, down, ridge), ridge)
+    assert found.damping > 0 or ridge > 0
+    refit = refit_down(c, down, found, 12, ridge)
+    output_error(c, down, refit, found.kept(12), ridge, found.damping)
+    assert torch.equal(c, before)
+
+
 @pytest.mark.parametrize("rule", ORDERS)
 @pytest.mark.parametrize("ridge", [0.0, 0.05])
 def test_refit_is_the_least_squares_solution_and_the_tail_its_error(rule, ridge):

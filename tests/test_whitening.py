@@ -10,6 +10,8 @@ from compressor.math.whitening import (
     low_rank_factors,
     plain_svd,
     plain_svd_factors,
+    symmetrize_,
+    symmetrized,
     whitened_singular_values,
     whitened_svd,
     whitening_factor,
@@ -241,3 +243,36 @@ def test_an_all_zero_weight_costs_nothing_and_its_factors_are_zero() -> None:
     assert bool(torch.isfinite(b).all()) and torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))
     a, b = plain_svd_factors(torch.zeros(6, 8), 4)
     assert torch.equal(a @ b, torch.zeros(6, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [1, 7, 300, 513])
+def test_symmetrizing_in_place_gives_the_out_of_place_numbers_bit_for_bit(n: int) -> None:
+    # Block rows of 256: one block, a partial last block, several blocks.
+    gen = torch.Generator().manual_seed(n)
+    c = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    expected, before = 0.5 * (c + c.T), c.clone()
+    assert torch.equal(symmetrized(c), expected) and torch.equal(
+        c, before
+    )  # a new matrix; the input untouched
+    assert torch.equal(symmetrized(c.float()), 0.5 * (c.float().double() + c.float().double().T))
+    assert symmetrize_(c) is c and torch.equal(c, expected)
+
+
+def test_a_whitening_factor_leaves_its_input_unless_it_is_given_up() -> None:
+    x, _ = _setup(seed=3)
+    x[:, 2] = 0.0  # a dead channel: damped on the second attempt
+    c = x.T @ x
+    c[0, 1] += 1e-9  # symmetric only up to rounding, as accumulated sums are
+    kept = c.clone()
+    factor = whitening_factor(c)
+    assert factor.attempts == 2 and torch.equal(c, kept)
+    # Given up (`overwrite=True`), the same factor, and the matrix symmetrized and damped in place.
+    given_up = whitening_factor(c, overwrite=True)
+    assert torch.equal(given_up.S, factor.S) and given_up.damping == factor.damping
+    damped = 0.5 * (kept + kept.T)
+    damped.diagonal().add_(factor.damping)
+    assert torch.equal(c, damped)
+    # An fp32 input is never written: the factor is made from its fp64 copy.
+    c32 = kept.float()
+    whitening_factor(c32, overwrite=True)
+    assert torch.equal(c32, kept.float())

@@ -35,9 +35,20 @@ def run_workload(
         mlp=mlp,
         dtype_bytes=dtype_bytes or (2 if gpu else 4),
         gpu=gpu,
-        basis_layers=settings.basis_layers,
+        basis_layers=run_layers(settings),
         eval_seq_len=run.evaluation.seq_len if options.evaluate else 0,
     )
+
+
+#: The methods whose layers are compressed in runs of several (a basis or a mean shared by a run), whatever
+#: `--sharing` says.
+RUN_METHODS = frozenset({"basis-sharing", "shared-mean"})
+
+
+def run_layers(settings) -> int:
+    """How many layers' weights and factors the compression holds at once: one where nothing is shared
+    (`--sharing none`, the default: `masa.basis.runs_of`), else a run of `--basis-layers`."""
+    return settings.basis_layers if settings.sharing != "none" or settings.method in RUN_METHODS else 1
 
 
 def memory_estimate(

@@ -27,20 +27,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compressor.math.whitening import whitening_factor
+from compressor.math.whitening import symmetrize_, symmetrized, whitening_factor
 from compressor.runtime.errors import NumericalError
 
 ORDERS = ("greedy", "greedy-block", "energy", "leverage")
 
 
 def regularized(autocorr: torch.Tensor, ridge: float) -> torch.Tensor:
-    """`C + ridge·mean(diag C)·I` in fp64, symmetrised (accumulated sums are symmetric up to rounding)."""
-    c = autocorr.detach().to(torch.float64)
-    c = 0.5 * (c + c.T)
+    """`C + ridge·mean(diag C)·I` in fp64, symmetrised (accumulated sums are symmetric up to rounding), a new
+    matrix."""
+    return _add_ridge(symmetrized(autocorr), ridge, autocorr)
+
+
+def _add_ridge(c: torch.Tensor, ridge: float, autocorr: torch.Tensor) -> torch.Tensor:
+    """`c + ridge·mean(diag C)·I` in place, the mean read from `autocorr` (C, in its own order: symmetrizing
+    leaves the diagonal as it is, so it is the same number for C, for C symmetrized and for C permuted)."""
     if ridge > 0:
-        c = c + ridge * float(torch.diagonal(c).mean()) * torch.eye(
-            c.shape[0], dtype=c.dtype, device=c.device
-        )
+        c.diagonal().add_(ridge * float(torch.diagonal(autocorr).to(torch.float64).mean()))
     return c
 
 
@@ -236,10 +239,12 @@ def neuron_order(rule: str, autocorr: torch.Tensor, down: torch.Tensor, ridge: f
         return energy_order(autocorr, down)
     if rule == "leverage":
         return leverage_order(autocorr, ridge)
-    if rule == "greedy":
-        return greedy_order(regularized(autocorr, ridge), down)
-    if rule == "greedy-block":
-        return block_greedy_order(regularized(autocorr, ridge), down)
+    if rule in ("greedy", "greedy-block"):
+        # The greedy orders run in float32: the fp64 regularized matrix goes as soon as it is cast (the same
+        # numbers as casting inside), so the order holds half an I×I fp64 matrix beside `autocorr`, not one and a half.
+        c = regularized(autocorr, ridge).to(torch.float32)
+        greedy = greedy_order if rule == "greedy" else block_greedy_order
+        return greedy(c, down, dtype=torch.float32)
     raise ValueError(f"unknown neuron order {rule!r}: one of {', '.join(ORDERS)}")
 
 
@@ -266,18 +271,23 @@ def effective(autocorr: torch.Tensor, ridge: float, damping: float) -> torch.Ten
     """C_λ plus the damping its Cholesky needed: the matrix every error and refit of one MLP reads."""
     c = regularized(autocorr, ridge)
     if damping:
-        c = c + damping * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+        c.diagonal().add_(damping)
     return c
 
 
 def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, ridge: float) -> NeuronTail:
     """The output error `tail[k]` of keeping the first `k` neurons of `order` with `down_proj` refit, for every
     k = 0..I at once (one Cholesky of C_λ in that order, damped and retried like any whitening factor)."""
-    c = regularized(autocorr, ridge)
+    n, device = autocorr.shape[0], autocorr.device
+    # Two I×I fp64 matrices beside `autocorr` at most (an MLP of the 1.5B model: 0.6 GiB each): C_λ is made
+    # directly in the order (the same numbers as `regularized` then permuted), and the Cholesky damps it in place.
+    permuted = autocorr[order[:, None], order].to(torch.float64)  # a new matrix: averaged and damped in place
+    _add_ridge(symmetrize_(permuted), ridge, autocorr)
     d = down.to(torch.float64)
-    factor = whitening_factor(c[order][:, order])
+    factor = whitening_factor(permuted, overwrite=True)
+    del permuted
     if factor.input_is_zero:
-        explained = torch.zeros(c.shape[0], dtype=torch.float64, device=c.device)
+        explained = torch.zeros(n, dtype=torch.float64, device=device)
     else:
         # The error keeping order[:k] is tr(D C Dᵀ) − ‖D C[:, π] S⁻ᵀ[:, :k]‖² with C[π, π] = S Sᵀ (C damped as
         # the Cholesky needed), and D C[:, π] S⁻ᵀ = D[:, π] S: no solve, no product with C; tr(D C Dᵀ) = ‖D[:, π] S‖².
@@ -285,7 +295,7 @@ def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, 
         explained = y.square().sum(dim=0)
     # tail[k] = Σ_{i ≥ k} explained_i: summed from the end, so the small errors near full width carry no
     # cancellation from the total.
-    zero = torch.zeros(1, dtype=torch.float64, device=c.device)
+    zero = torch.zeros(1, dtype=torch.float64, device=device)
     tail = torch.cat([explained.flip(0).cumsum(0).flip(0), zero])
     if not torch.isfinite(tail).all():
         raise NumericalError(f"non-finite neuron-selection error for a {tuple(d.shape)} down_proj")
@@ -303,13 +313,18 @@ def refit_down(
         return torch.zeros(d.shape[0], width, dtype=torch.float64, device=d.device)
     c = effective(autocorr, ridge, neurons.damping)
     kept = neurons.kept(width)
-    factor, info = torch.linalg.cholesky_ex(c[kept][:, kept])
+    # D' C[S, S] = D C[:, S]  ⇔  C[S, S] D'ᵀ = (D C[:, S])ᵀ (C[S, S] symmetric). C goes once the right-hand side
+    # and the kept block are made: two I×I fp64 matrices beside `autocorr` at most, the block and its factor.
+    rhs = (d @ c[:, kept]).T
+    block = c[kept[:, None], kept]
+    del c
+    factor, info = torch.linalg.cholesky_ex(block)
+    del block
     if int(info) != 0:  # a leading block of a matrix whose Cholesky succeeded: only rounding can get here
         raise NumericalError(
             f"Cholesky of the {width} kept neurons' autocorrelation failed (pivot {int(info)})"
         )
-    # D' C[S, S] = D C[:, S]  ⇔  C[S, S] D'ᵀ = (D C[:, S])ᵀ (C[S, S] symmetric).
-    return torch.cholesky_solve((d @ c[:, kept]).T, factor, upper=False).T
+    return torch.cholesky_solve(rhs, factor, upper=False).T
 
 
 def output_error(
@@ -322,9 +337,7 @@ def output_error(
 ) -> float:
     """The objective for an explicit `D'` on `kept`: tr(E C Eᵀ) with E = D − D' Π_S and C = C_λ + damping·I
     (a check of the tails: tests and reports)."""
-    c = regularized(autocorr, ridge)
-    if damping:
-        c = c + damping * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    c = effective(autocorr, ridge, damping)
     full = down.to(torch.float64).clone()
     full[:, kept] -= refit.to(torch.float64)
     return float((full @ c * full).sum())

@@ -151,11 +151,14 @@ def largest_factored(shape: Shape, w: Workload) -> tuple[int, int]:
 
 
 def cholesky_bytes(shape: Shape, w: Workload) -> int:
-    """The Cholesky of the widest input (`whitening.whitening_factor`): its autocorrelation, the symmetrized copy,
-    the identity and the factor, fp64; with the MLP's neurons (`neurons.order_tail`) also the autocorrelation
-    permuted to the neurons' order and a damped copy: 6 matrices of I² (the 1.5B run's peak, 7.52 GiB measured
-    against 6.16 GiB for the former count of 4, showed them)."""
-    return 8 * (6 if w.mlp else 4) * max(shape.inputs(w.mlp)) ** 2
+    """The work on the widest input's fp64 autocorrelation beside that matrix itself (which the layer's statistics
+    count): the symmetrized copy that each damped attempt damps on its diagonal and the factor
+    (`whitening.whitening_factor`); with the MLP's neurons, the most any step of them holds: 2.5 I×I matrices
+    (measured beside the autocorrelation at I = 8960, hidden 1536, in I×I fp64 matrices: `neurons.order_tail`
+    2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.97
+    at I = 4000. Before its matrices were symmetrized and damped in place the tail took 7.2, and the 1.5B
+    model's layer 1 needs that damping)."""
+    return int(8 * (2.5 if w.mlp else 2) * max(shape.inputs(w.mlp)) ** 2)
 
 
 def phase_compress(shape: Shape, w: Workload) -> int:
