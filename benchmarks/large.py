@@ -91,6 +91,33 @@ def planned_peak(values: dict) -> dict:
     return {**estimate, "planned_gib": chosen / GIB}
 
 
+def convert_model() -> dict | None:
+    """Fetch and convert the model, where this cache has not yet, in a process of its own before any run is
+    measured: the one-time conversion (fp32 weights of the whole model at once) peaks above a --layerwise run,
+    and `plan` prints it apart as the first use's. Its peak against that estimate; None when nothing to do."""
+    from compressor.api.memory_check import conversion_bytes
+    from compressor.api.model_loading import needs_conversion
+    from compressor.api.preview import read_model_config
+    from compressor.api.run_options import CompressOptions
+    from compressor.api.session import resolve_run
+    from compressor.runtime.memory import Shape
+
+    source = resolve_run(MODEL, CompressOptions.from_values({})).source
+    if not needs_conversion(source):
+        return None
+    planned = conversion_bytes(source, Shape.from_config(read_model_config(source)[0]))
+    log(f"fetching and converting {MODEL} (once; not part of any run's figures)")
+    process = run_module_measured("benchmarks.large", ["--convert-only"], "the conversion")["process"]
+    return {"process": process, "planned_gib": planned / GIB, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _convert_here() -> None:
+    """`--convert-only`: the conversion itself, in this process; prints where the converted copy is."""
+    from compressor.api.model_loading import bundled_model_dir, resolve_model
+
+    print(json.dumps({"converted": str(bundled_model_dir(resolve_model(MODEL), progress=False))}))
+
+
 def one_run(name: str, work: Path, keep: bool) -> dict:
     values, what, reload = RUNS[name]
     args = [*cli_args(values), "--eval-max-tokens", str(EVAL_MAX_TOKENS)]
@@ -170,6 +197,15 @@ def render(results: dict) -> str:
             f"{s['process']['peak_rss_gib']:.2f} | {r['plan']['planned_gib']:.2f} | "
             f"{s['process']['wall_seconds'] / 60:.1f} |"
         )
+    conversion = results.get("conversion")
+    if conversion:
+        lines += [
+            "",
+            f"Before the runs, the model's one-time conversion (GGUF to fp32 safetensors, {conversion['date']}) in a "
+            f"process of its own: peak RSS {conversion['process']['peak_rss_gib']:.2f} GiB, "
+            f"{conversion['process']['wall_seconds'] / 60:.1f} min; `plan` printed "
+            f'{conversion["planned_gib"]:.2f} GiB for it (its "first use"). No run\'s figures include it.',
+        ]
     lines += ["", "Stages (seconds, the run's own `seconds`):", ""]
     for r in runs.values():
         stages = ", ".join(f"{k} {v:,.0f}" for k, v in r["run"]["seconds"].items())
@@ -220,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         "temporary one, each checkpoint removed once measured)",
     )
     parser.add_argument("--out", default="benchmarks/results/large.json")
+    parser.add_argument("--convert-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.convert_only:
+        return _convert_here()
     names = [n for n in args.runs.split(",") if n]
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
@@ -233,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+    conversion = convert_model()
+    if conversion is not None:
+        results["conversion"] = conversion
+        write_json(out, results)
 
     def measure(name: str, work: Path, keep: bool) -> None:
         results["runs"][name] = one_run(name, work, keep) | {"date": time.strftime("%Y-%m-%d %H:%M")}

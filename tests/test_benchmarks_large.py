@@ -84,3 +84,28 @@ def test_sigterm_unwinds_the_temporary_directory(tmp_path):
         assert not os.path.exists((tmp_path / "seen").read_text())
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_conversion_is_measured_apart_before_the_runs(monkeypatch):
+    """A cache without the converted model: the conversion runs in a child process of its own (`--convert-only`)
+    before any run, its peak set beside `plan`'s first-use estimate and named on the page; a converted model: no
+    child at all."""
+    import benchmarks.large as large
+    import compressor.api.model_loading as model_loading
+
+    children = []
+
+    def child(module, args, what):
+        children.append((module, args))
+        return {"converted": "somewhere", "process": {"peak_rss_gib": 8.9, "wall_seconds": 120.0}}
+
+    monkeypatch.setattr(large, "run_module_measured", child)
+    monkeypatch.setattr(model_loading, "needs_conversion", lambda source: False)
+    assert large.convert_model() is None and children == []
+    monkeypatch.setattr(model_loading, "needs_conversion", lambda source: True)
+    conversion = large.convert_model()
+    assert children == [("benchmarks.large", ["--convert-only"])]
+    assert conversion["process"]["peak_rss_gib"] == 8.9 and 8.5 < conversion["planned_gib"] < 9.5
+    page = render({"command": "c", "machine": {"cpu": "cpu", "cores": 2}, "date": "d", "runs": {},
+                   "conversion": conversion})  # fmt: skip
+    assert "peak RSS 8.90 GiB, 2.0 min; `plan` printed" in page and "No run's figures include it" in page

@@ -12,6 +12,7 @@ from compressor.runtime.memory import (
     Shape,
     Workload,
     activations,
+    conversion_peak,
     grams_all_layers,
     in_memory_peak,
     in_memory_phases,
@@ -90,6 +91,35 @@ def test_the_large_recipe_needs_layerwise_for_the_whole_model():
         else:
             assert grams_all_layers(shape, work) > 28 * 8 * 8960**2
             assert estimate["in_memory_bytes"] > 24e9 > 2 * estimate["layerwise_bytes"]
+
+
+def test_first_use_conversion_is_counted_and_refused_when_it_cannot_fit(monkeypatch, tmp_path, capsys):
+    """A packaged model not converted yet in this cache: the conversion holds the fp32 model, the mapped GGUF and
+    one dequantization buffer of the largest tensor; `plan` says so, and `compress` refuses in one line when only
+    the conversion does not fit (the run itself would)."""
+    from compressor.api.model_loading import needs_conversion
+    from compressor.api.preview import read_model_config
+
+    assert conversion_peak(TINY, gguf_bytes=7, runtime=100) == 100 + 4 * TINY.params() + 7 + 4 * 10 * 4
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "empty-cache"))
+    options = CompressOptions.from_values({"ratio": 0.2})
+    run = resolve_run("qwen2.5-coder-1.5b", options)
+    assert needs_conversion(run.source)
+    estimate = memory_estimate(read_model_config(run.source)[0], run, options)
+    # 1.78B fp32 parameters and the 1.04 GiB GGUF: about 9 GiB, above the attention run's --layerwise peak.
+    assert 8.5 * GIB < estimate["first_use_bytes"] < 9.5 * GIB
+    assert estimate["first_use_bytes"] > estimate["layerwise_bytes"]
+    fits_but_conversion = _estimate(5, 3, 8, layerwise=False) | {"first_use_bytes": int(9 * GIB)}
+    with pytest.raises(UserError, match="first use converts its GGUF") as err:
+        check_memory(fits_but_conversion)
+    assert "9.0 GiB" in str(err.value) and "\n" not in str(err.value)
+    check_memory(fits_but_conversion | {"available_bytes": int(10 * GIB)})
+    assert not (tmp_path / "empty-cache").exists()  # planning wrote nothing
+
+    from compressor.cli.inspect import show_plan
+
+    show_plan("qwen2.5-coder-1.5b", options, None, as_json=False)
+    assert "first use: about 9.0 GiB" in " ".join(capsys.readouterr().out.split())
 
 
 def test_plan_prints_the_memory(capsys):

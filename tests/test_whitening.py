@@ -16,7 +16,7 @@ from compressor.math.whitening import (
     whitened_svd,
     whitening_factor,
 )
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import FINITE_CHECK_ROWS, NumericalError, all_finite
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -276,3 +276,16 @@ def test_a_whitening_factor_leaves_its_input_unless_it_is_given_up() -> None:
     c32 = kept.float()
     whitening_factor(c32, overwrite=True)
     assert torch.equal(c32, kept.float())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_one_bad_entry_in_any_row_block(bad: float) -> None:
+    # Rows span several blocks of FINITE_CHECK_ROWS and the last block is partial: a bad entry anywhere is found.
+    rows = 2 * FINITE_CHECK_ROWS + 3
+    matrix = torch.randn(rows, 5, dtype=torch.float64)
+    assert all_finite(matrix) and all_finite(matrix[0]) and all_finite(torch.zeros(0, 5))
+    for row in (0, FINITE_CHECK_ROWS - 1, FINITE_CHECK_ROWS, rows - 1):
+        spoiled = matrix.clone()
+        spoiled[row, 3] = bad
+        assert not all_finite(spoiled)
+        assert not all_finite(spoiled[row])

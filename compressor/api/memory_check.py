@@ -4,6 +4,8 @@ one line naming the option that fits (`--layerwise`) instead of being killed for
 
 from __future__ import annotations
 
+from compressor.api.model_loading import ModelSource, needs_conversion
+from compressor.api.packaged_models import gguf_size, packaged_model
 from compressor.api.pipeline import reads_loss_sensitivity
 from compressor.api.run_options import CompressOptions
 from compressor.api.session import RunSpec
@@ -15,6 +17,7 @@ from compressor.runtime.memory import (
     Shape,
     Workload,
     available_memory,
+    conversion_peak,
     cpu_peak,
     device_peak,
     in_memory_peak,
@@ -66,13 +69,33 @@ def memory_estimate(
         ),
         "available_bytes": None if gpu else available_memory(),
         "layerwise": options.layerwise,
+        # Host memory, on a GPU too: the conversion runs on the CPU.
+        "first_use_bytes": first_use_bytes(run.source, shape),
     }
+
+
+def first_use_bytes(source: ModelSource, shape: Shape) -> int | None:
+    """The peak of a packaged model's one-time conversion where it has not run yet in this cache (None where
+    nothing is converted): for the 1.5B model it is above a --layerwise run's own peak."""
+    return conversion_bytes(source, shape) if needs_conversion(source) else None
+
+
+def conversion_bytes(source: ModelSource, shape: Shape) -> int:
+    """The peak of a packaged model's conversion (`runtime.memory.conversion_peak`), whether it has run or not."""
+    return int(conversion_peak(shape, gguf_size(packaged_model(source.packaged))))
 
 
 def check_memory(estimate: dict) -> None:
     """Refuse, in one line and before any weight is read, a CPU run whose estimated peak exceeds the memory
     available now; name `--layerwise` when that fits."""
     available = estimate["available_bytes"]
+    first_use = estimate.get("first_use_bytes")
+    if first_use is not None and available is not None and first_use > available:
+        raise UserError(
+            f"the model's first use converts its GGUF to safetensors once, which needs about {first_use / GIB:.1f} "
+            f"GiB of memory, {available / GIB:.1f} GiB is available: free memory, then run again (later runs "
+            "read the converted copy)"
+        )
     if estimate["device"] != "cpu" or available is None:
         return
     needed = estimate["layerwise_bytes"] if estimate["layerwise"] else estimate["in_memory_bytes"]

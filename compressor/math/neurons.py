@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from compressor.math.whitening import symmetrize_, symmetrized, whitening_factor
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import NumericalError, all_finite
 
 ORDERS = ("greedy", "greedy-block", "energy", "leverage")
 
@@ -297,7 +297,7 @@ def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, 
     # cancellation from the total.
     zero = torch.zeros(1, dtype=torch.float64, device=device)
     tail = torch.cat([explained.flip(0).cumsum(0).flip(0), zero])
-    if not torch.isfinite(tail).all():
+    if not all_finite(tail):
         raise NumericalError(f"non-finite neuron-selection error for a {tuple(d.shape)} down_proj")
     return NeuronTail(order.clone(), tail.clamp_min(0.0), factor.damping, factor.attempts)
 

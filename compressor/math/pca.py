@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import NumericalError, all_finite
 
 # Eigen-directions of the Gram matrix with `λ ≤ RANK_RTOL · λ_max` are treated as numerically
 # zero. Such a direction carries at most that fraction of the group's energy, and its atom
@@ -52,7 +52,7 @@ def matrix_pca(weights: torch.Tensor, n_atoms: int) -> tuple[torch.Tensor, torch
 
     # Row l of m_t is vec(W_l): m_t is Mᵀ, (L, out·in).
     m_t = weights.detach().to(torch.float64).reshape(n_layers, n_out * n_in)
-    if not torch.isfinite(m_t).all():
+    if not all_finite(m_t):
         raise NumericalError(f"matrix_pca: non-finite entries in weights of shape {tuple(weights.shape)}")
 
     gram = m_t @ m_t.T  # (L, L) = MᵀM

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import NumericalError, all_finite
 
 # A Cholesky pivot `p_i` with `p_i² ≤ PIVOT_RTOL·C_ii` means channel i is, to working precision, a
 # linear combination of the earlier channels: `C` is numerically singular even though the
@@ -44,10 +44,7 @@ class WhiteningFactor:
 
 
 def _check_finite(tensor: torch.Tensor, what: str) -> None:
-    # Row block by row block: torch.isfinite of a whole fp64 matrix makes an |x| copy of it and two boolean masks
-    # (1.4 matrices measured at 8960², 0.8 GiB), more than the Cholesky it guards.
-    blocks = tensor.split(SYMMETRIZE_BLOCK) if tensor.ndim > 1 else (tensor,)
-    if not all(bool(torch.isfinite(block).all()) for block in blocks):
+    if not all_finite(tensor):
         raise NumericalError(f"{what} of shape {tuple(tensor.shape)} has non-finite entries")
 
 

@@ -30,7 +30,7 @@ from compressor.modeling.adapters import (
 )
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.device import statistics_device
-from compressor.runtime.errors import NumericalError, UserError
+from compressor.runtime.errors import NumericalError, UserError, all_finite
 from compressor.statistics.capture import CalibrationStats
 
 #: Groups for a group count: the calibrated KL grouping in a run, assumed groups in a preview.
@@ -128,7 +128,7 @@ class MethodContext:
         weight = self.adapter.projection(layer, projection).weight.detach()
         # Moved, then widened: an MPS weight cannot be made fp64 where it is (the compute device is the CPU then).
         w = weight.to(self.compute_device).to(torch.float64)
-        if not torch.isfinite(w).all():
+        if not all_finite(w):
             raise NumericalError(
                 f"non-finite weights in {self.adapter.projection_path(layer, projection)}: the model file is damaged"
             )

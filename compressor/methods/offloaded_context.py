@@ -18,7 +18,7 @@ from torch import nn
 from compressor.methods.base import MethodContext
 from compressor.modeling.adapters import MLP_PROJECTIONS
 from compressor.modeling.offload import OffloadedModel, trim_heap
-from compressor.runtime.errors import NumericalError
+from compressor.runtime.errors import NumericalError, all_finite
 
 
 def projection_prefix(om: OffloadedModel, layer: int, projection: str) -> str:
@@ -102,7 +102,7 @@ class OffloadedContext(MethodContext):
     def weight(self, layer: int, projection: str) -> torch.Tensor:
         name = projection_prefix(self.offloaded, layer, projection) + "weight"
         w = self.offloaded.original(name).to(self.compute_device, torch.float64)
-        if not torch.isfinite(w).all():
+        if not all_finite(w):
             raise NumericalError(f"non-finite weights in {name}: the model file is damaged")
         return w
 

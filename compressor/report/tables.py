@@ -239,6 +239,7 @@ def _memory_line(memory: dict) -> Text:
     available = memory.get("available_bytes")
     chosen = memory["layerwise_bytes"] if memory["layerwise"] else memory["in_memory_bytes"]
     fits = available is None or chosen <= available
+    first_use = memory.get("first_use_bytes")
     return Text.assemble(
         (f"{where}: ", "bold"),
         f"about {memory['in_memory_bytes'] / GIB:.1f} GiB at its peak in memory, "
@@ -247,6 +248,10 @@ def _memory_line(memory: dict) -> Text:
         ""
         if fits
         else (" · needs --layerwise" if memory["layerwise_bytes"] <= available else " · does not fit"),
+        ""
+        if first_use is None
+        else f" · first use: about {first_use / GIB:.1f} GiB of {'host ' if memory['device'] == 'gpu' else ''}"
+        "memory, once, to convert the model's GGUF",
     )
 
 

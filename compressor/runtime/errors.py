@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
+
 _CALLER: ContextVar[str] = ContextVar("masa_compress_caller", default="python")
 
 
@@ -24,6 +26,17 @@ class CheckpointError(UserError):
 
 class NumericalError(RuntimeError):
     """A numerical failure (non-finite values, an SVD that did not converge) that we refuse to hide."""
+
+
+#: Rows `all_finite` checks at a time: `torch.isfinite(t).all()` of a whole fp64 matrix makes an |x| copy of it and
+#: two boolean masks (1.4 matrices measured at 8960², 0.8 GiB), more than the Cholesky it guards.
+FINITE_CHECK_ROWS = 256
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry of `tensor` is finite, checked by blocks of leading rows (no whole-size temporary)."""
+    blocks = tensor.split(FINITE_CHECK_ROWS) if tensor.ndim > 1 else (tensor,)
+    return all(bool(torch.isfinite(block).all()) for block in blocks)
 
 
 @contextmanager

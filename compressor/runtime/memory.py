@@ -267,6 +267,14 @@ def in_memory_peak(shape: Shape, w: Workload, runtime: float = RUNTIME_BASE) -> 
     return runtime + held + max(in_memory_phases(shape, w).values())
 
 
+def conversion_peak(shape: Shape, gguf_bytes: int, runtime: float = RUNTIME_BASE) -> float:
+    """A packaged model's one-time conversion to safetensors (`api.model_loading.bundled_model_dir`), before its
+    first run: transformers dequantizes the whole memory-mapped GGUF into an fp32 model, one tensor passing
+    through a dequantization buffer of its own size (the largest is the vocabulary's). Measured: 1.16 GiB for the
+    bundled 135M model (this gives 1.15); at least 8.7 GiB for the 1.5B one (this gives 9.0)."""
+    return runtime + 4 * shape.params() + gguf_bytes + 4 * shape.vocab * shape.hidden
+
+
 #: A container's memory limit, use, and statistics (cgroup v2, then v1; the key of its reclaimable page cache):
 #: /proc/meminfo shows the host's memory there.
 CGROUP_FILES = (

@@ -24,6 +24,7 @@ from torch import nn
 from compressor import __version__
 from compressor.modeling.adapters import DecoderAdapter
 from compressor.runtime.cache_root import cache_dir
+from compressor.runtime.errors import all_finite
 from compressor.statistics.capture import CalibrationStats
 from compressor.statistics.sensitivity import Sensitivity
 
@@ -113,12 +114,12 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
     for kind, matrices in autocorr.items():
         size = g.input_size(kind)
         mean = input_means[kind]
-        if mean.shape != (n, size) or mean.dtype != torch.float64 or not torch.isfinite(mean).all():
+        if mean.shape != (n, size) or mean.dtype != torch.float64 or not all_finite(mean):
             return None, f"{path.name} holds input means of the wrong shape or non-finite ones"
         for a in matrices:
             if a.shape != (size, size):
                 return None, f"{path.name} has the wrong shapes"
-            if a.dtype != torch.float64 or not torch.isfinite(a).all():
+            if a.dtype != torch.float64 or not all_finite(a):
                 return None, f"{path.name} holds non-finite or non-fp64 statistics"
             if not torch.equal(a, a.T) and (a - a.T).abs().max() > 1e-9 * a.abs().max():
                 return None, f"{path.name} holds non-symmetric autocorrelations"
