@@ -18,6 +18,7 @@ from compressor.math.neurons import (
     _greedy_steps,
     block_greedy_order,
     greedy_order,
+    lower_product,
     neuron_order,
     order_tail,
     output_error,
@@ -170,6 +171,26 @@ def test_a_block_skips_a_neuron_its_earlier_members_already_explain():
     order = block_greedy_order(c, down, block=24, dtype=torch.float64).tolist()
     first, second = sorted((order.index(2), order.index(5)))
     assert sorted(order) == list(range(24)) and second == 23
+
+
+def test_the_block_greedy_leaves_a_float32_input_unless_told_to_overwrite_it():
+    """Its Schur complement is updated in place: on an input already in its dtype, in a copy unless `overwrite`
+    (what `neuron_order` passes for the copy it made); the same order either way."""
+    _, c, down = _activations(neurons=96, tokens=2000, hidden=12)
+    c32 = c.float()
+    before = c32.clone()
+    order = block_greedy_order(c32, down, block=8)
+    assert torch.equal(c32, before)
+    assert torch.equal(block_greedy_order(c32, down, block=8, overwrite=True), order)
+    assert not torch.equal(c32, before)  # overwritten, as asked
+
+
+@pytest.mark.parametrize("n", [1, 511, 512, 1100])
+def test_the_lower_triangular_product_is_the_full_product(n):
+    g = torch.Generator().manual_seed(n)
+    lower = torch.randn(n, n, generator=g, dtype=torch.float64).tril()
+    a = torch.randn(7, n, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(lower_product(a, lower), a @ lower, rtol=1e-12, atol=1e-12)
 
 
 def test_the_block_greedy_explains_nearly_what_the_greedy_does():
