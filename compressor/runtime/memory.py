@@ -155,9 +155,9 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
     count): the symmetrized copy that each damped attempt damps on its diagonal and the factor
     (`whitening.whitening_factor`); with the MLP's neurons, the most any step of them holds: 2.5 I×I matrices
     (measured beside the autocorrelation at I = 8960, hidden 1536, in I×I fp64 matrices: `neurons.order_tail`
-    2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.97
-    at I = 4000. Before its matrices were symmetrized and damped in place the tail took 7.2, and the 1.5B
-    model's layer 1 needs that damping)."""
+    2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.50
+    at I = 4000, the fp64 copy its float32 one is cast from. Before its matrices were symmetrized and damped in
+    place the tail took 7.2, and the 1.5B model's layer 1 needs that damping)."""
     return int(8 * (2.5 if w.mlp else 2) * max(shape.inputs(w.mlp)) ** 2)
 
 
