@@ -181,9 +181,9 @@ def block_greedy_order(
     of R (R is symmetric: contiguous to read); likewise (D R)ᵀ, whose rows are the neurons. Both hold only the
     neurons not yet kept (the kept ones are dropped whenever they are a quarter of what is held): about
     I³/3 + I²·hidden/2 multiply-adds, and no factor is stored."""
-    c = autocorr.to(dtype)
-    r = c if overwrite or c.data_ptr() != autocorr.data_ptr() else c.clone()
-    del c
+    r = autocorr.to(dtype)
+    if not overwrite and r.data_ptr() == autocorr.data_ptr():
+        r = r.clone()  # the caller's matrix: R is updated in place
     n = r.shape[0]
     held = torch.arange(n, device=r.device)  # the neurons R and (D R)ᵀ hold: all not kept, a few kept
     dr_t = r @ down.to(dtype=dtype, device=r.device).T  # (held, hidden): (D R)ᵀ = R Dᵀ, R = C at the start
@@ -250,12 +250,11 @@ def neuron_order(rule: str, autocorr: torch.Tensor, down: torch.Tensor, ridge: f
     if rule in ("greedy", "greedy-block"):
         # The greedy orders run in float32: the fp64 regularized matrix goes as soon as it is cast (the same
         # numbers as casting inside), so the order holds half an I×I fp64 matrix beside `autocorr`, not one and a half.
+        c = regularized(autocorr, ridge).to(torch.float32)
         if rule == "greedy":
-            return greedy_order(regularized(autocorr, ridge).to(torch.float32), down, dtype=torch.float32)
-        # The block order updates its Schur complement in the float32 copy made here (no second I×I matrix).
-        return block_greedy_order(
-            regularized(autocorr, ridge).to(torch.float32), down, dtype=torch.float32, overwrite=True
-        )
+            return greedy_order(c, down, dtype=torch.float32)
+        # The block order updates its Schur complement in `c`, this call's own copy (no second I×I matrix).
+        return block_greedy_order(c, down, dtype=torch.float32, overwrite=True)
     raise ValueError(f"unknown neuron order {rule!r}: one of {', '.join(ORDERS)}")
 
 
@@ -291,9 +290,8 @@ def order_tail(autocorr: torch.Tensor, down: torch.Tensor, order: torch.Tensor, 
     k = 0..I at once (one Cholesky of C_λ in that order, damped and retried like any whitening factor)."""
     n, device = autocorr.shape[0], autocorr.device
     # Two I×I fp64 matrices beside `autocorr` at most (an MLP of the 1.5B model: 0.6 GiB each): C_λ is made
-    # directly in the order (the same numbers as `regularized` then permuted), and the Cholesky damps it in place.
-    # A new matrix, which `whitening_factor` averages with its transpose and damps in place (the ridge on the
-    # diagonal first: averaging leaves the diagonal as it is, so the same numbers as averaging first).
+    # directly in the order, and `whitening_factor` averages it with its transpose and damps it in place (the
+    # ridge goes on the diagonal first, which averaging leaves as it is: the same numbers as `regularized`).
     permuted = _add_ridge(autocorr[order[:, None], order].to(torch.float64), ridge, autocorr)
     d = down.to(torch.float64)
     factor = whitening_factor(permuted, overwrite=True)
