@@ -11,6 +11,7 @@ from pathlib import Path
 from benchmarks.common import log, run_json_child, run_module_measured
 from benchmarks.plots import REPO
 from benchmarks.scaling import run_larger_than_memory, run_scaling
+from compressor.runtime.device import native_bfloat16_cpu
 
 MODEL = "smollm2-135m"
 
@@ -151,8 +152,9 @@ def demo_arguments() -> list[str]:
 
 
 def section_compression(s: dict, checkpoint: Path) -> dict:
-    """Real CLI runs in fresh processes: attention only and the model 20% smaller (no evaluation; every second
-    but loading the model counted), one plain forward pass over the same calibration windows in another fresh
+    """Real CLI runs in fresh processes: attention only and the model 20% smaller, the latter also with bfloat16
+    forward passes in the calibration (no evaluation; every second but loading the model counted), one plain
+    forward pass over the same calibration windows in another fresh
     process (the reference of both ratios), and `make demo`'s command itself, evaluation included, timed whole."""
     calibration_flags = []
     for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
@@ -178,6 +180,13 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
             Path(work) / "whole",
             "the model 20% smaller",
         )
+        whole_bfloat16 = _timed_compression(
+            [MODEL, "--targets", "attn,mlp", "--ratio", ratio, "--ratio-of", "model", "--no-eval",
+             "--calib-precision", "bfloat16", *calibration_flags],
+            Path(work) / "whole-bfloat16",
+            "the model 20% smaller, bfloat16 forward passes in the calibration",
+        )  # fmt: skip
+        whole_bfloat16["native_bfloat16_cpu"] = native_bfloat16_cpu()
         # `make demo` as the Makefile runs it (a first run: no statistics cache); the quick run caps it further.
         eval_cap = ["--eval-max-tokens", str(s["eval_max_tokens"])] if s["eval_max_tokens"] else []
         demo = _timed_compression(
@@ -193,9 +202,11 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
     return {
         "compression": attention,
         "whole_model_compression": whole,
+        "whole_model_bfloat16_compression": whole_bfloat16,
         "demo": demo,
         "compress_over_forward": attention["compress_seconds"] / forward["seconds"],
         "whole_model_compress_over_forward": whole["compress_seconds"] / forward["seconds"],
+        "whole_model_bfloat16_compress_over_forward": whole_bfloat16["compress_seconds"] / forward["seconds"],
         "calibration_over_forward": attention["stage_seconds"]["calibration"] / forward["seconds"],
         "demo_minutes": demo["process_seconds"] / 60,
     }

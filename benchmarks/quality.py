@@ -30,6 +30,7 @@ from compressor.evaluation.perplexity import evaluate_against, evaluate_perplexi
 from compressor.methods import get_method
 from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings, EvaluationSettings
+from compressor.runtime.device import calibration_autocast
 from compressor.statistics.cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
 from compressor.statistics.capture import collect_statistics
 
@@ -129,9 +130,11 @@ def prepare_quality(
         )
     # The cache a `compress` run with the same model, text and windows fills: the same numbers either way.
     adapter = get_adapter(loaded.model)
+    autocast = calibration_autocast(calibration.precision, loaded.dtype)  # as `compress` does
     stats, note, key = cached_statistics(
         loaded.model, adapter, calib_text.fingerprint, windows, loaded.dtype, mlp,
-        lambda: collect_statistics(loaded.model, adapter, windows, progress=progress, mlp=mlp),
+        lambda: collect_statistics(loaded.model, adapter, windows, progress=progress, mlp=mlp, autocast=autocast),
+        autocast=autocast,
     )  # fmt: skip
     log(f"calibration statistics: {note}")
     samples, projections = recipe.compression.sensitivity_samples, sensitivity_projections(mlp)

@@ -25,7 +25,12 @@ def verdict(key: str, results: dict) -> str:
 
 def compression_section(results: dict, rel) -> list[str]:
     c, whole, demo = results["compression"], results.get("whole_model_compression"), results.get("demo")
-    runs = {"attention 0.2": c} | ({"model 20% smaller": whole} if whole else {})
+    whole_bf16 = results.get("whole_model_bfloat16_compression")
+    runs = (
+        {"attention 0.2": c}
+        | ({"model 20% smaller": whole} if whole else {})
+        | ({"model 20% smaller, `--calib-precision bfloat16`": whole_bf16} if whole_bf16 else {})
+    )
     seen = {k for run in runs.values() for k in run["stage_seconds"]}
     order = [*STAGE_LABELS, *sorted(seen - set(STAGE_LABELS))]  # the pipeline's order; `other` last
     stages = sorted(seen, key=lambda k: (k == "other", order.index(k)))
@@ -35,7 +40,8 @@ def compression_section(results: dict, rel) -> list[str]:
         f"Real runs in fresh processes (`--no-stats-cache`: the capture is timed, never read from a cache; "
         f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation): "
         f"`{c['command']}`"
-        + (f" and `{whole['command']}`" if whole else "")
+        + (f", `{whole['command']}`" if whole else "")
+        + (f" and `{whole_bf16['command']}`" if whole_bf16 else "")
         + ". Stage times from each run's own summary (`seconds`); every second of the process but loading the model "
         "is counted (`other`: what no stage names); peak RSS is the process's high-water mark (`VmHWM`).",
         "",
@@ -66,23 +72,7 @@ def compression_section(results: dict, rel) -> list[str]:
         f"calibration capture alone {c['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x (target ≤ "
         f"{TARGETS['calibration_over_forward'][0]:g}x: {verdict('calibration_over_forward', results)}).",
     ]
-    if whole:
-        whole_capture = whole["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
-        attention_capture = c["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
-        target = TARGETS["whole_model_compress_over_forward"][0]
-        lines.append(
-            f"- **The model 20% smaller: {results['whole_model_compress_over_forward']:.2f}x** (target ≤ "
-            f"{TARGETS['whole_model_compress_over_forward'][0]:g}x: "
-            f"{verdict('whole_model_compress_over_forward', results)}); its largest stage is "
-            f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}, "
-            f"{whole_capture:.2f}x one forward pass by itself: beside the attention's ({attention_capture:.2f}x), "
-            "it sums the autocorrelations of the MLP's inputs, `down_proj`'s as wide as the MLP (each token's "
-            "product costs width² multiply-adds at every layer, halved to about (1 + 256/width)/2 by taking only "
-            f"the blocks above the diagonal). Under the {target:g}x target the rest of the run (sensitivity, "
-            f"neuron orders, SVDs, allocation, saving) would have {target - whole_capture:.2f}x; it takes "
-            f"{whole['compress_seconds'] / c['forward_seconds'] - whole_capture:.2f}x, of which the neuron orders "
-            f"{whole['stage_seconds'].get('neuron_selection', 0) / c['forward_seconds']:.2f}x."
-        )
+    lines += _whole_model_bullets(results, c, whole, whole_bf16)
     if demo:
         lines.append(
             f"- **`make demo` (after the installation, a first run: no statistics cache): "
@@ -97,6 +87,40 @@ def compression_section(results: dict, rel) -> list[str]:
         "",
     ]
     return lines
+
+
+def _whole_model_bullets(results: dict, c: dict, whole: dict | None, whole_bf16: dict | None) -> list[str]:
+    """Section 3's lines on the model 20% smaller: where its time goes, and with bfloat16 calibration."""
+    bullets: list[str] = []
+    if whole:
+        whole_capture = whole["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
+        attention_capture = c["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
+        target = TARGETS["whole_model_compress_over_forward"][0]
+        bullets.append(
+            f"- **The model 20% smaller: {results['whole_model_compress_over_forward']:.3f}x** (target ≤ "
+            f"{TARGETS['whole_model_compress_over_forward'][0]:g}x: "
+            f"{verdict('whole_model_compress_over_forward', results)}); its largest stage is "
+            f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}, "
+            f"{whole_capture:.2f}x one forward pass by itself: beside the attention's ({attention_capture:.2f}x), "
+            "it sums the autocorrelations of the MLP's inputs, `down_proj`'s as wide as the MLP (each token's "
+            "product costs width² multiply-adds at every layer, halved to about (1 + 256/width)/2 by taking only "
+            f"the blocks above the diagonal). Under the {target:g}x target the rest of the run (sensitivity, "
+            f"neuron orders, SVDs, allocation, saving) would have {target - whole_capture:.2f}x; it takes "
+            f"{whole['compress_seconds'] / c['forward_seconds'] - whole_capture:.2f}x, of which the neuron orders "
+            f"{whole['stage_seconds'].get('neuron_selection', 0) / c['forward_seconds']:.2f}x."
+        )
+    if whole_bf16:
+        ratio = results["whole_model_bfloat16_compress_over_forward"]
+        target = TARGETS["whole_model_compress_over_forward"][0]
+        capture = whole_bf16["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
+        native = "natively" if whole_bf16.get("native_bfloat16_cpu") else "without native support (emulated)"
+        bullets.append(
+            f"- **With `--calib-precision bfloat16`: {ratio:.3f}x** ({'within' if ratio <= target else 'above'} the "
+            f"{target:g}x target), its capture {capture:.2f}x: the calibration's matrix products in bfloat16 "
+            f"(autocast; this CPU multiplies bfloat16 {native}), the statistics still summed in fp64. Not the "
+            "default: its perplexity cost on the validation split is in section 6."
+        )
+    return bullets
 
 
 def label(method: str) -> str:

@@ -129,6 +129,7 @@ REQUIRED_KEYS = (
     "original_ppl",
     "compress_over_forward",
     "whole_model_compress_over_forward",
+    "whole_model_bfloat16_compress_over_forward",
     "calibration_over_forward",
     "demo_minutes",
     "depth_memory_ratio",

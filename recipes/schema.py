@@ -21,6 +21,11 @@ class CalibrationSettings(_Strict):
     samples: int = Field(64, ge=1, description="number of calibration windows N")
     seq_len: int = Field(512, ge=8, description="tokens per calibration window T")
     seed: int = Field(0, description="seed for window sampling")
+    precision: Literal["model", "bfloat16"] = Field(
+        "model",
+        description="what the calibration's forward passes compute in: model (its dtype) or bfloat16 (autocast; "
+        "the statistics still summed in fp64)",
+    )
 
 
 class EvaluationSettings(_Strict):

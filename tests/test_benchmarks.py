@@ -83,8 +83,10 @@ def test_report_renders_from_results_json(tmp_path):
     assert "| 0.250x | < 0.5x | met |" in doc  # the deep model's peak is a quarter of its weights
     assert "byte-for-byte identical to the in-memory path's" in doc
     # The model 20% smaller beside attention only, every stage by name; the demo in minutes, against its target.
-    assert "| MLP neuron orders and their errors at every width | — | 2.0 |" in doc
-    assert "| **compression (every stage)** | **5.8** | **8.2** |" in doc
+    assert "| MLP neuron orders and their errors at every width | — | 2.0 | 2.0 |" in doc
+    assert "| **compression (every stage)** | **5.8** | **8.2** | **6.2** |" in doc
+    assert "**With `--calib-precision bfloat16`: 3.100x** (above the 1.6x target)" in doc
+    assert "multiplies bfloat16 natively" in doc
     assert "(`whole_model_compress_over_forward`) | 4.100x | ≤ 1.6x | **missed** |" in doc
     assert "(`demo_minutes`) | 5.500 min | ≤ 6 min | met |" in doc
     assert "(`calibration_over_forward`) | 1.500x | ≤ 1.15x | **missed** |" in doc
@@ -365,6 +367,16 @@ def _fake_results() -> dict:
             "dominant_stage": "calibration",
         },
         "whole_model_compress_over_forward": 4.1,
+        "whole_model_bfloat16_compression": {
+            "command": "masa-compress m --targets attn,mlp --ratio 0.2 --ratio-of model --calib-precision bfloat16",
+            "stage_seconds": {"calibration": 3.0, "sensitivity": 1.0, "neuron_selection": 2.0, "other": 0.2},
+            "compress_seconds": 6.2,
+            "load_seconds": 1.0,
+            "peak_rss_gib": 1.4,
+            "dominant_stage": "calibration",
+            "native_bfloat16_cpu": True,
+        },
+        "whole_model_bfloat16_compress_over_forward": 3.1,
         "calibration_over_forward": 1.5,
         "demo": {"command": "masa-compress m --ratio 0.2 --eval-max-tokens 32768", "eval_seconds": 120.0},
         "demo_minutes": 5.5,
@@ -628,3 +640,42 @@ def test_the_gpu_scale_benchmark_plans_runs_and_reloads_a_random_model():
     )
     assert results["plain_forward_seconds"] > 0 and 0.2 <= results["achieved_ratio"] < 1
     assert results["reloaded_ppl"] == pytest.approx(results["ppl_after"], rel=1e-9)
+
+
+def test_the_calibration_precision_choice_counts_its_losses_and_ties_from_the_file(tmp_path, monkeypatch):
+    """Section 6's line on `--calib-precision` reads each seed's paired difference and the seed-to-seed yardstick
+    from the validation file, not from the text."""
+    from benchmarks import report_choices
+
+    def run(ppl: float, seconds: float) -> dict:
+        return {"ppl": ppl, "ppl_ci95": [ppl - 1, ppl + 1], "compress_seconds": seconds}
+
+    def diff(value: float, half: float) -> dict:
+        return {"value": value, "ci95": [value - half, value + half], "tie": abs(value) <= half}
+
+    data = {
+        "max_tokens": 32768,
+        "targets": {
+            "whole": {
+                "runs": {
+                    "model-s0": run(27.0, 130),
+                    "bfloat16-s0": run(27.1, 95),
+                    "model-s1": run(26.8, 130),
+                    "bfloat16-s1": run(26.8, 95),
+                },  # fmt: skip
+                "bfloat16_minus_model": {"0": diff(0.1, 0.05), "1": diff(0.01, 0.05)},
+                "model_seed_minus_first_seed": {"1": diff(-0.2, 0.05)},
+            }
+        },
+    }
+    monkeypatch.setattr(report_choices, "CHOICES", tmp_path / "choices")
+    (tmp_path / "choices").mkdir()
+    (tmp_path / "choices" / "calibration-precision-validation.json").write_text(json.dumps(data))
+    text = "\n".join(report_choices._calibration_precision(tmp_path / "BENCHMARKS.md"))
+    assert "whole: bfloat16 worse at 1 of 2 seeds, a tie at 1, +0.055 on average" in text
+    assert "another calibration seed moves float32 by up to 0.200" in text
+    assert (
+        "| whole | 1 | 26.800 [25.80, 27.80] | 26.800 [25.80, 27.80] | +0.010 [-0.040, +0.060] (tie) | "
+        in text
+    )
+    assert "| 130 / 95 |" in text

@@ -13,7 +13,16 @@ from conftest import random_windows, tiny_model
 from compressor.methods.base import MethodContext, ModelShape
 from compressor.modeling.adapters import PROJECTIONS, get_adapter
 from compressor.recipes.schema import CompressionSettings
-from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.runtime import device as device_module
+from compressor.runtime.device import (
+    add_in_float64,
+    calibration_autocast,
+    computed_in,
+    emulated_bfloat16_warning,
+    float64_zeros,
+    statistics_device,
+)
+from compressor.runtime.errors import UserError
 from compressor.statistics.capture import _Accumulator, collect_statistics
 
 MPS = torch.device("mps")
@@ -71,3 +80,29 @@ def test_statistics_and_the_compute_device_of_an_mps_run_stay_on_the_cpu():
     ctx = MethodContext(model, adapter, stats, CompressionSettings(), 0.3, MPS, False, shape)
     assert ctx.compute_device == torch.device("cpu")
     assert ctx.whitening(0, "q_proj").S.device.type == "cpu"
+
+
+def test_the_calibration_computes_in_bfloat16_only_where_asked():
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert calibration_autocast("model", fp32) is None
+    assert calibration_autocast("bfloat16", fp32) == bf16
+    assert calibration_autocast("bfloat16", bf16) is None  # a model already in 16 bits computes as it is
+    with pytest.raises(UserError, match="unknown calibration precision 'half': use model or bfloat16"):
+        calibration_autocast("half", fp32)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_on_a_cpu_that_emulates_it_is_said_in_one_line(monkeypatch, native):
+    monkeypatch.setattr(device_module, "native_bfloat16_cpu", lambda: native)
+    warning = emulated_bfloat16_warning(torch.bfloat16, torch.device("cpu"))
+    assert (warning is None) == native
+    if warning:
+        assert "no native bfloat16" in warning and "\n" not in warning
+    assert emulated_bfloat16_warning(None, torch.device("cpu")) is None
+    assert emulated_bfloat16_warning(torch.bfloat16, torch.device("cuda")) is None
+
+
+def test_a_summary_names_what_the_calibration_computed_in():
+    assert computed_in("model", torch.float32) == "float32"
+    assert computed_in("bfloat16", torch.float32) == "bfloat16 (autocast)"
+    assert computed_in("bfloat16", torch.bfloat16) == "bfloat16"

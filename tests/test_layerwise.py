@@ -41,25 +41,29 @@ def _offloaded(tmp_path: Path, family: str = "llama", **overrides):
     return source, load_offloaded(str(source), {}, CPU, torch.float32, tmp_path / "offload")
 
 
-def _both_ways(tmp_path: Path, settings: CompressionSettings, family: str = "llama", **overrides):
-    """The same compression in memory and layer by layer: (in-memory outcome, layerwise outcome, both paths)."""
+def _both_ways(
+    tmp_path: Path, settings: CompressionSettings, family: str = "llama", autocast=None, **overrides
+):
+    """The same compression in memory and layer by layer (the forward passes in `autocast`'s dtype, if given):
+    (in-memory statistics, layerwise statistics, the offloaded model)."""
     source, om = _offloaded(tmp_path, family, **overrides)
     windows = random_windows(8, 32)
     mlp = settings.targets != "attn"
     model = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
     adapter = get_adapter(model)
-    stats = collect_statistics(model, adapter, windows, progress=False, mlp=mlp)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=mlp, autocast=autocast)
     in_memory = compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
     save_compressed(model, in_memory.plan, tmp_path / "in-memory")
 
     sensitivity = settings.sensitivity_samples if settings.allocation == "global-loss" else 0
     spilled, tail = collect_statistics_layerwise(
-        om, windows, tmp_path / "spill" / "stats", progress=False, mlp=mlp, sensitivity_windows=sensitivity
-    )
+        om, windows, tmp_path / "spill" / "stats", progress=False, mlp=mlp, sensitivity_windows=sensitivity,
+        autocast=autocast,
+    )  # fmt: skip
     if tail is not None:
         projections = PROJECTIONS + (MLP_PROJECTIONS if mlp else ())
         spilled.sensitivity = collect_sensitivity_layerwise(
-            om, tail, tmp_path / "spill" / "stats", projections, progress=False
+            om, tail, tmp_path / "spill" / "stats", projections, progress=False, autocast=autocast
         )
     layerwise = compress_model(
         om.model, om.adapter, spilled, settings, 0.3, progress=False, windows=windows, offloaded=om,
@@ -104,6 +108,20 @@ def test_layerwise_loss_sensitivity_equals_one_backward_pass(tmp_path):
     assert (spilled.sensitivity.windows, spilled.sensitivity.tokens) == (4, 4 * 32)
     # The spilled layer inputs are consumed (deleted) by the backward pass.
     assert not list((tmp_path / "spill" / "stats").glob("inputs-*"))
+
+
+def test_layerwise_bfloat16_forward_passes_give_the_in_memory_statistics_and_checkpoint(tmp_path):
+    """`--calib-precision` computes the same way layer by layer: the statistics bit for bit, the loss sensitivity
+    to rounding, the checkpoint byte for byte (the model 20% smaller's targets, the loss-aware allocation)."""
+    settings = CompressionSettings(targets="attn,mlp", sensitivity_samples=4)
+    stats, spilled, _ = _both_ways(tmp_path, settings, autocast=torch.bfloat16)
+    assert stats.autocast == spilled.autocast == torch.bfloat16
+    for layer in range(spilled.num_layers):
+        for kind in ("attn", "o", "mlp", "down"):
+            assert torch.equal(stats.autocorr(kind, layer), spilled.autocorr(kind, layer))
+    for key, value in stats.sensitivity.weights.items():
+        assert spilled.sensitivity[key] == pytest.approx(value, rel=1e-6)
+    assert _sha(tmp_path / "in-memory") == _sha(tmp_path / "layerwise")
 
 
 def test_onloaded_materialises_a_layer_and_gives_back_the_same_meta_tensors(tmp_path):

@@ -59,20 +59,26 @@ def test_sensitivity_leaves_the_model_as_it_was():
     assert not model.training
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_the_capture_measures_the_sensitivity_on_its_first_windows_as_a_separate_pass_does(batch_size):
+def test_the_capture_measures_the_sensitivity_on_its_first_windows_as_a_separate_pass_does(
+    batch_size, autocast
+):
     """Sharing the forward passes changes neither measurement: the sensitivity equals `collect_sensitivity`'s on
-    the same first windows, the statistics equal a capture without it, and the model is left as it was."""
+    the same first windows, the statistics equal a capture without it, and the model is left as it was; with the
+    forward passes in bfloat16 too (the separate pass computing as the capture did)."""
     model = tiny_model("llama", num_hidden_layers=3)
     adapter = get_adapter(model)
     windows = random_windows(5, 16)
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     shared = collect_statistics(
         model, adapter, windows, batch_size, progress=False, mlp=True,
-        sensitivity_projections=ALL, sensitivity_windows=3,
+        sensitivity_projections=ALL, sensitivity_windows=3, autocast=autocast,
     )  # fmt: skip
-    alone = collect_sensitivity(model, adapter, windows[:3], ALL, progress=False)
-    plain = collect_statistics(model, adapter, windows, batch_size, progress=False, mlp=True)
+    alone = collect_sensitivity(model, adapter, windows[:3], ALL, progress=False, autocast=autocast)
+    plain = collect_statistics(
+        model, adapter, windows, batch_size, progress=False, mlp=True, autocast=autocast
+    )
     assert shared.sensitivity.windows == 3 and shared.sensitivity.tokens == alone.tokens
     for key, value in alone.weights.items():
         assert shared.sensitivity[key] == pytest.approx(value, rel=1e-5)
@@ -123,3 +129,23 @@ def test_global_loss_needs_the_sensitivity():
             model, adapter, stats, CompressionSettings(sharing="none", allocation="global-loss"), 0.3,
             progress=False,
         )  # fmt: skip
+
+
+def test_a_sensitivity_measured_after_the_capture_computes_as_the_capture_did():
+    """Statistics without a sensitivity (read from the cache, say) get it from `compress_model`, in the dtype
+    their forward passes computed in: the same numbers a capture that measured it on the way would give."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    adapter, windows = get_adapter(model), random_windows(4, 16)
+    stats = collect_statistics(model, adapter, windows, progress=False, autocast=torch.bfloat16)
+    assert stats.sensitivity is None
+    settings = CompressionSettings(sharing="none", allocation="global-loss", sensitivity_samples=2)
+    compress_model(model, adapter, stats, settings, 0.3, progress=False, windows=windows)
+    original = tiny_model("llama", num_hidden_layers=3)  # the model above was compressed in place
+    in_bf16 = collect_sensitivity(original, get_adapter(original), windows[:2], PROJECTIONS, progress=False,
+                                  autocast=torch.bfloat16)  # fmt: skip
+    in_fp32 = collect_sensitivity(original, get_adapter(original), windows[:2], PROJECTIONS, progress=False)
+    for key, value in in_bf16.weights.items():
+        assert stats.sensitivity[key] == pytest.approx(value, rel=1e-6)
+    assert any(
+        stats.sensitivity[key] != pytest.approx(value, rel=1e-6) for key, value in in_fp32.weights.items()
+    )

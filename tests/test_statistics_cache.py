@@ -39,6 +39,10 @@ def test_key_changes_with_model_text_and_windows(monkeypatch, tmp_path):
     assert stats_key(model_fingerprint(other_model), "text-sha", windows, torch.float32) != key
     assert stats_key(model_fingerprint(model), "other-text", windows, torch.float32) != key
     assert stats_key(model_fingerprint(model), "text-sha", random_windows(seed=1), torch.float32) != key
+    # forward passes in bfloat16 give other numbers: another key (the model's own dtype keeps its key)
+    bf16 = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32, autocast=torch.bfloat16)
+    assert bf16 != key
+    assert stats_key(model_fingerprint(model), "text-sha", windows, torch.float32, autocast=None) == key
 
 
 def test_damaged_or_foreign_cache_files_are_not_trusted(monkeypatch, tmp_path):
@@ -89,7 +93,9 @@ def test_the_autocorrelations_are_token_means(monkeypatch, tmp_path):
     q_input = projection_input(model, adapter, 1, "q_proj", windows)
     assert_within_gram_bound(stats.autocorr("attn", 1), q_input, tokens=windows.numel())
     x = q_input.reshape(-1, q_input.shape[-1]).double()
-    torch.testing.assert_close(stats.input_mean("attn", 1), x.mean(0), rtol=1e-10, atol=1e-12)
+    # Each window summed in fp32 (its T tokens: an error of at most T·2⁻²⁴ of Σ|x|), the windows added in fp64.
+    bound = windows.shape[1] * 2.0**-24 * x.abs().mean(0)
+    assert bool(((stats.input_mean("attn", 1) - x.mean(0)).abs() <= bound).all())
 
 
 def test_the_loss_sensitivity_is_cached_beside_its_statistics(monkeypatch, tmp_path):
@@ -167,3 +173,23 @@ def test_cached_statistics_collects_once_then_reads_the_same_numbers(monkeypatch
     assert second.sensitivity.weights == weights
     # Other projections than were measured: not attached (measured again by the run).
     assert not attach_cached_sensitivity(second, key, 8, adapter.num_layers, ("q_proj", "down_proj"))
+
+
+def test_statistics_read_from_the_cache_say_how_they_were_computed(monkeypatch, tmp_path):
+    """What `compress_model` reads to measure a missing loss sensitivity the same way (`stats.autocast`)."""
+    from compressor.statistics.cache import cached_statistics
+
+    model, adapter, windows, _, _ = _setup(monkeypatch, tmp_path)
+
+    def collect():
+        return collect_statistics(model, adapter, windows, progress=False, autocast=torch.bfloat16)
+
+    cached_statistics(
+        model, adapter, "text-sha", windows, torch.float32, False, collect, autocast=torch.bfloat16
+    )
+    again, note, _ = cached_statistics(
+        model, adapter, "text-sha", windows, torch.float32, False, collect, autocast=torch.bfloat16
+    )
+    assert note.startswith("reused cached") and again.autocast == torch.bfloat16
+    _, note, _ = cached_statistics(model, adapter, "text-sha", windows, torch.float32, False, collect)
+    assert note.startswith("computed and cached")  # the float32 statistics are not the bfloat16 ones

@@ -21,6 +21,7 @@ from compressor.api.pipeline import compress_model, reads_loss_sensitivity
 from compressor.api.run_options import CompressOptions
 from compressor.api.session import (
     RunSpec,
+    calibration_autocast_of,
     check_free_disk,
     check_output_dir,
     prepare_run,
@@ -124,14 +125,9 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
         t = time.perf_counter()
         spill_original_outputs(om, eval_windows, spill / "eval", options.batch_size, progress=progress)
         seconds["eval_before"] = time.perf_counter() - t
+    autocast = calibration_autocast_of(run, loaded.dtype, om.device, progress)
     stats, tail = collect_statistics_layerwise(
-        om,
-        calib_windows,
-        spill / "stats",
-        options.batch_size,
-        progress,
-        with_mlp,
-        samples,
+        om, calib_windows, spill / "stats", options.batch_size, progress, with_mlp, samples, autocast
     )
     note(
         "[dim]calibration: statistics cache not used with --layerwise (the statistics are spilled per layer)[/]",
@@ -140,7 +136,9 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     seconds["calibration"] = stats.seconds
     if tail is not None:
         projections = PROJECTIONS + (MLP_PROJECTIONS if with_mlp else ())
-        stats.sensitivity = collect_sensitivity_layerwise(om, tail, spill / "stats", projections, progress)
+        stats.sensitivity = collect_sensitivity_layerwise(
+            om, tail, spill / "stats", projections, progress, autocast
+        )
     outcome = compress_model(
         om.model, om.adapter, stats, run.compression, ratio, progress, windows=calib_windows,
         offloaded=om, spill_dir=spill,

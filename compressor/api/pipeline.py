@@ -108,7 +108,9 @@ def _measure_sensitivity(
     if windows is None:
         raise ValueError("--allocation global-loss needs the calibration windows: pass `windows`")
     projections = sensitivity_projections(stats.has_mlp)
-    stats.sensitivity = collect_sensitivity(model, adapter, windows[:samples], projections, progress=progress)
+    stats.sensitivity = collect_sensitivity(
+        model, adapter, windows[:samples], projections, progress=progress, autocast=stats.autocast
+    )
 
 
 def sensitivity_projections(mlp: bool) -> tuple[str, ...]:

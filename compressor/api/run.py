@@ -32,6 +32,8 @@ from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.api.session import (
     RunSpec,
+    calibration_autocast_of,
+    calibration_summary,
     check_free_disk,
     check_output_dir,
     default_output_dir,
@@ -242,8 +244,9 @@ def compress(
         )
         seconds["eval_before"] = before.seconds
 
+    autocast = calibration_autocast_of(run, loaded.dtype, loaded.device, progress)
     stats, cache_note, key = _calibration_statistics(
-        loaded, adapter, calib_text, calib_windows, with_mlp, run.compression, options, progress
+        loaded, adapter, calib_text, calib_windows, with_mlp, run.compression, autocast, options, progress
     )
     seconds["calibration"] = stats.seconds
     # Measured during a fresh capture (its first windows' forward passes shared), else perhaps cached.
@@ -343,26 +346,27 @@ def _calibration_statistics(
     windows,
     with_mlp: bool,
     settings,
+    autocast,
     options: CompressOptions,
     progress,
 ) -> tuple[CalibrationStats, str, str | None]:
-    """The calibration statistics, from the validated cache when it holds them for this model, text and
-    windows; a note saying where they came from; and their cache key (None with the cache off). Collected
-    afresh for a run that weighs by the loss sensitivity, they carry it: the capture's first windows measure it."""
+    """The calibration statistics (forward passes in `autocast`'s dtype), from the validated cache when it holds
+    them for this model, text and windows; a note on where they came from; their cache key (None: cache off).
+    Collected afresh for a run that weighs by the loss sensitivity, they carry it (measured on the first windows)."""
     loss_weighted = reads_loss_sensitivity(get_method(settings.method).effective_settings(settings))
 
     def collect() -> CalibrationStats:
         return collect_statistics(
             loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp,
             sensitivity_projections=sensitivity_projections(with_mlp) if loss_weighted else (),
-            sensitivity_windows=settings.sensitivity_samples,
+            sensitivity_windows=settings.sensitivity_samples, autocast=autocast,
         )  # fmt: skip
 
     if not options.stats_cache:
         return collect(), "statistics cache off", None
     return cached_statistics(
         loaded.model, adapter, text.fingerprint, windows, loaded.dtype, with_mlp, collect,
-        on_lookup=lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress),
+        on_lookup=lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress), autocast=autocast,
     )  # fmt: skip
 
 
@@ -415,11 +419,7 @@ def _summary(
         "top1_agreement": quality.get("top1_agreement"),
         "quality": quality or None,
         "settings": {
-            "calibration": {
-                **run.calibration.model_dump(),
-                "text": calib_text.name,
-                "fingerprint": calib_text.fingerprint,
-            },
+            "calibration": calibration_summary(run, calib_text, loaded.dtype),
             "evaluation": {**run.evaluation.model_dump(), "text": eval_name},
             "compression": run.compression.model_dump(),
         },

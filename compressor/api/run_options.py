@@ -16,7 +16,13 @@ from compressor.recipes.schema import CalibrationSettings, CompressionSettings, 
 from compressor.runtime.errors import UserError, wording
 
 #: Option name -> calibration / evaluation setting (the flags carry a prefix; the settings do not).
-CALIBRATION_OPTIONS = {"calib": "source", "calib_samples": "samples", "seq_len": "seq_len", "seed": "seed"}
+CALIBRATION_OPTIONS = {
+    "calib": "source",
+    "calib_samples": "samples",
+    "seq_len": "seq_len",
+    "seed": "seed",
+    "calib_precision": "precision",
+}
 EVALUATION_OPTIONS = {"eval_text": "source", "eval_split": "split", "eval_seq_len": "seq_len"}
 
 
@@ -53,6 +59,7 @@ class CompressOptions:
     calib_samples: int | None = None
     seq_len: int | None = None
     seed: int | None = None
+    calib_precision: str | None = None  # model | bfloat16: what the calibration's forward passes compute in
     eval_text: str | None = None
     eval_seq_len: int | None = None
     eval_max_tokens: int | None = None  # 0: no cap
@@ -110,15 +117,17 @@ class EvalSettings:
     engine: str = "transformers"  # or "llama.cpp": a GGUF file run by llama.cpp itself
 
 
-def override(settings, **values):
-    """A copy of a pydantic settings object with the non-None values replaced (and re-validated)."""
+def override(settings, options: dict[str, str] | None = None, **values):
+    """A copy of a pydantic settings object with the non-None values replaced (and re-validated). An invalid
+    value is named by its option: `options` maps a setting to it where the two differ (`precision` is
+    `calib_precision`)."""
     data = settings.model_dump()
     data.update({k: v for k, v in values.items() if v is not None})
     try:
         return type(settings).model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        name = str(first["loc"][0])
+        name = (options or {}).get(str(first["loc"][0]), str(first["loc"][0]))
         raise UserError(f"invalid {wording('--' + name.replace('_', '-'), name)}: {first['msg']}") from None
 
 
@@ -128,10 +137,12 @@ def resolve_run_settings(
     """Merge recipe and options into validated (calibration, evaluation, compression) settings."""
     calibration = override(
         recipe.calibration if recipe else CalibrationSettings(),
+        {setting: o for o, setting in CALIBRATION_OPTIONS.items()},
         **{setting: getattr(options, o) for o, setting in CALIBRATION_OPTIONS.items()},
     )
     evaluation = override(
         recipe.evaluation if recipe else EvaluationSettings(),
+        {setting: o for o, setting in EVALUATION_OPTIONS.items()},
         **{setting: getattr(options, o) for o, setting in EVALUATION_OPTIONS.items()},
     )
     if options.eval_max_tokens is not None:

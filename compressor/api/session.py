@@ -34,6 +34,7 @@ from compressor.recipes.schema import (
     Recipe,
     load_recipe_file,
 )
+from compressor.runtime.device import calibration_autocast, computed_in, emulated_bfloat16_warning
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.hub import check_hub_model
 from compressor.runtime.progress import note
@@ -181,6 +182,29 @@ def prepare_run(
     )
     element = next(model.parameters()).element_size()
     return Prepared(shape, with_mlp, params, ratio, calib_windows, eval_windows, eval_name, element)
+
+
+def calibration_autocast_of(
+    run: RunSpec, model_dtype: torch.dtype, device, progress: bool
+) -> torch.dtype | None:
+    """What the run's calibration computes in (`--calib-precision`; None: the model's dtype), said in one line
+    where the CPU only emulates bfloat16."""
+    autocast = calibration_autocast(run.calibration.precision, model_dtype)
+    warning = emulated_bfloat16_warning(autocast, device)
+    if warning:
+        note(f"[yellow]{warning}[/]", progress)
+    return autocast
+
+
+def calibration_summary(run: RunSpec, text: TextSource, model_dtype: torch.dtype) -> dict:
+    """The run's calibration as its summary and checkpoint record it: the settings, the text read, and what
+    `--calib-precision` meant for this model (`computed_in`)."""
+    return {
+        **run.calibration.model_dump(),
+        "text": text.name,
+        "fingerprint": text.fingerprint,
+        "computed_in": computed_in(run.calibration.precision, model_dtype),
+    }
 
 
 def default_output_dir(source_name: str, method: str, ratio: float, ratio_of: str = "targets") -> str:

@@ -56,6 +56,7 @@ def compress_command(
     calib_samples: o.CalibSamples = None,
     seq_len: o.SeqLen = None,
     seed: o.Seed = None,
+    calib_precision: o.CalibPrecision = None,
     stats_cache: Annotated[
         bool,
         typer.Option(

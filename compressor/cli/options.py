@@ -310,6 +310,15 @@ Seed = Annotated[
         "--seed", metavar="N", rich_help_panel=CALIBRATION, help="Seed of the windows' sampling (default: 0)."
     ),
 ]
+CalibPrecision = Annotated[
+    Opt[str],
+    typer.Option(
+        "--calib-precision",
+        metavar="P",
+        rich_help_panel=CALIBRATION,
+        help="model (default) or bfloat16 forward passes.",
+    ),
+]
 
 
 # -- evaluation: `compress` names them --eval-* (its --seq-len is the calibration's), `eval` plainly ---------
@@ -320,7 +329,7 @@ def _evaluation_options(prefix: str, panel: str) -> tuple:
     )
     seq_len = typer.Option(
         f"--{prefix}seq-len", min=8, metavar="T", rich_help_panel=panel,
-        help="Tokens per evaluation window (default: the recipe's, else 512).",
+        help="Evaluation window length (default: the recipe's).",
     )  # fmt: skip
     max_tokens = typer.Option(
         f"--{prefix}max-tokens",

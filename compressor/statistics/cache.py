@@ -47,7 +47,12 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def stats_key(
-    model_hash: str, text_fingerprint: str, windows: torch.Tensor, dtype: torch.dtype, mlp: bool = False
+    model_hash: str,
+    text_fingerprint: str,
+    windows: torch.Tensor,
+    dtype: torch.dtype,
+    mlp: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> str:
     spec = {
         "format": STATS_FORMAT,
@@ -61,6 +66,8 @@ def stats_key(
     }
     if mlp:  # a different set of statistics (attention-only keys stay what they were)
         spec["inputs"] = ["attn", "o", "mlp", "down"]
+    if autocast is not None:  # forward passes in another dtype (keys of the model's own dtype stay the same)
+        spec["autocast"] = str(autocast)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -175,13 +182,17 @@ def cached_statistics(
     mlp: bool,
     collect: Callable[[], CalibrationStats],
     on_lookup: Callable[[str], None] = lambda note: None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[CalibrationStats, str, str]:
     """The calibration statistics of `model` on `windows`: from the validated cache when it holds them, else
     `collect()`-ed and cached. Returns them, a note saying where they came from, and their cache key (which
     the loss sensitivity measured with them is cached under). `on_lookup` hears the lookup's outcome before a
-    long collection starts. What `compress` and the benchmark harness both call, so both share one cache."""
-    key = stats_key(model_fingerprint(model), text_fingerprint, windows, dtype, mlp)
+    long collection starts. `autocast`: the dtype `collect` computes in (`device.calibration_autocast`), part of
+    the key. What `compress` and the benchmark harness both call, so both share one cache."""
+    key = stats_key(model_fingerprint(model), text_fingerprint, windows, dtype, mlp, autocast)
     stats, note = load_stats(key, adapter)
+    if stats is not None:
+        stats.autocast = autocast  # the key holds it: cached statistics were computed so
     on_lookup(note)
     if stats is None:
         stats = collect()

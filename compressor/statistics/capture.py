@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from compressor.modeling.adapters import DecoderAdapter
-from compressor.runtime.device import GRAM_BLOCK_COLUMNS, add_in_float64, float64_zeros, statistics_device
+from compressor.runtime.device import (
+    GRAM_BLOCK_COLUMNS,
+    add_in_float64,
+    autocast_to,
+    float64_zeros,
+    statistics_device,
+)
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
 from compressor.statistics.sensitivity import LossGradients, Sensitivity
@@ -41,6 +47,9 @@ class CalibrationStats:
     sensitivity: Sensitivity | None = None  # loss sensitivity per projection (--allocation global-loss)
     #: kind -> (L, width) fp64: the token mean of each input (FLAP's fluctuation and bias compensation read them)
     input_means: dict[str, torch.Tensor] | None = None
+    #: The dtype the forward passes computed in under autocast (None: the model's own); a loss sensitivity
+    #: measured later for these statistics runs the same way.
+    autocast: torch.dtype | None = None
 
     def to(self, device: torch.device) -> CalibrationStats:
         """The statistics where the fp64 work for a model on `device` runs (the CPU for MPS: no fp64 there)."""
@@ -60,6 +69,7 @@ class CalibrationStats:
             moved(self.down_autocorr),
             self.sensitivity,
             None if self.input_means is None else {k: v.to(device) for k, v in self.input_means.items()},
+            self.autocast,
         )
 
     @property
@@ -83,6 +93,11 @@ class CalibrationStats:
         if self.input_means is None or kind not in self.input_means:
             raise ValueError(f"the {kind} input means were not collected")
         return self.input_means[kind][layer]
+
+
+#: Each autocorrelation's input kind -> the projection whose input it is (q_proj's is k/v's too, gate's is up's).
+ATTN_INPUTS = {"attn": "q_proj", "o": "o_proj"}
+MLP_INPUTS = {"mlp": "gate_proj", "down": "down_proj"}
 
 
 class _Accumulator:
@@ -122,14 +137,27 @@ class _Accumulator:
     def _input_into(
         self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor, where: str
     ) -> None:
-        x = x.detach()  # the windows that also measure the loss sensitivity run with gradients
+        # Detached: the windows that also measure the loss sensitivity run with gradients. In float32 once (a
+        # bfloat16 input under autocast) for both the products and the sums.
+        x = x.detach().float()
         self._gram_into(grams[layer], x, where)
-        sums = self.sums[kind]
-        sums[layer] += x.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float64).to(sums.device)
+        # Each window's sum in fp32 (an fp64 reduction along the tokens took as long as a third of the products),
+        # added in fp64 across windows, as the products are.
+        for window in x.reshape(-1, *x.shape[-2:]):
+            add_in_float64(self.sums[kind][layer], window.sum(dim=0))
 
     def accumulators(self) -> list[torch.Tensor]:
         """Every autocorrelation accumulator the hooks fill."""
         return self.attn + self.o + (self.mlp or []) + (self.down or [])
+
+    def check_finite(self) -> None:
+        """`check_gram` on every accumulator in the order the forward pass fills them, so that the input named is
+        where the trouble began (everything after it is non-finite too)."""
+        grams = {"attn": self.attn, "o": self.o, "mlp": self.mlp or [], "down": self.down or []}
+        for layer in range(len(self.adapter.layers)):
+            for kind, name in (ATTN_INPUTS | MLP_INPUTS).items():
+                if layer < len(grams[kind]):
+                    check_gram(grams[kind][layer], f"layer {layer} {name}")
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
@@ -173,6 +201,8 @@ def gram_blocks(width: int) -> list[slice]:
 def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
     """`target += xᵀx` over the tokens of activations `x (..., T, d)`, one window (the last-but-one axis) at a
     time, on and above the diagonal blocks of `gram_blocks(d)` only: `token_mean` completes the symmetric matrix.
+    Nothing is checked here: `check_gram` on the sum, once the windows are in, tells a non-finite activation or an
+    fp32 overflow (`where` names the input for a caller that checks as it goes).
 
     Each window's product is computed in fp32 over at most `GRAM_CHUNK_TOKENS` tokens and added to the fp64
     accumulator (`target`'s device: the CPU for a model on MPS, see `device.float64_zeros`): about half the time
@@ -187,14 +217,19 @@ def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
             chunk = chunk.float()
             for block in blocks:
                 product = chunk[:, block].T @ chunk[:, block.start :]  # the block row, from its diagonal on
-                # A non-finite activation makes its column's Σ x² non-finite (squares cannot cancel), as does a
-                # product that overflows fp32: the diagonal tells both, at 1/T the cost of checking every one.
-                if not torch.isfinite(torch.diagonal(product)).all():
-                    raise NumericalError(
-                        f"non-finite activations (or an fp32 overflow of their products) at the input of {where} "
-                        "during calibration"
-                    )
                 add_in_float64(target[block, block.start :], product)
+
+
+def check_gram(total: torch.Tensor, where: str) -> None:
+    """Refuse an accumulated `Σ xᵀx` whose diagonal is not finite. A non-finite activation makes its column's Σ x²
+    non-finite, as does a product that overflowed fp32 (+inf: squares cannot cancel, and no off-diagonal sum
+    exceeds the larger of its two diagonal ones), so the diagonal of the sum tells both, once per capture: a check
+    of every product's diagonal cost a tenth of the products' time."""
+    if not torch.isfinite(torch.diagonal(total)).all():
+        raise NumericalError(
+            f"non-finite activations (or an fp32 overflow of their products) at the input of {where} "
+            "during calibration"
+        )
 
 
 def token_mean(gram: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -219,9 +254,11 @@ def collect_statistics(
     mlp: bool = False,
     sensitivity_projections: tuple[str, ...] = (),
     sensitivity_windows: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> CalibrationStats:
     """Run the calibration windows (N, T) through the original model and reduce the statistics
-    (with `mlp`, also the MLP inputs' autocorrelations).
+    (with `mlp`, also the MLP inputs' autocorrelations); with `autocast`, the forward (and backward) passes
+    compute in that dtype (`device.calibration_autocast`), the statistics still summed in fp64.
 
     With `sensitivity_projections`, the first `sensitivity_windows` windows also measure the loss sensitivity
     of those projections (`sensitivity.LossGradients`, on `stats.sensitivity`): their forward pass, with the LM
@@ -235,6 +272,7 @@ def collect_statistics(
         adapter.check_mlp()
     sensitivity, backward_seconds = None, 0.0
     with (
+        autocast_to(device, autocast),
         _Accumulator(adapter, n, device, mlp) as acc,
         progress_bar("Calibration", total=n, enabled=progress) as bar,
     ):
@@ -256,6 +294,7 @@ def collect_statistics(
             adapter.decoder(input_ids=batch, use_cache=False)  # no LM head: nothing here reads the logits
             bar.advance(len(batch))
     tokens = int(windows.numel())  # every position of every window reaches every projection's input
+    acc.check_finite()
     for gram in acc.accumulators():
         token_mean(gram, tokens)
     for sums in acc.sums.values():
@@ -271,6 +310,7 @@ def collect_statistics(
         down_autocorr=acc.down,
         sensitivity=sensitivity,
         input_means=acc.sums,
+        autocast=autocast,
     )
 
 

@@ -38,15 +38,13 @@ from compressor.evaluation.perplexity import (
     kl_and_agreement,
 )
 from compressor.modeling.offload import OffloadedModel, trim_heap
-from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.capture import add_gram, token_mean
+from compressor.statistics.capture import ATTN_INPUTS, MLP_INPUTS, add_gram, check_gram, token_mean
 from compressor.statistics.sensitivity import Sensitivity, squared_norm
 
 #: Inputs whose autocorrelation is collected, by the projection that reads them (q's input is k/v's too).
-ATTN_INPUTS = {"attn": "q_proj", "o": "o_proj"}
-MLP_INPUTS = {"mlp": "gate_proj", "down": "down_proj"}
 
 
 class _StandIn(nn.Module):
@@ -137,6 +135,7 @@ class SpilledStats:
     seconds: float = 0.0
     sensitivity: Sensitivity | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    autocast: torch.dtype | None = None  # as `CalibrationStats.autocast`
 
     def path(self, layer: int) -> Path:
         return self.directory / f"stats-{layer:05d}.safetensors"
@@ -176,10 +175,29 @@ def collect_statistics_layerwise(
     progress: bool = True,
     mlp: bool = False,
     sensitivity_windows: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> tuple[SpilledStats, LayerStream | None]:
     """Statistics of the original model, one layer at a time, spilled to `directory`. With
     `sensitivity_windows`, the inputs of the first that many windows at every layer are spilled too, and their
-    stream (at the last layer's output) is returned for `collect_sensitivity_layerwise`."""
+    stream (at the last layer's output) is returned for `collect_sensitivity_layerwise`. With `autocast`, the
+    layers compute in that dtype, as `capture.collect_statistics` does."""
+    with autocast_to(om.device, autocast):
+        stats, tail = _collect_statistics_layerwise(
+            om, windows, directory, batch_size, progress, mlp, sensitivity_windows
+        )
+    stats.autocast = autocast
+    return stats, tail
+
+
+def _collect_statistics_layerwise(
+    om: OffloadedModel,
+    windows: torch.Tensor,
+    directory: Path,
+    batch_size: int,
+    progress: bool,
+    mlp: bool,
+    sensitivity_windows: int,
+) -> tuple[SpilledStats, LayerStream | None]:
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     inputs = {**ATTN_INPUTS, **(MLP_INPUTS if mlp else {})}
@@ -214,6 +232,8 @@ def collect_statistics_layerwise(
                 finally:
                     for handle in handles:
                         handle.remove()
+            for kind, gram in grams.items():
+                check_gram(gram, f"layer {index} {inputs[kind]}")
             tensors = {kind: token_mean(gram, int(windows.numel())).cpu() for kind, gram in grams.items()}
             save_file(tensors, str(directory / f"stats-{index:05d}.safetensors"))
             del grams, tensors
@@ -238,9 +258,18 @@ def collect_sensitivity_layerwise(
     directory: Path,
     projections: tuple[str, ...],
     progress: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> Sensitivity:
     """`sensitivity.collect_sensitivity`, one layer at a time: the loss gradient at the last hidden state of each
-    window, then carried back through every layer from its spilled input (no weight gets a gradient)."""
+    window, then carried back through every layer from its spilled input (no weight gets a gradient); with
+    `autocast`, computing in that dtype as the calibration did."""
+    with autocast_to(om.device, autocast):
+        return _collect_sensitivity_layerwise(om, tail, directory, projections, progress)
+
+
+def _collect_sensitivity_layerwise(
+    om: OffloadedModel, tail: LayerStream, directory: Path, projections: tuple[str, ...], progress: bool
+) -> Sensitivity:
     start = time.perf_counter()
     num_layers = om.adapter.num_layers
     sums = {

@@ -14,9 +14,9 @@ import torch
 
 from compressor.math.whitening import WhiteningFactor, whitening_factor
 from compressor.modeling.adapters import ATTN_INPUT_PROJECTIONS, INPUT_OF, PROJECTIONS
-from compressor.runtime.device import float64_zeros
+from compressor.runtime.device import autocast_to, float64_zeros
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.capture import add_gram, token_mean
+from compressor.statistics.capture import add_gram, check_gram, token_mean
 
 
 class _Stop(Exception):
@@ -96,6 +96,7 @@ class LayerRunner:
                     pass
         finally:
             handle.remove()
+        check_gram(total, f"layer {layer_index} {projection}")
         return token_mean(total, tokens)
 
     @torch.no_grad()
@@ -108,6 +109,12 @@ def install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFac
     of the partly compressed layer, install it, and advance the hidden states through the compressed layer."""
     if any(p not in PROJECTIONS for _, p in targets):
         raise ValueError("sequential statistics cover the attention projections only")
+    # The forward passes compute as the original statistics' did (`--calib-precision`).
+    with autocast_to(next(ctx.model.parameters()).device, ctx.stats.autocast):
+        _install_sequentially(ctx, targets, install)
+
+
+def _install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
     runner = LayerRunner(ctx.model, ctx.adapter, ctx.windows)
     wanted = set(targets)
     with progress_bar(

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.modeling.adapters import DecoderAdapter
-from compressor.runtime.device import add_in_float64, float64_zeros, statistics_device
+from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
 
@@ -124,13 +124,15 @@ def collect_sensitivity(
     projections: tuple[str, ...],
     batch_size: int = 1,
     progress: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> Sensitivity:
     """Forward and backward over the windows (N, T) with hooks at every listed projection's output
-    (`LossGradients`)."""
+    (`LossGradients`); with `autocast`, computing in that dtype as the calibration did."""
     device = next(model.parameters()).device
     start = time.perf_counter()
     n = windows.shape[0]
     with (
+        autocast_to(device, autocast),
         LossGradients(model, adapter, projections) as gradients,
         torch.enable_grad(),
         progress_bar("Loss sensitivity", total=n, enabled=progress) as bar,
