@@ -79,7 +79,7 @@ def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
     import compressor.statistics.cache as stats_cache
 
     model, adapter, windows, stats, key = _setup(monkeypatch, tmp_path)
-    assert stats_cache.STATS_FORMAT == 5
+    assert stats_cache.STATS_FORMAT == 6
     monkeypatch.setattr(stats_cache, "STATS_FORMAT", 1)
     stale = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32)
     assert stale != key

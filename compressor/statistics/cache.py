@@ -32,8 +32,9 @@ from compressor.statistics.sensitivity import Sensitivity
 #: autocorrelations are token means (format 1 held the sums Σ xᵀx); 3: with every input's token mean (`mean.KIND`);
 #: 4: each window's product taken in fp32 (`capture.add_gram`), so a format-3 file would differ in the last digits
 #: from what this version computes, and a run would depend on the cache's history; 5: the products by column blocks
-#: above the diagonal, mirrored (`capture.gram_blocks`), again different in the last digits.
-STATS_FORMAT = 5
+#: above the diagonal, mirrored (`capture.gram_blocks`), again different in the last digits; 6: each window's input
+#: sums in fp32 (the token means FLAP reads differ in the last digits).
+STATS_FORMAT = 6
 
 
 def model_fingerprint(model: nn.Module) -> str:

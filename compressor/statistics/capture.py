@@ -137,13 +137,12 @@ class _Accumulator:
     def _input_into(
         self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor, where: str
     ) -> None:
-        # Detached: the windows that also measure the loss sensitivity run with gradients. In float32 once (a
-        # bfloat16 input under autocast) for both the products and the sums.
-        x = x.detach().float()
-        self._gram_into(grams[layer], x, where)
-        # Each window's sum in fp32 (an fp64 reduction along the tokens took as long as a third of the products),
-        # added in fp64 across windows, as the products are.
-        for window in x.reshape(-1, *x.shape[-2:]):
+        # Detached: the windows that also measure the loss sensitivity run with gradients. One window at a time in
+        # float32 (a 16-bit input: one window's copy, not the batch's) for both its products and its sum; the sum
+        # in fp32 (an fp64 reduction along the tokens was slow), added in fp64 across windows like the products.
+        for window in x.detach().reshape(-1, *x.shape[-2:]):
+            window = window.float()
+            self._gram_into(grams[layer], window, where)
             add_in_float64(self.sums[kind][layer], window.sum(dim=0))
 
     def accumulators(self) -> list[torch.Tensor]:
