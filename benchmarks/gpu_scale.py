@@ -5,7 +5,7 @@ A random Qwen2 model with Qwen2.5-Coder-1.5B's configuration (28 layers, hidden 
 machine reaches no registry), the same shapes and therefore the same memory and arithmetic as the real model;
 its perplexities mean nothing. The real model's quality is `benchmarks/large.py`'s, on a CPU.
 
-    python -m benchmarks.gpu_scale [--tiny] [--out results.json]
+    python -m benchmarks.gpu_scale [--tiny] [--out results.json] [-- COMPRESS OPTIONS]
 
 Runs, through the CLI in-process: `--dry-run` (the plan of the run's own options; its `memory.in_memory_bytes` is the GPU's memory on a GPU), then the
 model 20% smaller (`--targets attn,mlp --ratio 0.2 --ratio-of model`, 64 x 512 calibration tokens), then
@@ -97,13 +97,13 @@ def _cli_json(args: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
-def run(tiny: bool) -> dict:
+def run(tiny: bool, options: tuple[str, ...] = ()) -> dict:
     device = torch.device("cpu" if tiny else "cuda")
     with tempfile.TemporaryDirectory(prefix="gpu-scale-") as work:
-        return _run_in(Path(work), device)
+        return _run_in(Path(work), device, options) | {"options": list(options)}
 
 
-def _run_in(work: Path, device: torch.device) -> dict:
+def _run_in(work: Path, device: torch.device, options: tuple[str, ...]) -> dict:
     gpu, tiny = device.type == "cuda", device.type == "cpu"
     start = time.perf_counter()
     model = str(_random_model_dir(work / "model", TINY if tiny else QWEN_1_5B, device))
@@ -114,7 +114,7 @@ def _run_in(work: Path, device: torch.device) -> dict:
     made = time.perf_counter() - start
     forward = _plain_forward_seconds(model, device)
     request = ["--targets", "attn,mlp", "--ratio", "0.2", "--ratio-of", "model", "--calib", text]
-    request += ["--calib-samples", "64", "--seq-len", "512"]
+    request += ["--calib-samples", "64", "--seq-len", "512", *options]
     # `--dry-run` is `plan` with the run's own calibration options (`plan` takes the recipe's).
     planned = _cli_json([model, *request, "--device", device.type, "--dry-run"])
     if gpu:
@@ -159,8 +159,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU: checks the script")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
+    parser.add_argument(
+        "options", nargs="*", help="more compress options, after --, e.g. -- --neuron-order energy"
+    )
     args = parser.parse_args()
-    results = run(args.tiny)
+    results = run(args.tiny, tuple(args.options))
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
