@@ -71,7 +71,7 @@ def anchored_refit(
                 seen_comp.remove()
             z, zc = seen_orig.value.double(), seen_comp.value.double()
             cross.addmm_(z.T, zc)
-            add_gram(gram, zc, f"layer {layer} down_proj")
+            add_gram(gram, zc)
             tokens += len(z)
         cross, gram = cross / tokens, token_mean(gram, tokens)
         factor = whitening_factor(gram)

@@ -67,7 +67,7 @@ def _activations(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
 def test_fp32_products_stay_within_the_stated_bound(tokens, width):
     x = _activations(tokens, width)
     total = torch.zeros(width, width, dtype=torch.float64)
-    add_gram(total, x.view(1, tokens, width), "test")
+    add_gram(total, x.view(1, tokens, width))
     token_mean(total, 1)  # completes the blocks below the diagonal (divides by 1)
     assert_within_gram_bound(total, x)
     # and the bound is not vacuous: the relative error in the Frobenius norm is that of fp32, not of nothing
@@ -80,7 +80,7 @@ def test_only_the_blocks_on_and_above_the_diagonal_are_summed_then_mirrored():
     blocks = gram_blocks(width)
     assert [b.stop - b.start for b in blocks] == [GRAM_BLOCK_COLUMNS, GRAM_BLOCK_COLUMNS, 40]
     total = torch.zeros(width, width, dtype=torch.float64)
-    add_gram(total, _activations(50, width).view(1, 50, width), "test")
+    add_gram(total, _activations(50, width).view(1, 50, width))
     for i, rows in enumerate(blocks):
         for columns in blocks[:i]:
             assert not total[rows, columns].any()  # below the diagonal: left to token_mean
@@ -104,10 +104,10 @@ def test_a_half_precision_product_would_break_the_bound():
 def test_the_sum_does_not_depend_on_how_windows_are_batched():
     x = _activations(4 * 40, 64).view(4, 40, 64)
     batched = torch.zeros(64, 64, dtype=torch.float64)
-    add_gram(batched, x, "test")
+    add_gram(batched, x)
     one_by_one = torch.zeros(64, 64, dtype=torch.float64)
     for window in x:
-        add_gram(one_by_one, window.unsqueeze(0), "test")
+        add_gram(one_by_one, window.unsqueeze(0))
     assert torch.equal(batched, one_by_one)
 
 
@@ -118,11 +118,11 @@ def test_a_non_finite_or_overflowing_activation_is_refused_naming_where(bad: flo
     x = _activations(3 * 40, 16).view(3, 40, 16)
     x[2, 17, 5] = bad
     total = torch.zeros(16, 16, dtype=torch.float64)
-    add_gram(total, x, "layer 7 down_proj")
+    add_gram(total, x)
     with pytest.raises(NumericalError, match="at the input of layer 7 down_proj"):
         check_gram(total, "layer 7 down_proj")
     good = torch.zeros(16, 16, dtype=torch.float64)
-    add_gram(good, x[:2], "test")
+    add_gram(good, x[:2])
     check_gram(good, "test")
 
 

@@ -131,18 +131,13 @@ class _Accumulator:
         self.window_offset = 0
         self.handles: list = []
 
-    def _gram_into(self, target: torch.Tensor, x: torch.Tensor, where: str) -> None:
-        add_gram(target, x, where)
-
-    def _input_into(
-        self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor, where: str
-    ) -> None:
+    def _input_into(self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor) -> None:
         # Detached: the windows that also measure the loss sensitivity run with gradients. One window at a time in
         # float32 (a 16-bit input: one window's copy, not the batch's) for both its products and its sum; the sum
         # in fp32 (an fp64 reduction along the tokens was slow), added in fp64 across windows like the products.
         for window in x.detach().reshape(-1, *x.shape[-2:]):
             window = window.float()
-            self._gram_into(grams[layer], window, where)
+            add_gram(grams[layer], window)
             add_in_float64(self.sums[kind][layer], window.sum(dim=0))
 
     def accumulators(self) -> list[torch.Tensor]:
@@ -167,9 +162,7 @@ class _Accumulator:
             for kind, name, grams in inputs:
                 self.handles.append(
                     self.adapter.projection(i, name).register_forward_pre_hook(
-                        lambda m, a, i=i, kind=kind, name=name, grams=grams: self._input_into(
-                            kind, i, grams, a[0], f"layer {i} {name}"
-                        )
+                        lambda m, a, i=i, kind=kind, grams=grams: self._input_into(kind, i, grams, a[0])
                     )
                 )
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
@@ -197,11 +190,11 @@ def gram_blocks(width: int) -> list[slice]:
     ]
 
 
-def add_gram(target: torch.Tensor, x: torch.Tensor, where: str) -> None:
+def add_gram(target: torch.Tensor, x: torch.Tensor) -> None:
     """`target += xᵀx` over the tokens of activations `x (..., T, d)`, one window (the last-but-one axis) at a
     time, on and above the diagonal blocks of `gram_blocks(d)` only: `token_mean` completes the symmetric matrix.
     Nothing is checked here: `check_gram` on the sum, once the windows are in, tells a non-finite activation or an
-    fp32 overflow (`where` names the input for a caller that checks as it goes).
+    fp32 overflow.
 
     Each window's product is computed in fp32 over at most `GRAM_CHUNK_TOKENS` tokens and added to the fp64
     accumulator (`target`'s device: the CPU for a model on MPS, see `device.float64_zeros`): about half the time

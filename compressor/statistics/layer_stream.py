@@ -44,8 +44,6 @@ from compressor.runtime.progress import progress_bar
 from compressor.statistics.capture import ATTN_INPUTS, MLP_INPUTS, add_gram, check_gram, token_mean
 from compressor.statistics.sensitivity import Sensitivity, squared_norm
 
-#: Inputs whose autocorrelation is collected, by the projection that reads them (q's input is k/v's too).
-
 
 class _StandIn(nn.Module):
     """Takes a decoder layer's place for one forward pass: records what the layer would have received (its
@@ -156,13 +154,7 @@ def _gram_hooks(om: OffloadedModel, index: int, inputs: dict[str, str], grams: d
     handles = []
     for kind, projection in inputs.items():
         module = om.adapter.projection(index, projection)
-        handles.append(
-            module.register_forward_pre_hook(
-                lambda m, a, kind=kind, projection=projection: add_gram(
-                    grams[kind], a[0], f"layer {index} {projection}"
-                )
-            )
-        )
+        handles.append(module.register_forward_pre_hook(lambda m, a, kind=kind: add_gram(grams[kind], a[0])))
     return handles
 
 

@@ -83,7 +83,7 @@ class LayerRunner:
         def hook(_, args):
             nonlocal tokens
             x = args[0]
-            add_gram(total, x, f"layer {layer_index} {projection}")
+            add_gram(total, x)
             tokens += x.numel() // x.shape[-1]
             raise _Stop
 
