@@ -203,6 +203,51 @@ def test_a_run_says_what_its_calibration_computed_in(tmp_path, precision, expect
     assert calibration["precision"] == precision and calibration["computed_in"] == expected
 
 
+def test_leaving_out_the_gate_input_changes_no_other_statistic():
+    model = tiny_model("llama")
+    adapter, windows = get_adapter(model), random_windows(4, 16)
+    full = collect_statistics(model, adapter, windows, progress=False, mlp=True)
+    lean = collect_statistics(model, adapter, windows, progress=False, mlp=True, gate_input=False)
+    assert full.inputs == ("attn", "o", "mlp", "down") and lean.inputs == ("attn", "o", "down")
+    assert lean.mlp_autocorr is None and "mlp" not in lean.input_means
+    for kind in lean.inputs:
+        for layer in range(adapter.num_layers):
+            assert torch.equal(full.autocorr(kind, layer), lean.autocorr(kind, layer))
+            assert torch.equal(full.input_mean(kind, layer), lean.input_mean(kind, layer))
+
+
+@pytest.mark.parametrize(("method", "mlp", "reads_gate"), [
+    ("masa", "neurons", False), ("masa", "lowrank", True), ("flap", None, False), ("modegpt", None, False),
+    ("svd-llm", None, True),
+])  # fmt: skip
+def test_a_run_sums_the_gate_input_only_for_a_method_that_reads_it(
+    tmp_path, monkeypatch, method, mlp, reads_gate
+):
+    """The whole-model run collects gate/up's input autocorrelation only where the method reads it, and the run
+    (every method reads what it needs: a missing input is an error, never a silent substitute) completes."""
+    from conftest import tiny_model_dir
+
+    import compressor.api.run as run_module
+    from compressor.api import CompressOptions, compress
+
+    collected = []
+
+    def recording(*args, **kwargs):
+        stats = collect_statistics(*args, **kwargs)
+        collected.append(stats.inputs)
+        return stats
+
+    monkeypatch.setattr(run_module, "collect_statistics", recording)
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    options = CompressOptions(
+        calib=str(text), calib_samples=2, seq_len=32, evaluate=False, save=False, stats_cache=False,
+        method=method, targets="attn,mlp", ratio=0.2, **({"mlp": mlp} if mlp else {}),
+    )  # fmt: skip
+    compress(str(tiny_model_dir(tmp_path / "tiny")), options, device="cpu", progress=False)
+    assert collected == [("attn", "o", "mlp", "down") if reads_gate else ("attn", "o", "down")]
+
+
 def test_an_unknown_calibration_precision_is_one_line_naming_the_choices(capsys):
     from compressor.cli import main
 

@@ -246,11 +246,11 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
     with pytest.raises(UserError, match="pass an offload_dir on a larger disk"):
-        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
     with cli_wording(), pytest.raises(UserError, match="pass --offload-dir on a larger disk"):
-        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
-    check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, mlp=False)
+    check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
 
 
 def test_device_map_puts_every_decoder_layer_on_disk_and_the_rest_on_the_device():

@@ -27,6 +27,8 @@ def test_in_memory_terms_by_hand():
     assert grams_all_layers(TINY, w) == 8 * 3 * (16 + 16)
     # With the MLP: gate/up's input (4²) and down's (8²) too.
     assert grams_all_layers(TINY, Workload(2, 3, 1, mlp=True)) == 8 * 3 * (16 + 16 + 16 + 64)
+    # A method that keeps gate/up's rows reads only down's.
+    assert grams_all_layers(TINY, Workload(2, 3, 1, mlp=True, gate_input=False)) == 8 * 3 * (16 + 16 + 64)
     parts = in_memory_phases(TINY, w)
     act = activations(TINY, 3, 4)
     # The backward pass keeps every layer's activations and attention probabilities (2 heads × 3² × 4 bytes),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import random_windows, tiny_model
 from test_capture import assert_within_gram_bound, projection_input
@@ -72,6 +73,25 @@ def test_mlp_statistics_round_trip_under_their_own_key(monkeypatch, tmp_path):
             assert torch.equal(stats.input_mean(kind, layer), loaded.input_mean(kind, layer))
 
 
+def test_statistics_without_the_gate_input_round_trip_under_their_own_key(monkeypatch, tmp_path):
+    """What a neuron-selecting method collects (no gate/up input) is cached apart from the full set: a method that
+    factors gate/up never reads a file without it, and the file says which inputs it holds."""
+    model, adapter, windows, _, _ = _setup(monkeypatch, tmp_path)
+    stats = collect_statistics(model, adapter, windows, progress=False, mlp=True, gate_input=False)
+    assert stats.inputs == ("attn", "o", "down") and stats.has_mlp
+    key = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32, mlp=True, gate_input=False)
+    assert key != stats_key(model_fingerprint(model), "text-sha", windows, torch.float32, mlp=True)
+    save_stats(stats, key)
+    loaded, why = load_stats(key, adapter)
+    assert loaded is not None and loaded.inputs == ("attn", "o", "down"), why
+    for layer in range(adapter.num_layers):
+        assert torch.equal(stats.autocorr("down", layer), loaded.autocorr("down", layer))
+    with pytest.raises(
+        ValueError, match="mlp input autocorrelations were not collected: pass mlp=True, gate_input"
+    ):
+        loaded.autocorr("mlp", 0)
+
+
 def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
     """Format 1 held the summed autocorrelations Σ xᵀx, format 2 their token means, format 3 adds the inputs' means:
     a format-1 file, read as a later one, would scale every statistic by the token count, so the format is part of
@@ -79,7 +99,7 @@ def test_statistics_of_another_format_are_never_reused(monkeypatch, tmp_path):
     import compressor.statistics.cache as stats_cache
 
     model, adapter, windows, stats, key = _setup(monkeypatch, tmp_path)
-    assert stats_cache.STATS_FORMAT == 6
+    assert stats_cache.STATS_FORMAT == 7
     monkeypatch.setattr(stats_cache, "STATS_FORMAT", 1)
     stale = stats_key(model_fingerprint(model), "text-sha", windows, torch.float32)
     assert stale != key

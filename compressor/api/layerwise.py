@@ -33,6 +33,7 @@ from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.modeling.offload import OffloadedModel, load_offloaded
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.progress import note
+from compressor.statistics.capture import captured_inputs
 from compressor.statistics.layer_stream import (
     collect_sensitivity_layerwise,
     collect_statistics_layerwise,
@@ -120,15 +121,17 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     per_layer_tokens = samples * calib_windows.shape[1]  # the sensitivity windows' inputs, at every layer
     # ...and the original's last hidden states on the evaluation windows, once.
     final_tokens = eval_windows.numel() if eval_windows is not None else 0
-    check_spill_disk(spill, om, shape, element, per_layer_tokens, final_tokens, with_mlp)
+    inputs = captured_inputs(with_mlp, prepared.gate_input)
+    check_spill_disk(spill, om, shape, element, per_layer_tokens, final_tokens, tuple(inputs))
     if options.evaluate:  # the original's outputs, before its layers hold the compressed modules
         t = time.perf_counter()
         spill_original_outputs(om, eval_windows, spill / "eval", options.batch_size, progress=progress)
         seconds["eval_before"] = time.perf_counter() - t
     autocast = calibration_autocast_of(run, loaded.dtype, om.device, progress)
     stats, tail = collect_statistics_layerwise(
-        om, calib_windows, spill / "stats", options.batch_size, progress, with_mlp, samples, autocast
-    )
+        om, calib_windows, spill / "stats", options.batch_size, progress, with_mlp, samples, autocast,
+        prepared.gate_input,
+    )  # fmt: skip
     note(
         "[dim]calibration: statistics cache not used with --layerwise (the statistics are spilled per layer)[/]",
         progress,
@@ -157,13 +160,19 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
 
 
 def check_spill_disk(
-    spill: Path, om: OffloadedModel, shape: ModelShape, element: int, per_layer: int, final: int, mlp: bool
+    spill: Path,
+    om: OffloadedModel,
+    shape: ModelShape,
+    element: int,
+    per_layer: int,
+    final: int,
+    kinds: tuple[str, ...],
 ) -> None:
     """Refuse to start when the temporary files cannot fit: every layer's fp64 statistics, the compressed
     projections (at most the targeted weights), the sensitivity windows' hidden states at every layer
-    (`per_layer` tokens) and the original's last hidden states on the evaluation windows (`final` tokens)."""
+    (`per_layer` tokens) and the original's last hidden states on the evaluation windows (`final` tokens);
+    `kinds`: the inputs whose statistics are spilled (`capture.captured_inputs`)."""
     geometry, layers = om.adapter.geometry, om.adapter.num_layers
-    kinds = ("attn", "o", "mlp", "down") if mlp else ("attn", "o")
     stats = layers * sum(8 * geometry.input_size(kind) ** 2 for kind in kinds)
     hidden = (layers * per_layer + final) * geometry.hidden_size * element
     needed = int(1.05 * (stats + shape.params_before * element + hidden)) + 64 * 2**20

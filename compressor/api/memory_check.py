@@ -40,6 +40,7 @@ def run_workload(
         gpu=gpu,
         basis_layers=run_layers(settings),
         eval_seq_len=run.evaluation.seq_len if options.evaluate else 0,
+        gate_input=mlp and run.method.reads_gate_input(settings),
     )
 
 

@@ -31,6 +31,7 @@ from compressor.api.pipeline import (
 from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.api.session import (
+    Prepared,
     RunSpec,
     calibration_autocast_of,
     calibration_summary,
@@ -246,7 +247,7 @@ def compress(
 
     autocast = calibration_autocast_of(run, loaded.dtype, loaded.device, progress)
     stats, cache_note, key = _calibration_statistics(
-        loaded, adapter, calib_text, calib_windows, with_mlp, run.compression, autocast, options, progress
+        loaded, adapter, calib_text, prepared, run.compression, autocast, options, progress
     )
     seconds["calibration"] = stats.seconds
     # Measured during a fresh capture (its first windows' forward passes shared), else perhaps cached.
@@ -340,33 +341,26 @@ def _evaluate_after(loaded, source, before, windows, options, device, dtype, pro
 
 
 def _calibration_statistics(
-    loaded: LoadedModel,
-    adapter,
-    text: TextSource,
-    windows,
-    with_mlp: bool,
-    settings,
-    autocast,
-    options: CompressOptions,
-    progress,
+    loaded: LoadedModel, adapter, text: TextSource, prepared: Prepared, settings, autocast, options, progress
 ) -> tuple[CalibrationStats, str, str | None]:
     """The calibration statistics (forward passes in `autocast`'s dtype), from the validated cache when it holds
     them for this model, text and windows; a note on where they came from; their cache key (None: cache off).
     Collected afresh for a run that weighs by the loss sensitivity, they carry it (measured on the first windows)."""
     loss_weighted = reads_loss_sensitivity(get_method(settings.method).effective_settings(settings))
+    windows, with_mlp, gate_input = prepared.calib_windows, prepared.with_mlp, prepared.gate_input
 
     def collect() -> CalibrationStats:
         return collect_statistics(
             loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp,
             sensitivity_projections=sensitivity_projections(with_mlp) if loss_weighted else (),
-            sensitivity_windows=settings.sensitivity_samples, autocast=autocast,
+            sensitivity_windows=settings.sensitivity_samples, autocast=autocast, gate_input=gate_input,
         )  # fmt: skip
 
     if not options.stats_cache:
         return collect(), "statistics cache off", None
     return cached_statistics(
         loaded.model, adapter, text.fingerprint, windows, loaded.dtype, with_mlp, collect,
-        on_lookup=lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress), autocast=autocast,
+        lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress), autocast, gate_input,
     )  # fmt: skip
 
 

@@ -133,6 +133,7 @@ class Prepared:
     eval_windows: torch.Tensor | None
     eval_name: str
     element_size: int  # bytes per weight in the model's dtype
+    gate_input: bool = True  # whether the method reads gate/up's input (with_mlp): else the capture skips it
 
 
 #: `--ratio-of model` warns when the request takes more than this share of the targets: the untargeted rest (the
@@ -181,7 +182,10 @@ def prepare_run(
         evaluation_token_windows(tokenizer, run.evaluation, eval_text) if eval_text else (None, "")
     )
     element = next(model.parameters()).element_size()
-    return Prepared(shape, with_mlp, params, ratio, calib_windows, eval_windows, eval_name, element)
+    gate_input = with_mlp and run.method.reads_gate_input(run.compression)
+    return Prepared(
+        shape, with_mlp, params, ratio, calib_windows, eval_windows, eval_name, element, gate_input
+    )
 
 
 def calibration_autocast_of(

@@ -272,6 +272,11 @@ class Method:
         """Whether the plan depends on the calibrated grouping with these settings."""
         return self.uses_groups
 
+    def reads_gate_input(self, settings: CompressionSettings) -> bool:
+        """Whether it reads gate/up's input autocorrelation with these settings: a method that factors them does;
+        one that keeps their rows (neuron selection) does not, and the capture then leaves it out."""
+        return True
+
     def groups_rule(self, settings: CompressionSettings) -> str:
         """How the layers are grouped when the grouping does not come from calibration."""
         return "no groups: every projection low rank"

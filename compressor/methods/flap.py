@@ -46,6 +46,9 @@ class Flap(Method):
     def groups_rule(self, settings) -> str:
         return "no groups: heads and neurons removed per layer, chosen across all layers"
 
+    def reads_gate_input(self, settings) -> bool:
+        return False  # gate/up keep their rows: the neurons are chosen on down_proj's input
+
     def plan(self, shape, settings, ratio, groups_of=None, check_feasible: bool = True) -> CompressionPlan:
         plan = basis_layout(shape, settings.model_copy(update=FORMS), ratio)
         for pp in plan.projections:  # the compensation bias: the source's, or a new one, counted either way

@@ -110,6 +110,9 @@ class ModeGpt(Method):
     def groups_rule(self, settings) -> str:
         return "no groups: every layer at the sparsity of its block influence"
 
+    def reads_gate_input(self, settings) -> bool:
+        return False  # gate/up keep their rows: the neurons are chosen on down_proj's input
+
     def largest_ratio(self, plan: CompressionPlan, shape) -> float:
         """Every layer at the cap: each module loses at most `CAP` of its dimensions (a copy's ranks are set)."""
         at_cap = copy.deepcopy(plan)

@@ -87,9 +87,14 @@ class Shape:
         attn = 2 * self.hidden * self.attn + 2 * self.hidden * self.kv
         return attn + (3 * self.hidden * self.intermediate if mlp else 0)
 
-    def inputs(self, mlp: bool) -> list[int]:
-        """The widths of the inputs whose autocorrelations are collected (q/k/v's, o's [, gate/up's, down's])."""
-        return [self.hidden, self.attn] + ([self.hidden, self.intermediate] if mlp else [])
+    def inputs(self, mlp: bool, gate_input: bool = True) -> list[int]:
+        """The widths of the inputs whose autocorrelations are collected (q/k/v's, o's [, gate/up's, down's]:
+        gate/up's only for a method that reads it, `capture.captured_inputs`)."""
+        return (
+            [self.hidden, self.attn]
+            + ([self.hidden] if mlp and gate_input else [])
+            + ([self.intermediate] if mlp else [])
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,11 @@ class Workload:
     gpu: bool = False
     basis_layers: int = 4
     eval_seq_len: int = 0  # 0: no evaluation
+    gate_input: bool = True  # with `mlp`: whether gate/up's input autocorrelation is collected
+
+    def inputs(self, shape: Shape) -> list[int]:
+        """The widths of the inputs whose autocorrelations this run collects."""
+        return shape.inputs(self.mlp, self.gate_input)
 
 
 def activations(shape: Shape, seq_len: int, d: int) -> int:
@@ -122,14 +132,14 @@ def svd_bytes(m: int, n: int) -> int:
 def _hook_copy(shape: Shape, w: Workload) -> int:
     """`capture.add_gram` on the widest input: two fp64 copies on the CPU; two fp32 copies, one block row of the
     fp32 product and its fp64 copy on a GPU."""
-    widest = max(shape.inputs(w.mlp))
+    widest = max(w.inputs(shape))
     if w.gpu:
         return 8 * w.seq_len * widest + 12 * min(widest, GRAM_BLOCK_COLUMNS) * widest
     return 16 * w.seq_len * widest
 
 
 def phase_calibration(shape: Shape, w: Workload) -> int:
-    grams = 8 * sum(n * n for n in shape.inputs(w.mlp))
+    grams = 8 * sum(n * n for n in w.inputs(shape))
     stream = w.windows * w.seq_len * shape.hidden * w.dtype_bytes
     return stream + grams + activations(shape, w.seq_len, w.dtype_bytes) + _hook_copy(shape, w)
 
@@ -158,11 +168,11 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
     2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.50
     at I = 4000, the fp64 copy its float32 one is cast from. Before its matrices were symmetrized and damped in
     place the tail took 7.2, and the 1.5B model's layer 1 needs that damping)."""
-    return int(8 * (2.5 if w.mlp else 2) * max(shape.inputs(w.mlp)) ** 2)
+    return int(8 * (2.5 if w.mlp else 2) * max(w.inputs(shape)) ** 2)
 
 
 def phase_compress(shape: Shape, w: Workload) -> int:
-    inputs = shape.inputs(w.mlp)
+    inputs = w.inputs(shape)
     run = min(w.basis_layers, shape.layers)
     held = w.sensitivity * w.seq_len * shape.hidden * w.dtype_bytes
     held += run * shape.target_params(w.mlp) * w.dtype_bytes + 8 * sum(n * n for n in inputs)
@@ -213,7 +223,7 @@ def host_peak_with_gpu(shape: Shape, w: Workload, runtime: float) -> float:
     """On a GPU: the host's peak: R0, the means, and the largest tensor on its way to or from disk."""
     d, run = w.dtype_bytes, min(w.basis_layers, shape.layers)
     transit = [
-        8 * sum(n * n for n in shape.inputs(w.mlp)),  # a layer's autocorrelations being written
+        8 * sum(n * n for n in w.inputs(shape)),  # a layer's autocorrelations being written
         w.sensitivity * w.seq_len * shape.hidden * d,  # the sensitivity windows' inputs being written
         run * shape.target_params(w.mlp) * d,  # a run's factors being spilled
         max(m * n for m, n in [(shape.intermediate, shape.hidden), (shape.attn, shape.hidden)]) * d,
@@ -229,7 +239,7 @@ def cpu_peak(shape: Shape, w: Workload, runtime: float) -> float:
 
 def grams_all_layers(shape: Shape, w: Workload) -> int:
     """In memory: every layer's fp64 input autocorrelations, held from the calibration to the end of compression."""
-    return 8 * shape.layers * sum(n * n for n in shape.inputs(w.mlp))
+    return 8 * shape.layers * sum(n * n for n in w.inputs(shape))
 
 
 def attention_scores(shape: Shape, seq_len: int, d: int) -> int:

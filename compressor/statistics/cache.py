@@ -25,7 +25,7 @@ from compressor import __version__
 from compressor.modeling.adapters import DecoderAdapter
 from compressor.runtime.cache_root import cache_dir
 from compressor.runtime.errors import all_finite
-from compressor.statistics.capture import CalibrationStats
+from compressor.statistics.capture import ATTN_INPUTS, MLP_INPUTS, CalibrationStats, captured_inputs
 from compressor.statistics.sensitivity import Sensitivity
 
 #: What the cached numbers mean; part of the key, so a file of another format is never reused. 2: the
@@ -33,8 +33,9 @@ from compressor.statistics.sensitivity import Sensitivity
 #: 4: each window's product taken in fp32 (`capture.add_gram`), so a format-3 file would differ in the last digits
 #: from what this version computes, and a run would depend on the cache's history; 5: the products by column blocks
 #: above the diagonal, mirrored (`capture.gram_blocks`), again different in the last digits; 6: each window's input
-#: sums in fp32 (the token means FLAP reads differ in the last digits).
-STATS_FORMAT = 6
+#: sums in fp32 (the token means FLAP reads differ in the last digits); 7: the input kinds a file holds named in its
+#: metadata (`inputs`): a method that keeps gate/up's rows has their input's autocorrelation left out.
+STATS_FORMAT = 7
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -54,6 +55,7 @@ def stats_key(
     dtype: torch.dtype,
     mlp: bool = False,
     autocast: torch.dtype | None = None,
+    gate_input: bool = True,
 ) -> str:
     spec = {
         "format": STATS_FORMAT,
@@ -66,7 +68,7 @@ def stats_key(
         "dtype": str(dtype),
     }
     if mlp:  # a different set of statistics (attention-only keys stay what they were)
-        spec["inputs"] = ["attn", "o", "mlp", "down"]
+        spec["inputs"] = list(captured_inputs(mlp, gate_input))
     if autocast is not None:  # forward passes in another dtype (keys of the model's own dtype stay the same)
         spec["autocast"] = str(autocast)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -80,14 +82,14 @@ def save_stats(stats: CalibrationStats, key: str) -> Path:
     path = stats_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"block_output_means": stats.block_output_means.contiguous().cpu()}
-    for kind in _kinds(stats.has_mlp):
+    for kind in stats.inputs:
         for i in range(len(stats.attn_autocorr)):
             tensors[f"{kind}.{i}"] = stats.autocorr(kind, i).contiguous().cpu()
         if stats.input_means is not None:
             tensors[f"mean.{kind}"] = stats.input_means[kind].contiguous().cpu()
     metadata = {
         "key": key,
-        "mlp": str(stats.has_mlp),
+        "inputs": ",".join(stats.inputs),
         "tokens": str(stats.tokens),
         "windows": str(stats.windows),
         "seconds": str(stats.seconds),
@@ -112,7 +114,9 @@ def load_stats(key: str, adapter: DecoderAdapter) -> tuple[CalibrationStats | No
             if metadata.get("key") != key:
                 return None, f"{path.name} was written for other inputs"
             n = adapter.num_layers
-            kinds = _kinds(metadata.get("mlp") == "True")
+            kinds = metadata.get("inputs", "").split(",")
+            if not set(ATTN_INPUTS) <= set(kinds) <= set(ATTN_INPUTS | MLP_INPUTS):
+                return None, f"{path.name} names unknown inputs"
             autocorr = {kind: [f.get_tensor(f"{kind}.{i}") for i in range(n)] for kind in kinds}
             means = f.get_tensor("block_output_means")
             input_means = {kind: f.get_tensor(f"mean.{kind}") for kind in kinds}
@@ -184,13 +188,15 @@ def cached_statistics(
     collect: Callable[[], CalibrationStats],
     on_lookup: Callable[[str], None] = lambda note: None,
     autocast: torch.dtype | None = None,
+    gate_input: bool = True,
 ) -> tuple[CalibrationStats, str, str]:
     """The calibration statistics of `model` on `windows`: from the validated cache when it holds them, else
     `collect()`-ed and cached. Returns them, a note saying where they came from, and their cache key (which
     the loss sensitivity measured with them is cached under). `on_lookup` hears the lookup's outcome before a
     long collection starts. `autocast`: the dtype `collect` computes in (`device.calibration_autocast`), part of
-    the key. What `compress` and the benchmark harness both call, so both share one cache."""
-    key = stats_key(model_fingerprint(model), text_fingerprint, windows, dtype, mlp, autocast)
+    the key, as is which MLP inputs `collect` sums (`mlp`, `gate_input`: `capture.captured_inputs`). What `compress`
+    and the benchmark harness both call, so both share one cache."""
+    key = stats_key(model_fingerprint(model), text_fingerprint, windows, dtype, mlp, autocast, gate_input)
     stats, note = load_stats(key, adapter)
     if stats is not None:
         stats.autocast = autocast  # the key holds it: cached statistics were computed so
@@ -210,7 +216,3 @@ def attach_cached_sensitivity(
     expected = {(layer, p) for layer in range(num_layers) for p in projections}
     stats.sensitivity = load_sensitivity(key, min(samples, stats.windows), expected)
     return stats.sensitivity is not None
-
-
-def _kinds(mlp: bool) -> tuple[str, ...]:
-    return ("attn", "o", "mlp", "down") if mlp else ("attn", "o")

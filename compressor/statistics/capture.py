@@ -3,8 +3,9 @@
 Per layer: C_attn = Σ xᵀx / T over the q/k/v input (post input_layernorm), C_o = Σ zᵀz / T over the o_proj
 input (T: the calibration tokens), both summed in fp64 (each window's product in fp32, see `add_gram`); and the
 token-mean of each block's output per window (for grouping). The decoder runs without the LM head: nothing here
-reads the logits (on the bundled model the head is a fifth of a forward pass). With `mlp=True` (for `--targets mlp`) also C_mlp over the gate/up input and C_down over the
-down_proj input. Beside each autocorrelation, its input's token mean E[x] (fp64 sums; what FLAP's fluctuation
+reads the logits (on the bundled model the head is a fifth of a forward pass). With `mlp=True` (for
+`--targets mlp`) also C_down over the down_proj input and, unless `gate_input=False` (a method that keeps
+gate/up's rows never reads it), C_mlp over the gate/up input. Beside each autocorrelation, its input's token mean E[x] (fp64 sums; what FLAP's fluctuation
 Var(x_j) = C_jj − E[x_j]² and its bias compensation read).
 
 The autocorrelations are means over the tokens, not sums: a sum grows with T, and so would every factor built on
@@ -74,7 +75,19 @@ class CalibrationStats:
 
     @property
     def has_mlp(self) -> bool:
-        return self.mlp_autocorr is not None and self.down_autocorr is not None
+        """Whether the MLP's statistics were collected: `down_proj`'s input always, gate/up's when read."""
+        return self.down_autocorr is not None
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The input kinds whose autocorrelations these statistics hold, in forward order."""
+        held = {
+            "attn": self.attn_autocorr,
+            "o": self.o_autocorr,
+            "mlp": self.mlp_autocorr,
+            "down": self.down_autocorr,
+        }
+        return tuple(kind for kind, matrices in held.items() if matrices is not None)
 
     def autocorr(self, kind: str, layer: int) -> torch.Tensor:
         """The autocorrelation of input `kind` (adapters.INPUT_OF) at `layer`."""
@@ -85,7 +98,9 @@ class CalibrationStats:
             "down": self.down_autocorr,
         }[kind]
         if matrices is None:
-            raise ValueError(f"the {kind} input autocorrelations were not collected: pass mlp=True")
+            raise ValueError(
+                f"the {kind} input autocorrelations were not collected: {not_collected_fix(kind)}"
+            )
         return matrices[layer]
 
     def input_mean(self, kind: str, layer: int) -> torch.Tensor:
@@ -100,6 +115,20 @@ ATTN_INPUTS = {"attn": "q_proj", "o": "o_proj"}
 MLP_INPUTS = {"mlp": "gate_proj", "down": "down_proj"}
 
 
+def captured_inputs(mlp: bool, gate_input: bool = True) -> dict[str, str]:
+    """The inputs whose autocorrelations a capture sums, kind -> the projection it hooks, in forward order: the
+    attention's always; with `mlp`, `down_proj`'s and, unless `gate_input` is False, gate/up's. A method that
+    keeps gate/up's rows (neuron selection: MASA's default, FLAP, MoDeGPT) never reads their input's: on the
+    bundled model its products were a tenth of the whole-model capture's (`Method.reads_gate_input`)."""
+    mlp_inputs = {k: v for k, v in MLP_INPUTS.items() if gate_input or k != "mlp"} if mlp else {}
+    return {**ATTN_INPUTS, **mlp_inputs}
+
+
+def not_collected_fix(kind: str) -> str:
+    """What a missing input kind's error tells the caller to pass."""
+    return "pass mlp=True, gate_input=True" if kind == "mlp" else "pass mlp=True"
+
+
 class _Accumulator:
     """Owns the hooks; always removes them (also on error)."""
 
@@ -110,18 +139,21 @@ class _Accumulator:
         device: torch.device,
         mlp: bool = False,
         autocorrelations: bool = True,
+        gate_input: bool = True,
     ):
         self.adapter = adapter
-        self.autocorrelations = autocorrelations
         geometry = adapter.geometry
 
         def zeros(kind: str) -> list[torch.Tensor]:
             size = geometry.input_size(kind)
             return [float64_zeros(size, size, device=device) for _ in adapter.layers]
 
+        #: kind -> the projection whose input it is, for every autocorrelation summed here.
+        self.inputs = captured_inputs(mlp, gate_input) if autocorrelations else {}
         self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
-        self.mlp, self.down = (zeros("mlp"), zeros("down")) if mlp else (None, None)
-        kinds = (("attn", "o") if autocorrelations else ()) + (("mlp", "down") if mlp else ())
+        self.mlp = zeros("mlp") if "mlp" in self.inputs else None
+        self.down = zeros("down") if "down" in self.inputs else None
+        kinds = tuple(self.inputs)
         #: kind -> (L, width) fp64 sums of every input over the tokens (the autocorrelations' first moment).
         self.sums = {
             kind: float64_zeros(adapter.num_layers, geometry.input_size(kind), device=device)
@@ -147,17 +179,15 @@ class _Accumulator:
     def check_finite(self) -> None:
         """`check_gram` on every accumulator in the order the forward pass fills them, so that the input named is
         where the trouble began (everything after it is non-finite too)."""
-        grams = {"attn": self.attn, "o": self.o, "mlp": self.mlp or [], "down": self.down or []}
+        grams = {"attn": self.attn, "o": self.o, "mlp": self.mlp, "down": self.down}
         for layer in range(len(self.adapter.layers)):
-            for kind, name in (ATTN_INPUTS | MLP_INPUTS).items():
-                if layer < len(grams[kind]):
-                    check_gram(grams[kind][layer], f"layer {layer} {name}")
+            for kind, name in self.inputs.items():
+                check_gram(grams[kind][layer], f"layer {layer} {name}")
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
-        inputs = [("attn", "q_proj", self.attn), ("o", "o_proj", self.o)] if self.autocorrelations else []
-        if self.mlp is not None:
-            inputs += [("mlp", "gate_proj", self.mlp), ("down", "down_proj", self.down)]
+        held = {"attn": self.attn, "o": self.o, "mlp": self.mlp, "down": self.down}
+        inputs = [(kind, name, held[kind]) for kind, name in self.inputs.items()]
         for i, layer in enumerate(self.adapter.layers):
             for kind, name, grams in inputs:
                 self.handles.append(
@@ -247,10 +277,12 @@ def collect_statistics(
     sensitivity_projections: tuple[str, ...] = (),
     sensitivity_windows: int = 0,
     autocast: torch.dtype | None = None,
+    gate_input: bool = True,
 ) -> CalibrationStats:
     """Run the calibration windows (N, T) through the original model and reduce the statistics
-    (with `mlp`, also the MLP inputs' autocorrelations); with `autocast`, the forward (and backward) passes
-    compute in that dtype (`device.calibration_autocast`), the statistics still summed in fp64.
+    (with `mlp`, also the MLP inputs' autocorrelations: gate/up's only with `gate_input`); with `autocast`, the
+    forward (and backward) passes compute in that dtype (`device.calibration_autocast`), the statistics still
+    summed in fp64.
 
     With `sensitivity_projections`, the first `sensitivity_windows` windows also measure the loss sensitivity
     of those projections (`sensitivity.LossGradients`, on `stats.sensitivity`): their forward pass, with the LM
@@ -265,7 +297,7 @@ def collect_statistics(
     sensitivity, backward_seconds = None, 0.0
     with (
         autocast_to(device, autocast),
-        _Accumulator(adapter, n, device, mlp) as acc,
+        _Accumulator(adapter, n, device, mlp, gate_input=gate_input) as acc,
         progress_bar("Calibration", total=n, enabled=progress) as bar,
     ):
         if measured:

@@ -41,7 +41,7 @@ from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.capture import ATTN_INPUTS, MLP_INPUTS, add_gram, check_gram, token_mean
+from compressor.statistics.capture import add_gram, captured_inputs, check_gram, not_collected_fix, token_mean
 from compressor.statistics.sensitivity import Sensitivity, squared_norm
 
 
@@ -126,7 +126,7 @@ class SpilledStats:
 
     directory: Path
     num_layers: int
-    has_mlp: bool
+    inputs: tuple[str, ...]  # the input kinds the files hold (`capture.captured_inputs`)
     block_output_means: torch.Tensor  # (L, N, hidden) fp32
     tokens: int
     windows: int
@@ -135,13 +135,19 @@ class SpilledStats:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     autocast: torch.dtype | None = None  # as `CalibrationStats.autocast`
 
+    @property
+    def has_mlp(self) -> bool:
+        return "down" in self.inputs
+
     def path(self, layer: int) -> Path:
         return self.directory / f"stats-{layer:05d}.safetensors"
 
     def autocorr(self, kind: str, layer: int) -> torch.Tensor:
         """The autocorrelation of input `kind` at `layer`, read from its file."""
-        if kind in MLP_INPUTS and not self.has_mlp:
-            raise ValueError(f"the {kind} input autocorrelations were not collected: pass mlp=True")
+        if kind not in self.inputs:
+            raise ValueError(
+                f"the {kind} input autocorrelations were not collected: {not_collected_fix(kind)}"
+            )
         with safe_open(self.path(layer), framework="pt") as f:
             return f.get_tensor(kind).to(self.device)
 
@@ -168,14 +174,21 @@ def collect_statistics_layerwise(
     mlp: bool = False,
     sensitivity_windows: int = 0,
     autocast: torch.dtype | None = None,
+    gate_input: bool = True,
 ) -> tuple[SpilledStats, LayerStream | None]:
     """Statistics of the original model, one layer at a time, spilled to `directory`. With
     `sensitivity_windows`, the inputs of the first that many windows at every layer are spilled too, and their
     stream (at the last layer's output) is returned for `collect_sensitivity_layerwise`. With `autocast`, the
-    layers compute in that dtype, as `capture.collect_statistics` does."""
+    layers compute in that dtype, and `mlp`/`gate_input` choose the inputs, as `capture.collect_statistics` does."""
     with autocast_to(om.device, autocast):
         stats, tail = _collect_statistics_layerwise(
-            om, windows, directory, batch_size, progress, mlp, sensitivity_windows
+            om,
+            windows,
+            directory,
+            batch_size,
+            progress,
+            captured_inputs(mlp, gate_input),
+            sensitivity_windows,
         )
     stats.autocast = autocast
     return stats, tail
@@ -187,12 +200,11 @@ def _collect_statistics_layerwise(
     directory: Path,
     batch_size: int,
     progress: bool,
-    mlp: bool,
+    inputs: dict[str, str],
     sensitivity_windows: int,
 ) -> tuple[SpilledStats, LayerStream | None]:
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    inputs = {**ATTN_INPUTS, **(MLP_INPUTS if mlp else {})}
     stream = LayerStream(om, windows, batch_size)
     # The sensitivity runs window by window (as `collect_sensitivity` does): with batches of one window, the
     # calibration stream already carries those windows' hidden states.
@@ -232,7 +244,13 @@ def _collect_statistics_layerwise(
             trim_heap()
             bar.advance()
     stats = SpilledStats(
-        directory, num_layers, mlp, means, int(windows.numel()), len(windows), time.perf_counter() - start
+        directory,
+        num_layers,
+        tuple(inputs),
+        means,
+        int(windows.numel()),
+        len(windows),
+        time.perf_counter() - start,
     )
     if tail is stream:  # the calibration stream is done with: keep only the sensitivity windows
         del stream.hidden[sensitivity_windows:], stream.batches[sensitivity_windows:]

@@ -60,6 +60,9 @@ class Masa(Method):
     def uses_groups_for(self, settings: CompressionSettings) -> bool:
         return settings.sharing == "atoms"
 
+    def reads_gate_input(self, settings: CompressionSettings) -> bool:
+        return settings.mlp == "lowrank"  # neurons: gate/up keep their rows, down_proj's input decides
+
     def groups_rule(self, settings: CompressionSettings) -> str:
         if settings.sharing == "none":
             return "no groups: every projection its own whitened factors"
