@@ -1,7 +1,7 @@
 """The tool at the 1.5B model's shapes on a GPU: what `plan` predicts against what the run takes.
 
-A random Qwen2 model with Qwen2.5-Coder-1.5B's configuration (28 layers, hidden 1536, 12 heads, 2 KV heads, MLP
-8960, vocabulary 151,936, untied output), in bfloat16, with a byte-level tokenizer: no weights to fetch (the GPU
+A random Qwen2 model with Qwen2.5-Coder-1.5B's configuration as its recipe carries it (28 layers, hidden 1536,
+12 heads, 2 KV heads, MLP 8960, vocabulary 151,936, untied output), in bfloat16, with a byte-level tokenizer: no weights to fetch (the GPU
 machine reaches no registry), the same shapes and therefore the same memory and arithmetic as the real model;
 its perplexities mean nothing. The real model's quality is `benchmarks/large.py`'s, on a CPU.
 
@@ -27,31 +27,33 @@ from pathlib import Path
 
 import torch
 
-QWEN_1_5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-TINY = dict(QWEN_1_5B, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-            vocab_size=1024)  # fmt: skip
+#: The recipe whose `shapes` (Qwen2.5-Coder-1.5B's published config values) the random model takes.
+RECIPE = "qwen2.5-coder-1.5b"
+#: `--tiny`: the same family and layout, small enough for the CPU.
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+                   vocab_size=1024)  # fmt: skip
 
 
-def _random_model_dir(path: Path, config: dict, device: torch.device) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def model_shapes(tiny: bool = False) -> dict:
+    """The random model's config values: the recipe's `shapes` (so this benchmark and `plan` of the recipe read
+    the same numbers), or, with `tiny`, those with `TINY_SHAPES` over them. Values no shape depends on (the
+    rotary base, the norms' epsilon) keep transformers' defaults: random weights make them irrelevant here."""
+    from compressor.recipes.schema import builtin_recipe
+
+    shapes = builtin_recipe(RECIPE).shapes.model_dump()
+    return {**shapes, **(TINY_SHAPES if tiny else {})}
+
+
+def _random_model_dir(path: Path, shapes: dict, device: torch.device) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import byte_tokenizer  # the tests' tokenizer: any text, no downloads
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
+        config = AutoConfig.for_model(**shapes)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     del model
@@ -106,7 +108,8 @@ def run(tiny: bool, options: tuple[str, ...] = ()) -> dict:
 def _run_in(work: Path, device: torch.device, options: tuple[str, ...]) -> dict:
     gpu, tiny = device.type == "cuda", device.type == "cpu"
     start = time.perf_counter()
-    model = str(_random_model_dir(work / "model", TINY if tiny else QWEN_1_5B, device))
+    shapes = model_shapes(tiny)
+    model = str(_random_model_dir(work / "model", shapes, device))
     root = Path(__file__).resolve().parents[1]
     # calibration: the docs (64 x 512 bytes, with room to sample); evaluation: the package's source
     text = str(_text(work / "calibration.txt", [root / "README.md", *root.glob("docs/*.md")], 600_000))
@@ -139,7 +142,7 @@ def _run_in(work: Path, device: torch.device, options: tuple[str, ...]) -> dict:
     return {
         "device": torch.cuda.get_device_name() if gpu else "cpu",
         "torch": torch.__version__,
-        "config": TINY if tiny else QWEN_1_5B,
+        "config": shapes,
         "random_model_seconds": made,
         "plain_forward_seconds": forward,
         "planned_gib": memory["in_memory_bytes"] / 2**30,

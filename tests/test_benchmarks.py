@@ -628,6 +628,20 @@ def test_another_ratios_zero_shot_run_has_its_own_files_and_reuses_the_original_
     )
 
 
+def test_the_gpu_scale_benchmark_takes_the_shapes_plan_reads_from_the_recipe():
+    from benchmarks import gpu_scale
+    from compressor.api.model_loading import recipe_config
+    from compressor.recipes.schema import builtin_recipe
+
+    planned = recipe_config(builtin_recipe(gpu_scale.RECIPE))
+    shapes = gpu_scale.model_shapes()
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):  # fmt: skip
+        assert shapes[key] == getattr(planned, key), key
+    assert (shapes["num_hidden_layers"], shapes["intermediate_size"]) == (28, 8960)
+    assert gpu_scale.model_shapes(tiny=True)["intermediate_size"] == 256
+
+
 def test_the_gpu_scale_benchmark_plans_runs_and_reloads_a_random_model():
     """`benchmarks.gpu_scale` on its small model on the CPU (its GPU run is the same code at the 1.5B shapes):
     the plan's memory and the run's stages are recorded, and the reloaded checkpoint scores as the run did."""
