@@ -52,10 +52,10 @@ def head_columns(heads: list[int], head_dim: int) -> torch.Tensor:
 
 
 def _damped_block(c: torch.Tensor, columns: torch.Tensor, damping: float) -> torch.Tensor:
-    """C[S, S] + damping · mean(diag C) · I."""
+    """C[S, S] + damping · mean(diag C) · I, a new matrix (indexing copies), damped on its diagonal where it is."""
     block = c[columns][:, columns]
     if damping:
-        block = block + damping * float(torch.diagonal(c).mean()) * torch.eye(len(columns), dtype=c.dtype)
+        block.diagonal().add_(damping * float(torch.diagonal(c).mean()))
     return block
 
 
