@@ -1,8 +1,8 @@
 """The tool at the 1.5B model's shapes on a GPU: what `plan` predicts against what the run takes.
 
 A random Qwen2 model with Qwen2.5-Coder-1.5B's configuration as its recipe carries it (28 layers, hidden 1536,
-12 heads, 2 KV heads, MLP 8960, vocabulary 151,936, untied output), in bfloat16, with a byte-level tokenizer: no weights to fetch (the GPU
-machine reaches no registry), the same shapes and therefore the same memory and arithmetic as the real model;
+12 heads, 2 KV heads, MLP 8960, vocabulary 151,936, untied output), in bfloat16, with a byte-level tokenizer: no
+weights to fetch (the GPU machine reaches no registry), the same shapes and therefore the same memory and arithmetic as the real model;
 its perplexities mean nothing. The real model's quality is `benchmarks/large.py`'s, on a CPU.
 
     python -m benchmarks.gpu_scale [--tiny] [--out results.json] [-- COMPRESS OPTIONS]

@@ -5,8 +5,8 @@ input (T: the calibration tokens), both summed in fp64 (each window's product in
 token-mean of each block's output per window (for grouping). The decoder runs without the LM head: nothing here
 reads the logits (on the bundled model the head is a fifth of a forward pass). With `mlp=True` (for
 `--targets mlp`) also C_down over the down_proj input and, unless `gate_input=False` (a method that keeps
-gate/up's rows never reads it), C_mlp over the gate/up input. Beside each autocorrelation, its input's token mean E[x] (fp64 sums; what FLAP's fluctuation
-Var(x_j) = C_jj − E[x_j]² and its bias compensation read).
+gate/up's rows never reads it), C_mlp over the gate/up input. Beside each autocorrelation, its input's token
+mean E[x] (fp64 sums; what FLAP's fluctuation Var(x_j) = C_jj − E[x_j]² and its bias compensation read).
 
 The autocorrelations are means over the tokens, not sums: a sum grows with T, and so would every factor built on
 its Cholesky factor (|A| as √T: fp16 storage overflowed on long calibrations). Every consumer compares errors by
@@ -78,25 +78,23 @@ class CalibrationStats:
         """Whether the MLP's statistics were collected: `down_proj`'s input always, gate/up's when read."""
         return self.down_autocorr is not None
 
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        """The input kinds whose autocorrelations these statistics hold, in forward order."""
-        held = {
+    def _by_kind(self) -> dict[str, list[torch.Tensor] | None]:
+        """Each input kind's autocorrelations (None: not collected), in forward order."""
+        return {
             "attn": self.attn_autocorr,
             "o": self.o_autocorr,
             "mlp": self.mlp_autocorr,
             "down": self.down_autocorr,
         }
-        return tuple(kind for kind, matrices in held.items() if matrices is not None)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The input kinds whose autocorrelations these statistics hold, in forward order."""
+        return tuple(kind for kind, matrices in self._by_kind().items() if matrices is not None)
 
     def autocorr(self, kind: str, layer: int) -> torch.Tensor:
         """The autocorrelation of input `kind` (adapters.INPUT_OF) at `layer`."""
-        matrices = {
-            "attn": self.attn_autocorr,
-            "o": self.o_autocorr,
-            "mlp": self.mlp_autocorr,
-            "down": self.down_autocorr,
-        }[kind]
+        matrices = self._by_kind()[kind]
         if matrices is None:
             raise ValueError(
                 f"the {kind} input autocorrelations were not collected: {not_collected_fix(kind)}"
@@ -150,49 +148,44 @@ class _Accumulator:
 
         #: kind -> the projection whose input it is, for every autocorrelation summed here.
         self.inputs = captured_inputs(mlp, gate_input) if autocorrelations else {}
-        self.attn, self.o = (zeros("attn"), zeros("o")) if autocorrelations else ([], [])
-        self.mlp = zeros("mlp") if "mlp" in self.inputs else None
-        self.down = zeros("down") if "down" in self.inputs else None
-        kinds = tuple(self.inputs)
+        #: kind -> one fp64 accumulator per layer of `Σ xᵀx` over that input.
+        self.grams = {kind: zeros(kind) for kind in self.inputs}
         #: kind -> (L, width) fp64 sums of every input over the tokens (the autocorrelations' first moment).
         self.sums = {
             kind: float64_zeros(adapter.num_layers, geometry.input_size(kind), device=device)
-            for kind in kinds
+            for kind in self.inputs
         }
         self.means = torch.zeros(adapter.num_layers, n_windows, geometry.hidden_size, dtype=torch.float32)
         self.window_offset = 0
         self.handles: list = []
 
-    def _input_into(self, kind: str, layer: int, grams: list[torch.Tensor], x: torch.Tensor) -> None:
+    def _input_into(self, kind: str, layer: int, x: torch.Tensor) -> None:
         # Detached: the windows that also measure the loss sensitivity run with gradients. One window at a time in
         # float32 (a 16-bit input: one window's copy, not the batch's) for both its products and its sum; the sum
         # in fp32 (an fp64 reduction along the tokens was slow), added in fp64 across windows like the products.
         for window in x.detach().reshape(-1, *x.shape[-2:]):
             window = window.float()
-            add_gram(grams[layer], window)
+            add_gram(self.grams[kind][layer], window)
             add_in_float64(self.sums[kind][layer], window.sum(dim=0))
 
     def accumulators(self) -> list[torch.Tensor]:
         """Every autocorrelation accumulator the hooks fill."""
-        return self.attn + self.o + (self.mlp or []) + (self.down or [])
+        return [gram for grams in self.grams.values() for gram in grams]
 
     def check_finite(self) -> None:
         """`check_gram` on every accumulator in the order the forward pass fills them, so that the input named is
         where the trouble began (everything after it is non-finite too)."""
-        grams = {"attn": self.attn, "o": self.o, "mlp": self.mlp, "down": self.down}
         for layer in range(len(self.adapter.layers)):
             for kind, name in self.inputs.items():
-                check_gram(grams[kind][layer], f"layer {layer} {name}")
+                check_gram(self.grams[kind][layer], f"layer {layer} {name}")
 
     def __enter__(self) -> _Accumulator:
         # One autocorrelation per input: q_proj's input is k/v's too, gate_proj's is up_proj's.
-        held = {"attn": self.attn, "o": self.o, "mlp": self.mlp, "down": self.down}
-        inputs = [(kind, name, held[kind]) for kind, name in self.inputs.items()]
         for i, layer in enumerate(self.adapter.layers):
-            for kind, name, grams in inputs:
+            for kind, name in self.inputs.items():
                 self.handles.append(
                     self.adapter.projection(i, name).register_forward_pre_hook(
-                        lambda m, a, i=i, kind=kind, grams=grams: self._input_into(kind, i, grams, a[0])
+                        lambda m, a, i=i, kind=kind: self._input_into(kind, i, a[0])
                     )
                 )
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._block_mean(i, out)))
@@ -324,14 +317,14 @@ def collect_statistics(
     for sums in acc.sums.values():
         sums.div_(tokens)
     return CalibrationStats(
-        attn_autocorr=acc.attn,
-        o_autocorr=acc.o,
+        attn_autocorr=acc.grams["attn"],
+        o_autocorr=acc.grams["o"],
         block_output_means=acc.means,
         tokens=tokens,
         windows=n,
         seconds=time.perf_counter() - start - backward_seconds,
-        mlp_autocorr=acc.mlp,
-        down_autocorr=acc.down,
+        mlp_autocorr=acc.grams.get("mlp"),
+        down_autocorr=acc.grams.get("down"),
         sensitivity=sensitivity,
         input_means=acc.sums,
         autocast=autocast,

@@ -179,7 +179,8 @@ def collect_statistics_layerwise(
     """Statistics of the original model, one layer at a time, spilled to `directory`. With
     `sensitivity_windows`, the inputs of the first that many windows at every layer are spilled too, and their
     stream (at the last layer's output) is returned for `collect_sensitivity_layerwise`. With `autocast`, the
-    layers compute in that dtype, and `mlp`/`gate_input` choose the inputs, as `capture.collect_statistics` does."""
+    layers compute in that dtype, and `mlp`/`gate_input` choose the inputs, as `capture.collect_statistics`
+    does."""
     with autocast_to(om.device, autocast):
         stats, tail = _collect_statistics_layerwise(
             om,
