@@ -301,16 +301,39 @@ def _same_checkpoint(s: dict) -> str:
 
 
 def _merged_note(results: dict) -> list[str]:
-    """Sections re-run separately (`--sections`) carry their own dates: say so."""
+    """Sections re-run separately (`--sections`) carry their own dates and machines: say so."""
     if not results.get("merged"):
         return []
     dates = results.get("section_dates") or {}
-    return [
+    machines = results.get("section_machines") or {}
+    lines = [
         "**Sections measured in separate runs and merged** (`--sections`): "
         + ", ".join(f"{name} at {date}" for name, date in dates.items())
         + ".",
         "",
     ]
+    # A ratio of two timings depends on the machine (its vector units, its memory): say which sections came from
+    # which, rather than let the header's machine, the last run's, speak for all of them.
+    by_machine: dict[str, list[str]] = {}
+    for name in dates:
+        by_machine.setdefault(machines.get(name, "a machine not recorded"), []).append(name)
+    if machines and len(by_machine) > 1:
+        lines += [
+            "**Not all on one machine**: "
+            + "; ".join(f"{', '.join(names)} on {machine}" for machine, names in by_machine.items())
+            + ". Timings and their ratios compare only within a machine.",
+            "",
+        ]
+    return lines
+
+
+def _vector_note(machine: dict) -> str:
+    """The CPU's vector extension and whether it multiplies bfloat16 natively (results written before these were
+    recorded: nothing)."""
+    if "vector_extension" not in machine:
+        return ""
+    bfloat16 = "native bfloat16" if machine.get("native_bfloat16") else "bfloat16 emulated"
+    return f" ({machine['vector_extension'] or 'vector extension unknown'}, {bfloat16})"
 
 
 def _run_minutes(results: dict) -> float:
@@ -345,7 +368,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         + f". Raw numbers: [`{raw}`]({raw}); re-render this page from them with `python -m benchmarks.report`.",
         "",
         "**Machine:** "
-        f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['ram_gib']} GiB RAM, {m['os']}; "
+        f"{m['cpu']}{_vector_note(m)}, {m['cores']} cores ({m['usable_cores']} usable), {m['ram_gib']} GiB RAM, {m['os']}; "
         f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} thread"
         + ("s" if m["torch_threads"] != 1 else "")
         + (

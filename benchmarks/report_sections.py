@@ -26,6 +26,8 @@ def verdict(key: str, results: dict) -> str:
 def compression_section(results: dict, rel) -> list[str]:
     c, whole, demo = results["compression"], results.get("whole_model_compression"), results.get("demo")
     whole_bf16 = results.get("whole_model_bfloat16_compression")
+    bf16_skipped = (whole_bf16 or {}).get("skipped")
+    whole_bf16 = None if bf16_skipped else whole_bf16  # a column only for a run that was timed
     runs = (
         {"attention 0.2": c}
         | ({"model 20% smaller": whole} if whole else {})
@@ -73,6 +75,8 @@ def compression_section(results: dict, rel) -> list[str]:
         f"{TARGETS['calibration_over_forward'][0]:g}x: {verdict('calibration_over_forward', results)}).",
     ]
     lines += _whole_model_bullets(results, c, whole, whole_bf16)
+    if bf16_skipped:
+        lines.append(f"- `--calib-precision bfloat16`: {bf16_skipped}.")
     if demo:
         lines.append(
             f"- **`make demo` (after the installation, a first run: no statistics cache): "

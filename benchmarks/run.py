@@ -11,8 +11,9 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
 3. compression: real `masa-compress smollm2-135m --ratio 0.2` and `... --targets attn,mlp --ratio-of model`
    runs in fresh processes (time per stage, peak RSS, the checkpoint), one plain forward pass over the same
    calibration tokens in another fresh process (their ratios: `compress_over_forward`,
-   `whole_model_compress_over_forward`, `calibration_over_forward`), and `make demo`'s command timed whole
-   (`demo_minutes`);
+   `whole_model_compress_over_forward`, `calibration_over_forward`), the model 20% smaller again with
+   `--calib-precision bfloat16` where the CPU multiplies bfloat16 natively (elsewhere it says why not), and
+   `make demo`'s command timed whole (`demo_minutes`);
 4. latency: the checkpoint of (3) reloaded with `load_compressed` vs the original, prefill and decode, and
    each model's memory in a fresh process; then the model 20% smaller (and its `--uniform-mlp` export) the
    same way: `whole_model_decode_speedup`, `whole_model_prefill_speedup`;
@@ -21,7 +22,8 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
    in-memory path's), then of one 256-layer model whose weights are larger than its run's peak RSS, reloaded and
    evaluated.
 
-Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/results/`) and the page --doc (default
+Each section's date and machine (CPU, vector extension, cores, threads) are recorded, so that a page merged from
+runs on different machines says which timings came from which. Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/results/`) and the page --doc (default
 `BENCHMARKS.md`). `--quick` (CI) runs tiny settings into a temporary directory (never the committed files)
 and exits non-zero unless every number is finite and every file was written; the full run does the same
 checks.
@@ -39,7 +41,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import BUNDLED_WIDTH, NARROW_WIDTH, log, machine_info, non_finite, write_json
+from benchmarks.common import (
+    BUNDLED_WIDTH,
+    NARROW_WIDTH,
+    log,
+    machine_info,
+    machine_signature,
+    non_finite,
+    write_json,
+)
 from benchmarks.measurements import (
     MODEL,
     section_compression,
@@ -129,7 +139,6 @@ REQUIRED_KEYS = (
     "original_ppl",
     "compress_over_forward",
     "whole_model_compress_over_forward",
-    "whole_model_bfloat16_compress_over_forward",
     "calibration_over_forward",
     "demo_minutes",
     "depth_memory_ratio",
@@ -156,6 +165,9 @@ LARGER_THAN_MEMORY_KEYS = ("layers", "weights_bytes", "peak_rss_bytes", "ppl")
 def check(results: dict, files: list[Path]) -> list[str]:
     """Everything wrong with a run: missing keys, non-finite numbers, missing or empty files."""
     problems = [f"results.json has no '{k}'" for k in REQUIRED_KEYS if k not in results]
+    bfloat16 = results.get("whole_model_bfloat16_compression") or {}
+    if not bfloat16.get("skipped") and results.get("whole_model_bfloat16_compress_over_forward") is None:
+        problems.append("results.json has no 'whole_model_bfloat16_compress_over_forward' and no reason why")
     problems += [f"not finite: {p}" for p in non_finite(results)]
     quality = results.get("quality") or []
     if not quality:
@@ -283,11 +295,13 @@ def _configure(args, parser) -> tuple[dict, list[str], Path, Path]:
 
 
 def _run_sections(
-    sections: list[str], settings: dict, results: dict, results_path: Path
+    sections: list[str], settings: dict, results: dict, results_path: Path, machine: str
 ) -> tuple[dict, dict]:
-    """Run the sections into `results`; on failure keep what was measured in results.partial.json."""
+    """Run the sections into `results`, each's machine (`machine_signature`) into results['section_machines']; on
+    failure keep what was measured in results.partial.json."""
     durations = dict(results.get("durations_seconds", {}))
     section_dates = dict(results.get("section_dates", {}))
+    section_machines = results.setdefault("section_machines", {})
     work = Path(tempfile.mkdtemp(prefix="masa-bench-"))
     checkpoint = work / "smollm2-135m-masa"
     runners = {
@@ -306,6 +320,7 @@ def _run_sections(
             results.get("stale", {}).pop(name, None)  # measured again: no longer a former default's numbers
             durations[name] = time.perf_counter() - t
             section_dates[name] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            section_machines[name] = machine
             log(f"== section {name} done in {durations[name] / 60:.1f} min")
     except BaseException:
         partial = results_path.with_name("results.partial.json")
@@ -338,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         machine["threads_requested"] = args.threads
     log(f"benchmark ({'quick' if args.quick else 'full'}) into {out_dir}, page {doc}; machine {machine}")
-    durations, section_dates = _run_sections(sections, settings, results, results_path)
+    durations, section_dates = _run_sections(
+        sections, settings, results, results_path, machine_signature(machine)
+    )
     machine["load_average_end"] = _load_average()
     results.update(
         {

@@ -399,6 +399,60 @@ def _fake_results() -> dict:
     }
 
 
+def test_a_cpu_that_emulates_bfloat16_skips_that_run_and_says_so(tmp_path, monkeypatch):
+    """Where bfloat16 is only emulated, section 3 does not time `--calib-precision bfloat16` (a figure of the
+    emulation, not of the option): no run, a reason the page prints, no column, and the check accepts it; a
+    missing ratio without a reason is still a problem."""
+    import benchmarks.measurements as measurements
+    from benchmarks.run import check
+
+    monkeypatch.setattr(measurements, "native_bfloat16_cpu", lambda: False)
+    monkeypatch.setattr(
+        measurements, "_timed_compression", lambda *a: pytest.fail("an emulated run was timed")
+    )
+    skipped = measurements._bfloat16_compression("0.2", [], tmp_path / "out")
+    assert skipped == {"skipped": measurements.EMULATED_BFLOAT16, "native_bfloat16_cpu": False}
+
+    results = _fake_results()
+    results["whole_model_bfloat16_compression"] = skipped
+    results["whole_model_bfloat16_compress_over_forward"] = None
+    doc = _rendered(results, tmp_path)
+    assert f"- `--calib-precision bfloat16`: {measurements.EMULATED_BFLOAT16}." in doc
+    assert "| **compression (every stage)** | **5.8** | **8.2** |\n" in doc  # two columns, not three
+    assert not [p for p in check(results, []) if "bfloat16" in p]
+    del results["whole_model_bfloat16_compression"]["skipped"]
+    assert "results.json has no 'whole_model_bfloat16_compress_over_forward' and no reason why" in check(
+        results, []
+    )
+
+
+def test_merged_sections_from_different_machines_are_named_by_machine(tmp_path):
+    """A timing ratio belongs to its machine: when merged sections were measured on different machines (or some
+    on one not recorded), the page says which came from which; one machine throughout adds nothing."""
+    from benchmarks.common import machine_signature
+
+    results = _fake_results() | {"merged": True}
+    results["section_dates"] = {"quality": "2026-01-01", "compression": "2026-01-02", "latency": "2026-01-03"}
+    fast = machine_signature(results["machine"] | {"vector_extension": "AVX-512"})
+    slow = machine_signature(results["machine"] | {"vector_extension": "AVX2"})
+    assert fast == "cpu (AVX-512), 2 usable cores, 2 threads" and fast != slow
+    results["section_machines"] = {"quality": fast, "compression": slow, "latency": fast}
+    doc = _rendered(results, tmp_path)
+    assert f"**Not all on one machine**: quality, latency on {fast}; compression on {slow}." in doc
+    results["section_machines"] = {"compression": slow}
+    assert f"quality, latency on a machine not recorded; compression on {slow}" in _rendered(
+        results, tmp_path
+    )
+    results["section_machines"] = {name: fast for name in results["section_dates"]}
+    assert "Not all on one machine" not in _rendered(results, tmp_path)
+
+
+def test_the_machine_line_names_the_vector_extension_and_bfloat16(tmp_path):
+    results = _fake_results()
+    results["machine"] |= {"vector_extension": "AVX2", "native_bfloat16": False}
+    assert "**Machine:** cpu (AVX2, bfloat16 emulated), 2 cores" in _rendered(results, tmp_path)
+
+
 def test_report_renders_the_whole_model_and_its_targets(tmp_path):
     """The whole-model section (curve, second text, the speed of the model 20% smaller) renders from results.json,
     and its targets are judged from the numbers: a perplexity ratio above 1.5 and a decode speed-up below 1.15
