@@ -23,10 +23,10 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
    evaluated.
 
 Each section's date and machine (CPU, vector extension, cores, threads) are recorded, so that a page merged from
-runs on different machines says which timings came from which. Writes `results.json` and the PNG plots to --out-dir (default `benchmarks/results/`) and the page --doc (default
-`BENCHMARKS.md`). `--quick` (CI) runs tiny settings into a temporary directory (never the committed files)
-and exits non-zero unless every number is finite and every file was written; the full run does the same
-checks.
+runs on different machines says which timings came from which. Writes `results.json` and the PNG plots to --out-dir
+(default `benchmarks/results/`) and the page --doc (default `BENCHMARKS.md`). `--quick` (CI) runs tiny settings
+into a temporary directory (never the committed files) and exits non-zero unless every number is finite and every
+file was written; the full run does the same checks.
 """
 
 from __future__ import annotations
