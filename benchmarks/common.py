@@ -81,14 +81,18 @@ def current_rss_gib() -> float:
     return rss if rss is not None else peak_rss_gib()
 
 
-def _cpu_model() -> str:
+def _cpuinfo_values(*keys: str) -> list[str]:
+    """The values of /proc/cpuinfo's lines whose key starts with one of `keys` (any case); none where it is
+    missing (not Linux)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return []
+    return [line.split(":", 1)[1].strip() for line in lines if line.lower().startswith(keys) and ":" in line]
+
+
+def _cpu_model() -> str:
+    return next(iter(_cpuinfo_values("model name")), None) or platform.processor() or platform.machine()
 
 
 #: CPU flags (as /proc/cpuinfo names them) -> the vector extension they mark, widest first. Two 2-core AMD EPYC
@@ -99,12 +103,7 @@ VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), (
 
 def _vector_extension() -> str | None:
     """The widest vector extension of this CPU (`VECTOR_EXTENSIONS`), None where /proc/cpuinfo does not say."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flag_lines = [line for line in text.splitlines() if line.lower().startswith(("flags", "features"))]
-    flags = {flag for line in flag_lines for flag in line.split(":", 1)[1].split()}
+    flags = {flag for value in _cpuinfo_values("flags", "features") for flag in value.split()}
     return next((name for flag, name in VECTOR_EXTENSIONS if flag in flags), None)
 
 

@@ -295,13 +295,11 @@ def _configure(args, parser) -> tuple[dict, list[str], Path, Path]:
 
 
 def _run_sections(
-    sections: list[str], settings: dict, results: dict, results_path: Path, machine: str
+    sections: list[str], settings: dict, results: dict, results_path: Path
 ) -> tuple[dict, dict]:
-    """Run the sections into `results`, each's machine (`machine_signature`) into results['section_machines']; on
-    failure keep what was measured in results.partial.json."""
+    """Run the sections into `results`; on failure keep what was measured in results.partial.json."""
     durations = dict(results.get("durations_seconds", {}))
     section_dates = dict(results.get("section_dates", {}))
-    section_machines = results.setdefault("section_machines", {})
     work = Path(tempfile.mkdtemp(prefix="masa-bench-"))
     checkpoint = work / "smollm2-135m-masa"
     runners = {
@@ -320,7 +318,6 @@ def _run_sections(
             results.get("stale", {}).pop(name, None)  # measured again: no longer a former default's numbers
             durations[name] = time.perf_counter() - t
             section_dates[name] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            section_machines[name] = machine
             log(f"== section {name} done in {durations[name] / 60:.1f} min")
     except BaseException:
         partial = results_path.with_name("results.partial.json")
@@ -353,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         machine["threads_requested"] = args.threads
     log(f"benchmark ({'quick' if args.quick else 'full'}) into {out_dir}, page {doc}; machine {machine}")
-    durations, section_dates = _run_sections(
-        sections, settings, results, results_path, machine_signature(machine)
+    durations, section_dates = _run_sections(sections, settings, results, results_path)
+    # Every section of this run ran here: each's machine beside its date, earlier runs' merged ones kept.
+    section_machines = results.get("section_machines", {}) | dict.fromkeys(
+        sections, machine_signature(machine)
     )
     machine["load_average_end"] = _load_average()
     results.update(
@@ -367,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {**settings, "model": MODEL, "sections": sections},
             "durations_seconds": durations,
             "section_dates": section_dates,
+            "section_machines": section_machines,
             "merged": bool(results.get("merged")) or set(sections) != set(SECTIONS),
             "wall_minutes": sum(durations.values()) / 60,
             "this_run_minutes": (time.perf_counter() - start) / 60,

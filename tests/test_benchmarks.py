@@ -26,6 +26,8 @@ def test_quick_benchmark_writes_finite_results(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
+    from benchmarks.common import machine_signature
+
     results = json.loads((out / "results.json").read_text())
     for key in (
         "quality",
@@ -55,6 +57,9 @@ def test_quick_benchmark_writes_finite_results(tmp_path):
     assert all(deep[k] > 0 for k in ("layers", "weights_bytes", "peak_rss_bytes", "ppl"))
     assert results["scaling"]["same_checkpoint"]["identical"] is True
     assert results["machine"]["torch_threads"] >= 1 and results["machine"]["cpu"]
+    # Every section's machine beside its date: one run, one machine.
+    assert set(results["section_machines"]) == set(results["section_dates"])
+    assert set(results["section_machines"].values()) == {machine_signature(results["machine"])}
 
     doc = (out / "BENCHMARKS.md").read_text()
     for png in ("quality.png", "compression_stages.png", "latency.png", "scaling.png"):
