@@ -3,7 +3,7 @@ and down_proj by least squares, on inputs up to 2.7x wider than the attention's.
 
 Each form (`native`: `--native`; `default`: the recipe's forms) is compressed from the first N calibration windows
 for each N (the same seed, so the smaller set is the start of the larger), every checkpoint scored on the same
-validation windows; per form, the larger calibration minus the smaller (paired bootstrap: a difference whose
+validation windows; per form, each larger calibration minus the smallest (paired bootstrap: a difference whose
 interval holds 0 is a tie).
 
 `python -m benchmarks.calibration_size [--windows 64,128] [--forms native,default] [--max-tokens 32768] --out F`
@@ -79,19 +79,23 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 for n in counts
             }
-            small, large = runs[counts[0]], runs[counts[-1]]
-            difference = paired_difference(large["window_nll"], small["window_nll"], large["window_tokens"])
-            lo, hi = difference.ci95
+            small = runs[counts[0]]
+            # Each larger calibration minus the smallest, paired on the same windows.
+            differences = {
+                n: paired_difference(runs[n]["window_nll"], small["window_nll"], runs[n]["window_tokens"])
+                for n in counts[1:]
+            }
+            for n, difference in differences.items():
+                lo, hi = difference.ci95
+                log(f"{form}: {n} − {counts[0]} windows = {difference.value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
             results["forms"][form] = {
                 "runs": {
                     str(n): {k: v for k, v in r.items() if not k.startswith("window_")}
                     for n, r in runs.items()
                 },
-                "larger_minus_smaller": difference.to_dict(),
+                "larger_minus_smaller": differences[counts[-1]].to_dict(),
+                "minus_smallest": {str(n): d.to_dict() for n, d in differences.items()},
             }
-            log(
-                f"{form}: {counts[-1]} − {counts[0]} windows = {difference.value:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-            )
     write_json(args.out, results)
 
 

@@ -311,8 +311,9 @@ def render(results: dict) -> str:
         f"{results['machine'].get('cores', '?')} cores. The model {ratio} smaller in the forms engines run, "
         "exported with `masa-compress export`; the original exported by the same code. `native`: `--targets "
         f"attn,mlp --ratio {results['ratio_of_model']} --ratio-of model --native` (whole query heads and MLP "
-        "neurons, in multiples of 32, one loss-aware allocation; calibrated on twice the recipe's windows, as "
-        "`--native` does when the MLP is targeted); `mlp only`: `--targets mlp --ratio-of model "
+        "neurons, in multiples of 32, one loss-aware allocation; calibrated on 128 windows, twice the recipe's "
+        "`samples`, as `--native` took when the MLP was targeted at the time of these runs: every run that targets "
+        "the MLP now takes the recipe's `mlp_samples`); `mlp only`: `--targets mlp --ratio-of model "
         f"--width-multiple {choice['chosen']}` (the attention whole).",
         "",
         f"## Validation split (first {choice['max_tokens']:,} tokens; original {number(native['original_ppl'])}"

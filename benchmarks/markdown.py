@@ -36,3 +36,17 @@ def sources(paths: list[Path], doc: Path) -> str:
         f"[`{Path(os.path.relpath(p, doc.parent)).as_posix()}`]({Path(os.path.relpath(p, doc.parent)).as_posix()})"
         for p in paths
     )
+
+
+def stale_notice(results: dict, section: str) -> list[str]:
+    """A section measured with a former default says so, in bold, before its numbers (`results["stale"]`)."""
+    text = results.get("stale", {}).get(section)
+    return [f"**Not re-measured on today's defaults:** {text}", ""] if text else []
+
+
+def stale_summary(results: dict) -> list[str]:
+    """Under the summary: which sections' figures (and so which of its rows) are a former default's."""
+    stale = sorted(results.get("stale", {}))
+    if not stale:
+        return []
+    return [f"**Figures of a former default** (the section says what changed): {', '.join(stale)}.", ""]

@@ -113,8 +113,10 @@ def prepare_quality(
     split: str = "test",
     evaluate_original: bool = True,
 ) -> QualitySetup:
-    # The same resolution, text and windows as a `compress` run with these options (`compressor.api.session`).
-    run = resolve_run(model, CompressOptions(calib_samples=calib_samples, seq_len=seq_len))
+    # The same resolution, text and windows as a `compress` run with these options (`compressor.api.session`);
+    # with the MLP targeted, the recipe's `mlp_samples` windows, as such a run takes.
+    targets = "attn,mlp" if mlp else None
+    run = resolve_run(model, CompressOptions(calib_samples=calib_samples, seq_len=seq_len, targets=targets))
     source, recipe, calibration = run.source, run.recipe, run.calibration
     evaluation = evaluation_settings(recipe, split, eval_seq_len, eval_max_tokens)
     loaded = load_model(source, progress=progress)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from benchmarks.large import summary_rows as large_summary_rows
-from benchmarks.markdown import difference, interval, mib, number
+from benchmarks.markdown import difference, interval, mib, number, stale_notice, stale_summary
 from benchmarks.memory_projection import (
     LARGER_THAN_MEMORY_BOUND,
     larger_than_memory_section,
@@ -109,12 +109,6 @@ def _headline_table(results: dict) -> list[str]:
             f"{difference(h.get('default_minus_baseline'))} |"
         )
     return [*lines, ""]
-
-
-def stale_notice(results: dict, section: str) -> list[str]:
-    """A section measured with a former default says so, in bold, before its numbers (`results["stale"]`)."""
-    text = results.get("stale", {}).get(section)
-    return [f"**Not re-measured on today's defaults:** {text}", ""] if text else []
 
 
 def _quality_section(results: dict, rel) -> list[str]:
@@ -388,6 +382,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         "",
         *_summary(results),
         "",
+        *stale_summary(results),
         *_quality_section(results, rel),
         *whole_model_section(results, rel),
         *compression_section(results, rel),

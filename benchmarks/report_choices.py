@@ -20,6 +20,7 @@ def choices_section(doc: Path) -> list[str]:
         _anchored(doc),
         _neuron_refinements(doc),
         _calibration_size(doc),
+        _mlp_calibration_windows(doc),
         _sensitivity_windows(doc),
         _calibration_precision(doc),
         _attention_forms(doc),
@@ -154,15 +155,48 @@ def _calibration_size(doc: Path) -> list[str]:
             )
         notes.append(f"{form} {difference(result['larger_minus_smaller'])}")
     return [
-        "### Calibration windows for the model 20% smaller (`--native` takes twice the recipe's)",
+        "### Calibration windows for the model 20% smaller: 64 or 128, both forms",
         "",
         f"From {link(path, doc)}: `--targets attn,mlp --ratio {data['ratio_of_model']:g} --ratio-of model`, "
         f"validation split (first {data['max_tokens']:,} tokens), every checkpoint on the same windows; more "
-        "windows minus fewer: " + "; ".join(notes) + ". `--native` (least-squares refits of `o_proj` and "
-        "`down_proj`) now calibrates on twice the recipe's windows when the MLP is targeted. The default form "
-        "gains as much, but it is not moved yet: every whole-model figure and its peers (which share the "
-        "calibration) would have to be measured again (`make bench`, section 2). Compression times include a "
-        "calibration read from the cache where an earlier run of the same windows had written it.",
+        "windows minus fewer: "
+        + "; ".join(notes)
+        + ". Both forms gain; how many windows the recipe takes when "
+        "the MLP is targeted (`mlp_samples`, either form) was chosen by the scan below. Compression times include "
+        "a calibration read from the cache where an earlier run of the same windows had written it.",
+        "",
+        *rows,
+        "",
+    ]
+
+
+def _mlp_calibration_windows(doc: Path) -> list[str]:
+    """The scan behind the bundled recipe's `calibration.mlp_samples`: the default at the model 20% and 30%
+    smaller from the first N calibration windows, each minus the fewest."""
+    path, data = _load("calibration-windows-mlp-validation.json")
+    if data is None:
+        return []
+    rows = [
+        "| model smaller by | windows | perplexity | minus the fewest | compression (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for ratio, scan in data["ratios"].items():
+        result = scan["forms"]["default"]
+        fewest = min(result["runs"], key=int)
+        for windows, run in sorted(result["runs"].items(), key=lambda item: int(item[0])):
+            gain = "—" if windows == fewest else difference(result["minus_smallest"][windows])
+            rows.append(
+                f"| {float(ratio):.0%} | {windows} | {run['ppl']:.3f}{interval(run['ppl_ci95'])} | {gain} | "
+                f"{run['compress_seconds']:.0f} |"
+            )
+    return [
+        "### Calibration windows when the MLP is targeted (`calibration.mlp_samples`)",
+        "",
+        f"From {link(path, doc)}: the default, `--targets attn,mlp --ratio-of model`, compressed from the first N "
+        f"calibration windows of 512 tokens (the same seed, so a smaller set starts a larger one), every checkpoint "
+        f"scored on the same first {data['max_tokens']:,} validation tokens; each count minus the fewest, paired. "
+        "Compression times include the capture where no earlier run had cached the windows' statistics, and "
+        f"compare only within a count's first run. {data['decision']}",
         "",
         *rows,
         "",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.markdown import difference, interval, number
+from benchmarks.markdown import difference, interval, number, stale_notice
 from benchmarks.plots import CURVE_STYLE, MIN_TARGETS, REPO, STAGE_LABELS, TARGETS
 from compressor.evaluation.zero_shot import suite_mean
 
@@ -39,8 +39,13 @@ def compression_section(results: dict, rel) -> list[str]:
     lines = [
         "## 3. The compression run: time and memory per stage",
         "",
-        f"Real runs in fresh processes (`--no-stats-cache`: the capture is timed, never read from a cache; "
-        f"{c['calibration']['samples']}×{c['calibration']['seq_len']} calibration tokens; no evaluation): "
+        *stale_notice(results, "compression"),
+        "Real runs in fresh processes (`--no-stats-cache`: the capture is timed, never read from a cache; "
+        "calibration tokens: "
+        + ", ".join(
+            f"{name} {r['calibration']['samples']}×{r['calibration']['seq_len']}" for name, r in runs.items()
+        )
+        + "; no evaluation): "
         f"`{c['command']}`"
         + (f", `{whole['command']}`" if whole else "")
         + (f" and `{whole_bf16['command']}`" if whole_bf16 else "")
@@ -64,10 +69,10 @@ def compression_section(results: dict, rel) -> list[str]:
         + " | ".join(f"{r['load_seconds']:.1f}" for r in runs.values())
         + " |",
         "| peak RSS (GiB) | " + " | ".join(f"{r['peak_rss_gib']:.2f}" for r in runs.values()) + " |",
-        f"| reference: one plain forward pass over the same {c['forward']['windows']}×{c['forward']['seq_len']} "
-        f"tokens (batch {c['forward']['batch_size']}, no hooks, fresh process) | {c['forward_seconds']:.1f} |"
-        + " |"
-        * (len(runs) - 1),
+        f"| reference: one plain forward pass over the run's calibration tokens (batch {c['forward']['batch_size']}, "
+        "no hooks, fresh process) | "
+        + " | ".join("{:.1f} ({})".format(*_forward(r, c)) for r in runs.values())
+        + " |",
         "",
         f"- **Attention 0.2: {results['compress_over_forward']:.2f}x one plain forward pass** "
         f"(target ≤ {TARGETS['compress_over_forward'][0]:g}x: {verdict('compress_over_forward', results)}); "
@@ -93,11 +98,20 @@ def compression_section(results: dict, rel) -> list[str]:
     return lines
 
 
+def _forward(run: dict, attention: dict) -> tuple[float, str]:
+    """The plain forward pass a run's time is compared with, as (seconds, "windows×tokens"): its own over its
+    calibration windows, or (results from before the model 20% smaller took the recipe's `mlp_samples`) the
+    attention run's, over the same windows then."""
+    own = run if "forward" in run else attention
+    return own["forward_seconds"], f"{own['forward']['windows']}×{own['forward']['seq_len']}"
+
+
 def _whole_model_bullets(results: dict, c: dict, whole: dict | None, whole_bf16: dict | None) -> list[str]:
     """Section 3's lines on the model 20% smaller: where its time goes, and with bfloat16 calibration."""
     bullets: list[str] = []
     if whole:
-        whole_capture = whole["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
+        forward = _forward(whole, c)[0]
+        whole_capture = whole["stage_seconds"].get("calibration", 0) / forward
         attention_capture = c["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
         target = TARGETS["whole_model_compress_over_forward"][0]
         bullets.append(
@@ -110,13 +124,13 @@ def _whole_model_bullets(results: dict, c: dict, whole: dict | None, whole_bf16:
             "product costs width² multiply-adds at every layer, halved to about (1 + 256/width)/2 by taking only "
             f"the blocks above the diagonal). Under the {target:g}x target the rest of the run (sensitivity, "
             f"neuron orders, SVDs, allocation, saving) would have {target - whole_capture:.2f}x; it takes "
-            f"{whole['compress_seconds'] / c['forward_seconds'] - whole_capture:.2f}x, of which the neuron orders "
-            f"{whole['stage_seconds'].get('neuron_selection', 0) / c['forward_seconds']:.2f}x."
+            f"{whole['compress_seconds'] / forward - whole_capture:.2f}x, of which the neuron orders "
+            f"{whole['stage_seconds'].get('neuron_selection', 0) / forward:.2f}x."
         )
     if whole_bf16:
         ratio = results["whole_model_bfloat16_compress_over_forward"]
         target = TARGETS["whole_model_compress_over_forward"][0]
-        capture = whole_bf16["stage_seconds"].get("calibration", 0) / c["forward_seconds"]
+        capture = whole_bf16["stage_seconds"].get("calibration", 0) / _forward(whole or whole_bf16, c)[0]
         native = "natively" if whole_bf16.get("native_bfloat16_cpu") else "without native support (emulated)"
         bullets.append(
             f"- **With `--calib-precision bfloat16`: {ratio:.3f}x** ({'within' if ratio <= target else 'above'} the "
@@ -145,6 +159,7 @@ def whole_model_section(results: dict, rel) -> list[str]:
     lines = [
         "## 2. The whole model: attention and MLP (`--targets attn,mlp --ratio-of model`)",
         "",
+        *stale_notice(results, "whole_model"),
         "`masa-compress MODEL --targets attn,mlp --ratio R --ratio-of model` makes the model R smaller, taking the "
         f"numbers from every linear projection of its layers. One calibration ({cal['samples']}×{cal['seq_len']} "
         f"tokens of {cal['text']}, MLP inputs included), every model scored with the original in one pass over "

@@ -68,7 +68,7 @@ FULL = {
     "ratios": [0.1, 0.2, 0.3, 0.4],
     # Measured once, at the headline ratio: the paper's configuration, the other form of sharing, and Basis Sharing.
     "extra_variants": {0.2: ["masa-paper", "sharing-basis", "basis-sharing"]},
-    "calib_samples": None,  # the recipe's: 64 windows
+    "calib_samples": None,  # the recipe's: 64 windows, its mlp_samples (256) where the MLP is targeted
     "seq_len": None,  # the recipe's: 512 tokens
     "eval_split": "test",
     "eval_seq_len": 512,

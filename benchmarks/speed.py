@@ -59,18 +59,18 @@ def checkpoint_bytes(directory: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
 
 
-def calibration_token_windows(spec: str, tokenizer, samples: int | None, seq_len: int | None) -> torch.Tensor:
-    """Exactly the windows `compressor.api.compress` builds for this model (recipe settings + overrides)."""
-    from compressor.api.model_loading import resolve_model
+def calibration_token_windows(
+    spec: str, tokenizer, samples: int | None, seq_len: int | None, targets: str | None = None
+) -> torch.Tensor:
+    """Exactly the windows `compressor.api.compress` builds for this model and targets (recipe settings +
+    overrides: with the MLP targeted, the recipe's `mlp_samples`)."""
+    from compressor.api.run_options import CompressOptions
+    from compressor.api.session import resolve_run
     from compressor.calibration.sources import load_documents
     from compressor.calibration.windows import bos_token_id_for, calibration_windows, tokenize_documents
-    from compressor.recipes.schema import CalibrationSettings
 
-    recipe = resolve_model(spec).recipe
-    calibration = recipe.calibration if recipe else CalibrationSettings()
-    calibration = calibration.model_copy(
-        update={k: v for k, v in {"samples": samples, "seq_len": seq_len}.items() if v is not None}
-    )
+    options = CompressOptions(calib_samples=samples, seq_len=seq_len, targets=targets)
+    calibration = resolve_run(spec, options).calibration
     text = load_documents(calibration.source, split="calibration")
     ids = tokenize_documents(tokenizer, text.documents)
     return calibration_windows(
@@ -253,10 +253,12 @@ def measure_memory(spec_or_checkpoint: str, prefill: int, decode: int) -> dict:
     }
 
 
-def measure_forward(spec: str, samples: int | None, seq_len: int | None, batch_size: int) -> dict:
+def measure_forward(
+    spec: str, samples: int | None, seq_len: int | None, batch_size: int, targets: str | None = None
+) -> dict:
     # The device the compression run picks (`auto`), so that the two times compare.
     model, tokenizer = _load_original(spec, device="auto")
-    windows = calibration_token_windows(spec, tokenizer, samples, seq_len)
+    windows = calibration_token_windows(spec, tokenizer, samples, seq_len, targets)
     seconds = plain_forward_seconds(model, windows, batch_size)
     return {
         "seconds": seconds,
@@ -280,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     forward.add_argument("--calib-samples", type=int)
     forward.add_argument("--seq-len", type=int)
     forward.add_argument("--batch-size", type=int, default=1)
+    forward.add_argument(
+        "--targets", help="the compression run's targets (the MLP's take the recipe's mlp_samples)"
+    )
     latency = sub.add_parser("latency")
     latency.add_argument("--model", default="smollm2-135m")
     latency.add_argument("--checkpoint", required=True)
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _quiet_transformers()
     if args.what == "forward":
-        result = measure_forward(args.model, args.calib_samples, args.seq_len, args.batch_size)
+        result = measure_forward(args.model, args.calib_samples, args.seq_len, args.batch_size, args.targets)
         log(f"plain forward over {result['windows']}x{result['seq_len']} tokens: {result['seconds']:.1f} s")
     elif args.what == "latency":
         result = measure_latency(args.model, args.checkpoint, args.prefill, args.decode, args.repeats)

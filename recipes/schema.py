@@ -19,6 +19,12 @@ class _Strict(BaseModel):
 class CalibrationSettings(_Strict):
     source: str = Field("wikipedia", description="text source: 'wikipedia', a file/dir, or a datasets name")
     samples: int = Field(64, ge=1, description="number of calibration windows N")
+    mlp_samples: int | None = Field(
+        None,
+        ge=1,
+        description="calibration windows when an MLP projection is targeted (None: `samples`): the MLP's refits "
+        "read inputs several times wider than the attention's and gain from more tokens",
+    )
     seq_len: int = Field(512, ge=8, description="tokens per calibration window T")
     seed: int = Field(0, description="seed for window sampling")
     precision: Literal["model", "bfloat16"] = Field(

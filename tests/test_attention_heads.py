@@ -193,24 +193,6 @@ def test_native_sets_the_engine_forms_of_what_is_targeted():
         CompressOptions(native=True, layerwise=True)
 
 
-def test_native_doubles_the_calibration_windows_when_the_mlp_is_targeted():
-    """The least-squares refits of the native forms were measured better with twice the windows; `-n` wins, and
-    a run that refits no MLP keeps the recipe's."""
-    from compressor.api.run_options import NATIVE_CALIBRATION_FACTOR, CompressOptions, resolve_run_settings
-    from compressor.recipes.schema import builtin_recipe
-
-    recipe = builtin_recipe("smollm2-135m")
-    windows = recipe.calibration.samples
-    calibration, _, _ = resolve_run_settings(CompressOptions(targets="attn,mlp", native=True), recipe)
-    assert calibration.samples == NATIVE_CALIBRATION_FACTOR * windows == 128
-    calibration, _, _ = resolve_run_settings(
-        CompressOptions(targets="attn,mlp", native=True, calib_samples=32), recipe
-    )
-    assert calibration.samples == 32
-    for options in (CompressOptions(targets="attn", native=True), CompressOptions(targets="attn,mlp")):
-        assert resolve_run_settings(options, recipe)[0].samples == windows
-
-
 def test_per_layer_heads_run_in_llama_cpp(tmp_path):
     """A layer count of heads per layer is llama.cpp's `deci` layout: its log-probabilities equal transformers'."""
     pytest.importorskip(

@@ -365,6 +365,7 @@ def _fake_results() -> dict:
         "compress_over_forward": 2.9,
         "whole_model_compression": {
             "command": "masa-compress m --targets attn,mlp --ratio 0.2 --ratio-of model",
+            "calibration": {"samples": 2, "seq_len": 8},
             "stage_seconds": {"calibration": 5.0, "sensitivity": 1.0, "neuron_selection": 2.0, "other": 0.2},
             "compress_seconds": 8.2,
             "load_seconds": 1.0,
@@ -374,6 +375,7 @@ def _fake_results() -> dict:
         "whole_model_compress_over_forward": 4.1,
         "whole_model_bfloat16_compression": {
             "command": "masa-compress m --targets attn,mlp --ratio 0.2 --ratio-of model --calib-precision bfloat16",
+            "calibration": {"samples": 2, "seq_len": 8},
             "stage_seconds": {"calibration": 3.0, "sensitivity": 1.0, "neuron_selection": 2.0, "other": 0.2},
             "compress_seconds": 6.2,
             "load_seconds": 1.0,
@@ -456,6 +458,71 @@ def test_the_machine_line_names_the_vector_extension_and_bfloat16(tmp_path):
     results = _fake_results()
     results["machine"] |= {"vector_extension": "AVX2", "native_bfloat16": False}
     assert "**Machine:** cpu (AVX2, bfloat16 emulated), 2 cores" in _rendered(results, tmp_path)
+
+
+def test_the_model_20pc_smaller_is_timed_against_a_forward_over_its_own_windows(tmp_path):
+    """With the MLP targeted the run calibrates on the recipe's `mlp_samples`: its ratio's reference is a forward
+    over those windows, shown beside the attention run's; results from before (no forward of its own) keep the
+    attention run's, which then ran the same windows."""
+    results = _fake_results()
+    whole = results["whole_model_compression"]
+    whole |= {
+        "calibration": {"samples": 8, "seq_len": 8},
+        "forward": {"windows": 8, "seq_len": 8},
+        "forward_seconds": 4.0,
+    }
+    doc = _rendered(results, tmp_path)
+    assert "attention 0.2 2×8, model 20% smaller 8×8" in doc
+    assert "fresh process) | 2.0 (2×8) | 4.0 (8×8) |" in doc
+    assert "1.25x one forward pass by itself" in doc  # its capture, 5.0 s, over its own forward's 4.0 s
+    del whole["forward"], whole["forward_seconds"]
+    assert "2.50x one forward pass by itself" in _rendered(results, tmp_path)
+
+
+def test_section_3_times_the_model_20pc_smaller_against_a_forward_over_its_own_windows(tmp_path, monkeypatch):
+    """Where the run that targets the MLP calibrates on more windows (the recipe's `mlp_samples`), section 3
+    times a second plain forward over those, and divides that run's time by it; where both runs read the same
+    windows, one forward serves both."""
+    import benchmarks.measurements as measurements
+
+    def timed(args, checkpoint, what):
+        windows = 8 if "attn,mlp" in args else 2
+        return {"calibration": {"samples": windows, "seq_len": 4}, "compress_seconds": 10.0 * windows,
+                "stage_seconds": {"calibration": 5.0 * windows}, "process_seconds": 60.0}  # fmt: skip
+
+    forwards = []
+
+    def forward(args, what):
+        forwards.append(args)
+        windows = 8 if "--targets" in args else 2
+        return {"windows": windows, "seq_len": 4, "seconds": 4.0 * windows}
+
+    monkeypatch.setattr(measurements, "_timed_compression", timed)
+    monkeypatch.setattr(measurements, "run_json_child", forward)
+    monkeypatch.setattr(measurements, "_bfloat16_compression", lambda *a: {"skipped": "emulated"})
+    monkeypatch.setattr(measurements, "demo_arguments", lambda: ["m", "--ratio", "0.2"])
+    s = {"calib_samples": None, "seq_len": None, "stage_ratio": 0.2, "eval_max_tokens": None}
+    out = measurements.section_compression(s, tmp_path / "ckpt")
+    assert len(forwards) == 2 and forwards[1][-2:] == ["--targets", "attn,mlp"]
+    assert out["compress_over_forward"] == 20.0 / 8.0
+    assert out["whole_model_compress_over_forward"] == 80.0 / 32.0
+    assert out["whole_model_compression"]["forward_seconds"] == 32.0
+    forwards.clear()
+    monkeypatch.setattr(measurements, "_timed_compression", lambda args, c, w: timed([], c, w))
+    out = measurements.section_compression(s, tmp_path / "ckpt")
+    assert len(forwards) == 1 and out["whole_model_compress_over_forward"] == 20.0 / 8.0
+
+
+def test_a_section_of_a_former_default_says_so_and_the_summary_names_it(tmp_path):
+    results = _fake_results()
+    assert "Figures of a former default" not in _rendered(results, tmp_path)
+    results["stale"] = {"compression": "the model 20% smaller calibrated on 64 windows."}
+    doc = _rendered(results, tmp_path)
+    assert "**Figures of a former default** (the section says what changed): compression." in doc
+    section = doc.split("## 3. The compression run: time and memory per stage")[1]
+    assert section.lstrip().startswith(
+        "**Not re-measured on today's defaults:** the model 20% smaller calibrated"
+    )
 
 
 def test_report_renders_the_whole_model_and_its_targets(tmp_path):

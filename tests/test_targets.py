@@ -159,3 +159,28 @@ def test_mlp_checkpoints_round_trip_with_both_loaders(family, tmp_path):
             assert shared == list(MLP_PROJECTIONS)
             for p in shared:  # one atoms Parameter per group, in every layer that shares it
                 assert layers[2].mlp.get_submodule(p).atoms is layers[3].mlp.get_submodule(p).atoms
+
+
+def test_a_run_that_targets_the_mlp_takes_the_recipes_mlp_windows():
+    """The bundled recipe calibrates on more windows when an MLP projection is targeted (its refits were measured
+    better with them, on validation); `-n` wins, a run of the attention alone keeps `samples`, and a recipe that
+    sets no `mlp_samples` keeps `samples` for every target."""
+    from compressor.api.run_options import CompressOptions, resolve_run_settings
+    from compressor.recipes.schema import builtin_recipe
+
+    recipe = builtin_recipe("smollm2-135m")
+    windows, mlp_windows = recipe.calibration.samples, recipe.calibration.mlp_samples
+    assert mlp_windows is not None and mlp_windows > windows
+    for targets in ("attn,mlp", "mlp"):
+        for native in (False, True):
+            options = CompressOptions(targets=targets, native=native)
+            assert resolve_run_settings(options, recipe)[0].samples == mlp_windows
+    assert (
+        resolve_run_settings(CompressOptions(targets="attn,mlp", calib_samples=32), recipe)[0].samples == 32
+    )
+    assert resolve_run_settings(CompressOptions(targets="attn"), recipe)[0].samples == windows
+    assert resolve_run_settings(CompressOptions(targets="attn", native=True), recipe)[0].samples == windows
+    plain = recipe.model_copy(
+        update={"calibration": recipe.calibration.model_copy(update={"mlp_samples": None})}
+    )
+    assert resolve_run_settings(CompressOptions(targets="attn,mlp"), plain)[0].samples == windows

@@ -152,29 +152,22 @@ def resolve_run_settings(
     )
     if options.native:
         compression = native_settings(compression, options)
-        calibration = native_calibration(calibration, compression, options)
-    return calibration, evaluation, compression
+    return mlp_calibration(calibration, compression, options), evaluation, compression
 
 
-#: `--native` with the MLP targeted calibrates on this many times the recipe's windows (unless `-n` is given):
-#: its forms refit o_proj and down_proj by least squares, and on the bundled model's validation split 128
-#: windows instead of 64 gave −0.53 [−0.81, −0.31] perplexity (benchmarks/results/choices/
-#: calibration-size-validation.json).
-NATIVE_CALIBRATION_FACTOR = 2
-
-
-def native_calibration(
+def mlp_calibration(
     calibration: CalibrationSettings, compression: CompressionSettings, options: CompressOptions
 ) -> CalibrationSettings:
-    """The calibration of a `--native` run: the recipe's windows times NATIVE_CALIBRATION_FACTOR when the MLP is
-    targeted and `-n` was not given; otherwise as it was."""
+    """The calibration of a run: with an MLP projection targeted and no `-n` given, the recipe's `mlp_samples`
+    windows where it sets them; otherwise as it was. The MLP's least-squares refits and neuron orders read inputs
+    2.7x wider than the attention's (down_proj's) and gain from more tokens, where the attention alone does not
+    need them (benchmarks/results/choices/calibration-size-validation.json)."""
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 
-    if options.calib_samples is not None or not set(MLP_PROJECTIONS) & set(
-        target_projections(compression.targets)
-    ):
+    targets_mlp = set(MLP_PROJECTIONS) & set(target_projections(compression.targets))
+    if options.calib_samples is not None or not targets_mlp or calibration.mlp_samples is None:
         return calibration
-    return calibration.model_copy(update={"samples": calibration.samples * NATIVE_CALIBRATION_FACTOR})
+    return calibration.model_copy(update={"samples": calibration.mlp_samples})
 
 
 def native_settings(compression: CompressionSettings, options: CompressOptions) -> CompressionSettings:

@@ -155,7 +155,7 @@ Native = Annotated[
     typer.Option(
         "--native",
         rich_help_panel=MLP,
-        help="Engines' forms only: heads, neurons in 32s (with the MLP: twice the calibration windows).",
+        help="Engines' forms only: whole query heads, MLP neurons in 32s.",
     ),
 ]
 Mlp = Annotated[
@@ -291,7 +291,7 @@ CalibSamples = Annotated[
         min=1,
         metavar="N",
         rich_help_panel=CALIBRATION,
-        help="Calibration windows (default: the recipe's).",
+        help="Calibration windows (default: recipe's, by target).",
     ),
 ]
 SeqLen = Annotated[
