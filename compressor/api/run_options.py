@@ -160,8 +160,9 @@ def mlp_calibration(
 ) -> CalibrationSettings:
     """The calibration of a run: with an MLP projection targeted and no `-n` given, the recipe's `mlp_samples`
     windows where it sets them; otherwise as it was. The MLP's least-squares refits and neuron orders read inputs
-    2.7x wider than the attention's (down_proj's) and gain from more tokens, where the attention alone does not
-    need them (benchmarks/results/choices/calibration-size-validation.json)."""
+    2.7x wider than the attention's (down_proj's) and gain from more tokens (benchmarks/results/choices/
+    calibration-windows-mlp-validation.json); a run of the attention alone keeps `samples` (more windows were not
+    measured for it, and they would lengthen `make demo`)."""
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 
     targets_mlp = set(MLP_PROJECTIONS) & set(target_projections(compression.targets))
