@@ -60,9 +60,10 @@ FORMULA = [
     "- P_comp = S·T·H·d (the sensitivity windows stay referenced) + B·W_targets (a run's installed modules before "
     "it is spilled, at most) + 8·Σ in² (the current layer's Cholesky factors) + max(8·(B + 5)·H² (a run's B "
     "stacked attention autocorrelations, their sum, its symmetrized copy, the identity and the factor), "
-    "8·4·in_max² (the Cholesky of the widest input; 8·6·I² with the MLP: the neurons' order permutes it and may damp it), SVD(m×n) = 8·(3·m·n + (m + n)·k + 4·k²), k = min(m, n), of "
+    "8·4·in_max² (the Cholesky of the widest input; 8·6·I² with the MLP: the neurons' order permutes it and may damp it), SVD(m×n) = 8·(4·m·n + 6·k²), k = min(m, n), of "
     "the largest matrix factored (the run's stacked k/v, B·K×H, q, or with MLP gate/up/down, I×H): the matrix, "
-    "its whitened product, LAPACK's copy, U, Vh and dgesdd's ≈4k² workspace);",
+    "its whitened product, `M V` and U, the Gram, its eigenvectors, Vh and dsyevd's workspace, the larger of the "
+    "two paths of `whitened_svd`);",
     "- P_eval = S·T·H·d + 2·C·Tₑ·H·d (a chunk of 32 windows' hidden states, at the input and at the current "
     "layer) + act(Tₑ) + Tₑ·V·(12 + d) (the original's and the compressed model's log-probabilities); none "
     "without evaluation (the benchmark's runs);",

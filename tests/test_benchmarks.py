@@ -154,7 +154,7 @@ def test_memory_projection_terms():
     # Calibration, by hand: the stream 2·3·4·4 = 96; the fp64 autocorrelations 8·(4² + 4²) = 256; one window's
     # activations 3·4·(3·4 + 2·4 + 2·2 + 3·8) = 576; the hook's two fp64 copies of the widest input 16·3·4 = 192.
     assert phase_calibration(tiny, w) == 96 + 256 + 576 + 192
-    assert svd_bytes(6, 4) == 8 * (3 * 24 + 10 * 4 + 4 * 16)
+    assert svd_bytes(6, 4) == 8 * (4 * 24 + 6 * 16)
     # Wider models and more calibration tokens need more; depth adds only the block-output means (4·L·N·H).
     wider = Shape("wider", 8, 2, 1, 4, 16, 4, 10, True)
     assert overhead(wider, w) > overhead(tiny, w)

@@ -192,6 +192,71 @@ def test_svd_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         plain_svd(torch.ones(6, 8, dtype=torch.float64))
 
 
+def _lapack_svd_of_whitened(delta: torch.Tensor, S: torch.Tensor):
+    return torch.linalg.svd(delta @ S, full_matrices=False)
+
+
+@pytest.mark.parametrize("n_out", [8, 12, 40])
+def test_the_gram_path_is_an_svd_where_inputs_do_not_outnumber_outputs(n_out: int) -> None:
+    """q/o (square) and stacked k/v (tall) take the Gram's eigenvectors: against LAPACK's SVD, the same σ² to
+    n·eps·σ₁², an orthonormal Vh, full rank exact, and at every rank the error the tail promises (Eckart–Young),
+    on activations whose channel scales span 1e4 as outlier channels do."""
+    gen = torch.Generator().manual_seed(n_out)
+    scales = torch.logspace(-2, 2, 8, dtype=torch.float64)
+    x = torch.randn(200, 8, generator=gen, dtype=torch.float64) * scales
+    delta = torch.randn(n_out, 8, generator=gen, dtype=torch.float64)
+    factor = whitening_factor(x.T @ x)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    assert u.shape == (n_out, 8) and sigma.shape == (8,) and vh.shape == (8, 8)
+    assert bool((sigma[:-1] >= sigma[1:]).all())
+    _, lapack_sigma, _ = _lapack_svd_of_whitened(delta, factor.S)
+    bound = 8 * 8 * torch.finfo(torch.float64).eps * float(lapack_sigma[0]) ** 2
+    torch.testing.assert_close(sigma.square(), lapack_sigma.square(), rtol=0, atol=bound)
+    torch.testing.assert_close(vh @ vh.T, torch.eye(8, dtype=torch.float64), rtol=0, atol=1e-13)
+    values = whitened_singular_values(delta, factor.S)
+    torch.testing.assert_close(values.square(), sigma.square(), rtol=0, atol=bound)
+    tail = discarded_energy(sigma)
+    for rank in range(0, 9):
+        a, b = low_rank_factors(u, sigma, vh, factor.S, rank)
+        error = ((delta - a @ b) @ factor.S).square().sum()
+        torch.testing.assert_close(error, tail[rank], rtol=1e-10, atol=bound)
+        # No worse than the optimal rank-r error LAPACK's vectors give, beyond the squaring's resolution.
+        assert float(error) <= float(discarded_energy(lapack_sigma)[rank]) + bound
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 8)
+    torch.testing.assert_close(a @ b, delta, rtol=0, atol=1e-10)
+
+
+def test_the_gram_path_of_a_rank_deficient_residual() -> None:
+    """A residual of rank 2 (e.g. stacked readers, some all zero): its zero σ give zero columns of U and zero
+    factors, Vh stays orthonormal (what `whitened_basis` reads), and rank 2 is already exact."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(100, 6, generator=gen, dtype=torch.float64)
+    left = torch.randn(10, 2, generator=gen, dtype=torch.float64)
+    delta = left @ torch.randn(2, 6, generator=gen, dtype=torch.float64)
+    delta[5:] = 0.0
+    factor = whitening_factor(x.T @ x)
+    u, sigma, vh = whitened_svd(delta, factor.S)
+    assert bool(torch.isfinite(u).all())
+    torch.testing.assert_close(vh @ vh.T, torch.eye(6, dtype=torch.float64), rtol=0, atol=1e-13)
+    assert float(sigma[2:].max()) <= 1e-6 * float(sigma[0])
+    a, b = low_rank_factors(u, sigma, vh, factor.S, 2)
+    torch.testing.assert_close(a @ b, delta, rtol=0, atol=1e-9)
+
+
+def test_gram_eigendecomposition_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    x, delta = _setup(n_out=8, n_in=8, seed=2)
+    factor = whitening_factor(x.T @ x)
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    with pytest.raises(NumericalError, match=r"Gram of the whitened residual of shape \(8, 8\)"):
+        whitened_svd(delta, factor.S)
+    monkeypatch.setattr(torch.linalg, "eigvalsh", failing)
+    with pytest.raises(NumericalError, match=r"\(8, 8\)"):
+        whitened_singular_values(delta, factor.S)
+
+
 def test_low_precision_inputs() -> None:
     x, delta = _setup(seed=6)
     factor = whitening_factor((x.T @ x).float())

@@ -123,10 +123,12 @@ def activations(shape: Shape, seq_len: int, d: int) -> int:
 
 
 def svd_bytes(m: int, n: int) -> int:
-    """fp64 thin SVD of an m×n matrix as `whitening.whitened_svd` runs it: the matrix, its whitened product,
-    LAPACK's working copy, U (m×k), Vh (k×n) and dgesdd's ≈4k² workspace."""
+    """fp64 thin SVD of an m×n matrix as `whitening.whitened_svd` runs it, the larger of its two paths: with
+    n ≤ m the matrix, its whitened product, `M V` and U (4mn), the Gram, its eigenvectors, Vh and dsyevd's ≈2k²
+    workspace and copy (≈6k²); else the matrix, its whitened product, LAPACK's working copy, U, Vh and dgesdd's
+    ≈4k² workspace (4mn + 5k²)."""
     k = min(m, n)
-    return 8 * (3 * m * n + (m + n) * k + 4 * k * k)
+    return 8 * (4 * m * n + 6 * k * k)
 
 
 def _hook_copy(shape: Shape, w: Workload) -> int:
