@@ -153,68 +153,69 @@ def demo_arguments() -> list[str]:
 
 def section_compression(s: dict, checkpoint: Path) -> dict:
     """Real CLI runs in fresh processes: attention only and the model 20% smaller, the latter also with bfloat16
-    forward passes in the calibration (no evaluation; every second but loading the model counted), one plain
-    forward pass over the same calibration windows in another fresh
-    process (the reference of both ratios), and `make demo`'s command itself, evaluation included, timed whole."""
+    forward passes in the calibration (no evaluation; every second but loading the model counted), each of the
+    first two between two plain forward passes over its own calibration windows in other fresh processes (the
+    reference of its ratio: their mean, `_bracketed_compression`), and `make demo`'s command itself, evaluation
+    included, timed whole."""
     calibration_flags = []
     for flag, key in (("--calib-samples", "calib_samples"), ("--seq-len", "seq_len")):
         if s[key] is not None:
             calibration_flags += [flag, str(s[key])]
     ratio = str(s["stage_ratio"])
-    attention = _timed_compression(
-        [MODEL, "--ratio", ratio, "--no-eval", *calibration_flags], checkpoint, "attention only"
+    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL, *calibration_flags]
+    attention = _bracketed_compression(
+        [MODEL, "--ratio", ratio, "--no-eval", *calibration_flags], checkpoint, "attention only", forward_args
     )
     with tempfile.TemporaryDirectory(prefix="masa-bench-whole-") as work:
-        whole = _timed_compression(
-            [
-                MODEL,
-                "--targets",
-                "attn,mlp",
-                "--ratio",
-                ratio,
-                "--ratio-of",
-                "model",
-                "--no-eval",
-                *calibration_flags,
-            ],
+        # The model 20% smaller calibrates on the recipe's `mlp_samples`: its reference is a forward over those.
+        whole = _bracketed_compression(
+            [MODEL, "--targets", "attn,mlp", "--ratio", ratio, "--ratio-of", "model", "--no-eval",
+             *calibration_flags],
             Path(work) / "whole",
             "the model 20% smaller",
-        )
+            [*forward_args, "--targets", "attn,mlp"],
+        )  # fmt: skip
         whole_bfloat16 = _bfloat16_compression(ratio, calibration_flags, Path(work) / "whole-bfloat16")
         # `make demo` as the Makefile runs it (a first run: no statistics cache); the quick run caps it further.
         eval_cap = ["--eval-max-tokens", str(s["eval_max_tokens"])] if s["eval_max_tokens"] else []
         demo = _timed_compression(
             [*demo_arguments(), *calibration_flags, *eval_cap], Path(work) / "demo", "demo"
         )
-    log("plain forward pass over the same calibration windows (fresh process)")
-    forward_args = ["-m", "benchmarks.speed", "forward", "--model", MODEL, *calibration_flags]
-    forward = run_json_child(forward_args, "the plain forward pass")
-    _check_same_windows(forward, attention)
-    attention |= {"forward": forward, "forward_seconds": forward["seconds"], "ratio": s["stage_ratio"]}
-    # The model 20% smaller calibrates on the recipe's `mlp_samples`: its reference is a forward over those.
-    whole_forward = forward
-    if whole["calibration"]["samples"] != attention["calibration"]["samples"]:
-        log("plain forward pass over the model 20% smaller's calibration windows (fresh process)")
-        whole_forward = run_json_child(
-            [*forward_args, "--targets", "attn,mlp"], "the plain forward pass (MLP)"
-        )
-        _check_same_windows(whole_forward, whole)
-    whole |= {"forward": whole_forward, "forward_seconds": whole_forward["seconds"]}
+    attention["ratio"] = s["stage_ratio"]
     return {
         "compression": attention,
         "whole_model_compression": whole,
         "whole_model_bfloat16_compression": whole_bfloat16,
         "demo": demo,
-        "compress_over_forward": attention["compress_seconds"] / forward["seconds"],
-        "whole_model_compress_over_forward": whole["compress_seconds"] / whole_forward["seconds"],
+        "compress_over_forward": attention["compress_seconds"] / attention["forward_seconds"],
+        "whole_model_compress_over_forward": whole["compress_seconds"] / whole["forward_seconds"],
         # None (not left from an earlier run merged into this one) where this CPU only emulates bfloat16.
         "whole_model_bfloat16_compress_over_forward": (
-            whole_bfloat16["compress_seconds"] / whole_forward["seconds"]
+            whole_bfloat16["compress_seconds"] / whole["forward_seconds"]
             if "compress_seconds" in whole_bfloat16
             else None
         ),
-        "calibration_over_forward": attention["stage_seconds"]["calibration"] / forward["seconds"],
+        "calibration_over_forward": attention["stage_seconds"]["calibration"] / attention["forward_seconds"],
         "demo_minutes": demo["process_seconds"] / 60,
+    }
+
+
+def _bracketed_compression(run_args: list[str], out: Path, what: str, forward_args: list[str]) -> dict:
+    """A compression run between two plain forward passes over its own calibration windows, each in a fresh
+    process: the run's reference is their mean (`forward_seconds`), `forward` and `forward_after` the two. A
+    shared machine's speed drifts over minutes (the same forward over 64×512 tokens took 77.7 s and 119.2 s on
+    one 2-core machine, hours apart), so a reference timed long before or after the run can move its ratio by a third;
+    the two passes bound what the drift did during it."""
+    before = run_json_child(forward_args, f"the plain forward pass before {what}")
+    run = _timed_compression(run_args, out, what)
+    after = run_json_child(forward_args, f"the plain forward pass after {what}")
+    for forward in (before, after):
+        _check_same_windows(forward, run)
+    log(f"  {what}: forward {before['seconds']:.1f} s before, {after['seconds']:.1f} s after")
+    return run | {
+        "forward": before,
+        "forward_after": after,
+        "forward_seconds": (before["seconds"] + after["seconds"]) / 2,
     }
 
 

@@ -33,6 +33,7 @@ def compression_section(results: dict, rel) -> list[str]:
         | ({"model 20% smaller": whole} if whole else {})
         | ({"model 20% smaller, `--calib-precision bfloat16`": whole_bf16} if whole_bf16 else {})
     )
+    bracketed = "forward_after" in c
     seen = {k for run in runs.values() for k in run["stage_seconds"]}
     order = [*STAGE_LABELS, *sorted(seen - set(STAGE_LABELS))]  # the pipeline's order; `other` last
     stages = sorted(seen, key=lambda k: (k == "other", order.index(k)))
@@ -70,12 +71,15 @@ def compression_section(results: dict, rel) -> list[str]:
         + " |",
         "| peak RSS (GiB) | " + " | ".join(f"{r['peak_rss_gib']:.2f}" for r in runs.values()) + " |",
         f"| reference: one plain forward pass over the run's calibration tokens (batch {c['forward']['batch_size']}, "
-        "no hooks, fresh process) | "
+        "no hooks, fresh process"
+        + ("; the mean of one before and one after the run" if bracketed else "")
+        + ") | "
         + " | ".join("{:.1f} ({})".format(*_forward(r, c)) for r in runs.values())
         + " |",
         "",
         f"- **Attention 0.2: {results['compress_over_forward']:.2f}x one plain forward pass** "
-        f"(target ≤ {TARGETS['compress_over_forward'][0]:g}x: {verdict('compress_over_forward', results)}); "
+        f"(target ≤ {TARGETS['compress_over_forward'][0]:g}x: {verdict('compress_over_forward', results)}"
+        f"{_drift(c)}); "
         f"calibration capture alone {c['stage_seconds'].get('calibration', 0) / c['forward_seconds']:.2f}x (target ≤ "
         f"{TARGETS['calibration_over_forward'][0]:g}x: {verdict('calibration_over_forward', results)}).",
     ]
@@ -99,11 +103,23 @@ def compression_section(results: dict, rel) -> list[str]:
 
 
 def _forward(run: dict, attention: dict) -> tuple[float, str]:
-    """The plain forward pass a run's time is compared with, as (seconds, "windows×tokens"): its own over its
-    calibration windows, or (results from before the model 20% smaller took the recipe's `mlp_samples`) the
-    attention run's, over the same windows then."""
+    """The plain forward pass a run's time is compared with, as (seconds, "windows×tokens[; before / after]"):
+    its own over its calibration windows (the mean of one before and one after the run, both shown), or (results
+    from before the model 20% smaller took the recipe's `mlp_samples`) the attention run's, over the same windows
+    then."""
     own = run if "forward" in run else attention
-    return own["forward_seconds"], f"{own['forward']['windows']}×{own['forward']['seq_len']}"
+    label = f"{own['forward']['windows']}×{own['forward']['seq_len']}"
+    if "forward_after" in own:
+        label += f"; {own['forward']['seconds']:.1f} before, {own['forward_after']['seconds']:.1f} after"
+    return own["forward_seconds"], label
+
+
+def _drift(run: dict) -> str:
+    """The ratio against each of the two forwards around a run (the machine's drift during it), if timed so."""
+    if "forward_after" not in run:
+        return ""
+    low, high = sorted(run["compress_seconds"] / run[key]["seconds"] for key in ("forward", "forward_after"))
+    return f"; {low:.2f}x to {high:.2f}x against the forward before or after it alone"
 
 
 def _whole_model_bullets(results: dict, c: dict, whole: dict | None, whole_bf16: dict | None) -> list[str]:
@@ -117,7 +133,7 @@ def _whole_model_bullets(results: dict, c: dict, whole: dict | None, whole_bf16:
         bullets.append(
             f"- **The model 20% smaller: {results['whole_model_compress_over_forward']:.3f}x** (target ≤ "
             f"{TARGETS['whole_model_compress_over_forward'][0]:g}x: "
-            f"{verdict('whole_model_compress_over_forward', results)}); its largest stage is "
+            f"{verdict('whole_model_compress_over_forward', results)}{_drift(whole)}); its largest stage is "
             f"{STAGE_LABELS.get(whole['dominant_stage'], whole['dominant_stage'])}, "
             f"{whole_capture:.2f}x one forward pass by itself: beside the attention's ({attention_capture:.2f}x), "
             "it sums the autocorrelations of the MLP's inputs, `down_proj`'s as wide as the MLP (each token's "
@@ -226,7 +242,7 @@ def zero_shot_lines(path: Path | None = None) -> list[str]:
         "mean per-item difference per task, over the tasks' mean): a difference whose interval holds 0 is a tie. "
         "At this model's scale BoolQ measures a yes/no bias more than reading (its validation split is 62% yes: a "
         "model answering one way throughout scores that share or the rest), and compression moves that bias, so "
-        "the mean and the differences are also given without it.",
+        "the mean and the differences are also given without it." + _zero_shot_provenance(z),
         "",
         *_zero_shot_table(z),
     ]
@@ -234,14 +250,26 @@ def zero_shot_lines(path: Path | None = None) -> list[str]:
         z = json.loads(other.read_text())
         lines += [
             f"The model {z['model_ratio']:.0%} smaller, measured the same way (benchmarks/results/{other.name}, "
-            f"{z['date']}, the first {z['limit_per_task']} items of each task"
-            + ("; the original's row and items are the 20% run's: the same model on the same items"
-               if z["rows"]["original"].get("reused_from") else "")
-            + "):",
+            f"{z['date']}, the first {z['limit_per_task']} items of each task)." + _zero_shot_provenance(z),
             "",
             *_zero_shot_table(z),
-        ]  # fmt: skip
+        ]
     return lines
+
+
+def _zero_shot_provenance(z: dict) -> str:
+    """What a zero-shot file's rows were built from: the compressed models' calibration windows (files before
+    they were recorded: 64, the only count then) and where the original's row came from."""
+    counts = sorted(
+        {row.get("calibration_windows") or 64 for name, row in z["rows"].items() if name != "original"}
+    )
+    text = f" Every compressed model calibrated on {' or '.join(map(str, counts))} windows of 512 tokens"
+    text += "" if any(row.get("calibration_windows") for row in z["rows"].values()) else " (the count then)"
+    original = z["rows"]["original"]
+    if original.get("reused_from"):
+        when = f"those scored on {original['scored_on']}" if original.get("scored_on") else "the 20% run's"
+        text += f"; the original's row and items are {when}: the same model on the same items"
+    return text + "."
 
 
 def _zero_shot_table(z: dict) -> list[str]:

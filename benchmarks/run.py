@@ -9,9 +9,9 @@ Sections (all on the bundled SmolLM2-135M unless said otherwise):
 2. whole_model: `--targets attn,mlp --ratio-of model` at 10-40% of the model (the default, the low-rank MLP,
    uniform MLP widths, FLAP, SVD-LLM; `benchmarks.whole_model`), the 20% model also on a second text domain;
 3. compression: real `masa-compress smollm2-135m --ratio 0.2` and `... --targets attn,mlp --ratio-of model`
-   runs in fresh processes (time per stage, peak RSS, the checkpoint), one plain forward pass over the same
-   calibration tokens in another fresh process (their ratios: `compress_over_forward`,
-   `whole_model_compress_over_forward`, `calibration_over_forward`), the model 20% smaller again with
+   runs in fresh processes (time per stage, peak RSS, the checkpoint), each between two plain forward passes
+   over its own calibration tokens in other fresh processes, their mean its reference (the ratios:
+   `compress_over_forward`, `whole_model_compress_over_forward`, `calibration_over_forward`), the model 20% smaller again with
    `--calib-precision bfloat16` where the CPU multiplies bfloat16 natively (elsewhere it says why not), and
    `make demo`'s command timed whole (`demo_minutes`);
 4. latency: the checkpoint of (3) reloaded with `load_compressed` vs the original, prefill and decode, and

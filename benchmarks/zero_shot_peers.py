@@ -7,9 +7,10 @@ file).
 `python -m benchmarks.zero_shot_peers [--model-ratio 0.2] [--limit 100] [--batch-size 16] [--out F]`
 
 The model 20% smaller writes `benchmarks/results/zero-shot-peers.json` (items under `zero-shot-items/`); another
-ratio `zero-shot-peers-30.json` (items under `zero-shot-items/30/`), and reads the original's row and items from
-the 20% run when that scored the same items (same `--limit` and batch size): the original is not compressed, so it
-scores the same; otherwise it scores it again.
+ratio `zero-shot-peers-30.json` (items under `zero-shot-items/30/`). Every run, the 20% one re-run included, reads
+the original's row and items from the 20% run's file when that scored the same items (same `--limit` and batch
+size; the row keeps the date it was scored): the original is not compressed, so it scores the same; otherwise it
+scores it again. Each compressed row records the calibration windows its run took.
 
 Intervals: each accuracy's 95% Wilson interval over its items; every model's per-item scores (`eval --items`,
 kept under `benchmarks/results/zero-shot-items/`) give the differences of suite means paired on the same items
@@ -76,13 +77,15 @@ def ratio_paths(model_ratio: float) -> tuple[Path, Path]:
 
 def reused_original(limit: int, batch_size: int) -> dict | None:
     """The original's row from the main ratio's results when it scored `limit` items per task in batches of
-    `batch_size` (and its per-item file is there): the same model on the same items."""
+    `batch_size` (and its per-item file is there): the same model on the same items. It keeps the date it was
+    scored on (`scored_on`), carried over however many runs reuse it."""
     if not RESULTS.is_file() or not (ITEMS / "original.jsonl").is_file():
         return None
     found = json.loads(RESULTS.read_text())
     if found["limit_per_task"] != limit or found["batch_size"] != batch_size:
         return None
-    return {**found["rows"]["original"], "reused_from": str(RESULTS)}
+    row = found["rows"]["original"]
+    return {**row, "reused_from": str(RESULTS), "scored_on": row.get("scored_on", found["date"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,15 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     whole_model = ["--targets", "attn,mlp", "--ratio", f"{args.model_ratio:g}", "--ratio-of", "model"]
     rows, item_files = {}, {}
     items_folder.mkdir(parents=True, exist_ok=True)
-    original = None if args.model_ratio == MAIN_RATIO else reused_original(args.limit, args.batch_size)
+    original = reused_original(args.limit, args.batch_size)
     if original is not None:
         rows["original"], item_files["original"] = original, ITEMS / "original.jsonl"
-        log(f"original: the {original['reused_from']} row, same items")
+        log(f"original: the {original['reused_from']} row (scored {original['scored_on']}), same items")
     with tempfile.TemporaryDirectory(prefix="zero-shot-peers-") as folder:
         for name, options in MODELS.items():
             if name in rows:
                 continue
-            path, compress_seconds = MODEL, None
+            path, compress_seconds, windows = MODEL, None, None
             item_files[name] = items_folder / f"{name}.jsonl"
             if options is not None:
                 path = str(Path(folder) / name)
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                     [*CLI, "compress", MODEL, *whole_model, *options, "--no-eval", "--out", path, "--json"]
                 )
                 compress_seconds = time.perf_counter() - start
-                log(f"{name}: compressed, achieved {compressed.get('achieved_ratio')}")
+                windows = compressed["settings"]["calibration"]["samples"]
+                log(f"{name}: compressed on {windows} windows, achieved {compressed.get('achieved_ratio')}")
             start = time.perf_counter()
             scored = _run_json(
                 [*CLI, "eval", path, "--tasks", "zero-shot", "--limit", str(args.limit),
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 "mean_ci95": ci95,
                 "eval_seconds": time.perf_counter() - start,
                 "compress_seconds": compress_seconds,
+                "calibration_windows": windows,
             }
             log(f"{name}: mean {mean:.4f} [{ci95[0]:.4f}, {ci95[1]:.4f}]")
     items = {name: read_items(item_files[name]) for name in rows}

@@ -479,23 +479,42 @@ def test_the_model_20pc_smaller_is_timed_against_a_forward_over_its_own_windows(
     assert "2.50x one forward pass by itself" in _rendered(results, tmp_path)
 
 
-def test_section_3_times_the_model_20pc_smaller_against_a_forward_over_its_own_windows(tmp_path, monkeypatch):
-    """Where the run that targets the MLP calibrates on more windows (the recipe's `mlp_samples`), section 3
-    times a second plain forward over those, and divides that run's time by it; where both runs read the same
-    windows, one forward serves both."""
+def test_a_run_timed_between_two_forwards_shows_both_and_the_ratio_against_each(tmp_path):
+    results = _fake_results()
+    c = results["compression"]
+    c |= {
+        "forward": {**c["forward"], "seconds": 1.0},
+        "forward_after": {**c["forward"], "seconds": 3.0},
+        "forward_seconds": 2.0,
+    }
+    results["compress_over_forward"] = c["compress_seconds"] / 2.0
+    doc = _rendered(results, tmp_path)
+    assert "; the mean of one before and one after the run) | 2.0 (2×8; 1.0 before, 3.0 after) |" in doc
+    low, high = c["compress_seconds"] / 3.0, c["compress_seconds"] / 1.0
+    assert f"; {low:.2f}x to {high:.2f}x against the forward before or after it alone" in doc
+
+
+def test_section_3_times_each_run_between_two_forwards_over_its_own_windows(tmp_path, monkeypatch):
+    """Each run's reference is the mean of a plain forward over its own calibration windows timed just before it
+    and one just after (the machine's speed drifts): the model 20% smaller, which calibrates on the recipe's
+    `mlp_samples`, against forwards over those; the rendered section shows both forwards and the ratio against
+    each alone."""
     import benchmarks.measurements as measurements
 
+    events = []
+
     def timed(args, checkpoint, what):
+        events.append(what)
         windows = 8 if "attn,mlp" in args else 2
         return {"calibration": {"samples": windows, "seq_len": 4}, "compress_seconds": 10.0 * windows,
                 "stage_seconds": {"calibration": 5.0 * windows}, "process_seconds": 60.0}  # fmt: skip
 
-    forwards = []
+    slowdown = iter([1.0, 1.5, 1.0, 3.0])  # the machine slows down after each run
 
     def forward(args, what):
-        forwards.append(args)
+        events.append("forward" + (" mlp" if "--targets" in args else ""))
         windows = 8 if "--targets" in args else 2
-        return {"windows": windows, "seq_len": 4, "seconds": 4.0 * windows}
+        return {"windows": windows, "seq_len": 4, "seconds": 4.0 * windows * next(slowdown), "batch_size": 1}
 
     monkeypatch.setattr(measurements, "_timed_compression", timed)
     monkeypatch.setattr(measurements, "run_json_child", forward)
@@ -503,14 +522,22 @@ def test_section_3_times_the_model_20pc_smaller_against_a_forward_over_its_own_w
     monkeypatch.setattr(measurements, "demo_arguments", lambda: ["m", "--ratio", "0.2"])
     s = {"calib_samples": None, "seq_len": None, "stage_ratio": 0.2, "eval_max_tokens": None}
     out = measurements.section_compression(s, tmp_path / "ckpt")
-    assert len(forwards) == 2 and forwards[1][-2:] == ["--targets", "attn,mlp"]
-    assert out["compress_over_forward"] == 20.0 / 8.0
-    assert out["whole_model_compress_over_forward"] == 80.0 / 32.0
-    assert out["whole_model_compression"]["forward_seconds"] == 32.0
-    forwards.clear()
-    monkeypatch.setattr(measurements, "_timed_compression", lambda args, c, w: timed([], c, w))
-    out = measurements.section_compression(s, tmp_path / "ckpt")
-    assert len(forwards) == 1 and out["whole_model_compress_over_forward"] == 20.0 / 8.0
+    assert events == [
+        "forward", "attention only", "forward",
+        "forward mlp", "the model 20% smaller", "forward mlp",
+        "demo",
+    ]  # fmt: skip
+    assert out["compression"]["forward_seconds"] == (8.0 + 12.0) / 2
+    assert out["compress_over_forward"] == 20.0 / 10.0
+    assert out["whole_model_compression"]["forward_seconds"] == (32.0 + 96.0) / 2
+    assert out["whole_model_compress_over_forward"] == 80.0 / 64.0
+    assert out["calibration_over_forward"] == 10.0 / 10.0
+    # A forward over other windows than the run's is refused, not divided by.
+    monkeypatch.setattr(
+        measurements, "run_json_child", lambda args, what: {"windows": 3, "seq_len": 4, "seconds": 1}
+    )
+    with pytest.raises(RuntimeError, match="other windows"):
+        measurements.section_compression(s, tmp_path / "ckpt")
 
 
 def test_a_section_of_a_former_default_says_so_and_the_summary_names_it(tmp_path):
@@ -719,10 +746,21 @@ def test_the_zero_shot_table_shows_each_task_the_mean_and_the_paired_differences
     text = "\n".join(zero_shot_lines(path))
     assert "The model 30% smaller, measured the same way (benchmarks/results/zero-shot-peers-30.json" in text
     assert "the original's row and items are the 20% run's" in text
+    # Files written before the windows were recorded: 64, the only count then.
+    assert text.count("calibrated on 64 windows of 512 tokens (the count then)") == 2
     assert (
         text.index("| 45.0% [40.0%, 50.0%]")
         < text.index("30% smaller")
         < text.index("| 35.0% [40.0%, 50.0%]")
+    )
+    # A re-run records its windows and the date its reused original was scored on.
+    rows["masa-attn-mlp"]["calibration_windows"] = rows["svd-llm-attn-mlp"]["calibration_windows"] = 256
+    rows["original"]["scored_on"] = "2026-11-27"
+    path.write_text(json.dumps({"date": "2026-11-29", "limit_per_task": 100, "rows": rows}))
+    text = "\n".join(zero_shot_lines(path))
+    assert (
+        "Every compressed model calibrated on 256 windows of 512 tokens; the original's row and items are those "
+        "scored on 2026-11-27" in text
     )
 
 
@@ -740,15 +778,21 @@ def test_another_ratios_zero_shot_run_has_its_own_files_and_reuses_the_original_
     )
     assert zero_shot_peers.reused_original(200, 16) is None  # no 20% run yet
     original = {"tasks": {}, "mean": 0.44}
-    main = {"limit_per_task": 200, "batch_size": 16, "rows": {"original": original}}
+    main = {"limit_per_task": 200, "batch_size": 16, "date": "2026-11-27", "rows": {"original": original}}
     (tmp_path / "zero-shot-peers.json").write_text(json.dumps(main))
     assert zero_shot_peers.reused_original(200, 16) is None  # its per-item scores are missing
     (tmp_path / "items").mkdir()
     (tmp_path / "items" / "original.jsonl").write_text("")
-    assert zero_shot_peers.reused_original(200, 16) == {
+    reused = zero_shot_peers.reused_original(200, 16)
+    assert reused == {
         **original,
         "reused_from": str(tmp_path / "zero-shot-peers.json"),
+        "scored_on": "2026-11-27",
     }
+    # A later 20% run that reused it keeps the date it was scored on, not its own.
+    main = {**main, "date": "2026-11-29", "rows": {"original": reused}}
+    (tmp_path / "zero-shot-peers.json").write_text(json.dumps(main))
+    assert zero_shot_peers.reused_original(200, 16)["scored_on"] == "2026-11-27"
     assert (
         zero_shot_peers.reused_original(100, 16) is None and zero_shot_peers.reused_original(200, 8) is None
     )
