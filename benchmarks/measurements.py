@@ -203,9 +203,9 @@ def section_compression(s: dict, checkpoint: Path) -> dict:
 def _bracketed_compression(run_args: list[str], out: Path, what: str, forward_args: list[str]) -> dict:
     """A compression run between two plain forward passes over its own calibration windows, each in a fresh
     process: the run's reference is their mean (`forward_seconds`), `forward` and `forward_after` the two. A
-    shared machine's speed drifts over minutes (the same forward over 64×512 tokens took 77.7 s and 119.2 s on
-    one 2-core machine, hours apart), so a reference timed long before or after the run can move its ratio by a third;
-    the two passes bound what the drift did during it."""
+    shared machine's speed drifts (the same forward over 64×512 tokens took 77.7 s and 119.2 s on one 2-core
+    machine, hours apart), so a reference timed long before or after the run can move its ratio by a third; the
+    two passes bound what the drift did during it."""
     before = run_json_child(forward_args, f"the plain forward pass before {what}")
     run = _timed_compression(run_args, out, what)
     after = run_json_child(forward_args, f"the plain forward pass after {what}")

@@ -203,10 +203,11 @@ def whitened_svd(delta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, to
 
 def whitened_singular_values(delta: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """The singular values of `ΔW S` alone (descending, float64): what a tail of discarded energy reads. From the
-    eigenvalues of the smaller Gram (`σ_i² = λ_i`, negative rounding clipped to 0): no vectors, a fifth to a third
-    of `whitened_svd`'s time (the allocation takes the values of every projection; only the installed ones need
-    the vectors). Each `σ_i²` is `whitened_svd`'s to within about `n·eps·σ_1²` (tests/test_whitening.py), so a
-    tail promises the error the installed factors make to that accuracy."""
+    eigenvalues of the smaller Gram (`σ_i² = λ_i`, negative rounding clipped to 0): no vectors, about two thirds of
+    `whitened_svd`'s time on a square residual and a quarter of LAPACK's SVD (the allocation takes the values of
+    every projection; only the installed ones need the vectors). Each `σ_i²` is `whitened_svd`'s to within about
+    `n·eps·σ_1²` (tests/test_whitening.py), so a tail promises the error the installed factors make to that
+    accuracy."""
     if delta.ndim != 2 or S.shape != (delta.shape[1], delta.shape[1]):
         raise ValueError(
             f"whitened_singular_values expects delta (out, in) and S (in, in), got {tuple(delta.shape)}, "
