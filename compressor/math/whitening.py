@@ -177,6 +177,19 @@ def _gram_svd(matrix: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tens
     return u, sigma, v.T.contiguous()
 
 
+def _whitened_residual(delta: torch.Tensor, S: torch.Tensor, caller: str) -> torch.Tensor:
+    """`ΔW S` in float64, both checked: delta `(out, in)` and S `(in, in)` finite and of matching shapes."""
+    if delta.ndim != 2 or S.shape != (delta.shape[1], delta.shape[1]):
+        raise ValueError(
+            f"{caller} expects delta (out, in) and S (in, in), got {tuple(delta.shape)}, {tuple(S.shape)}"
+        )
+    delta64 = delta.detach().to(torch.float64)
+    s64 = S.detach().to(device=delta.device, dtype=torch.float64)
+    _check_finite(delta64, "residual")
+    _check_finite(s64, "whitening factor")
+    return delta64 @ s64
+
+
 def whitened_svd(delta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD `ΔW S = U diag(σ) Vh` in float64: delta `(out, in)`, S `(in, in)` lower.
 
@@ -187,15 +200,7 @@ def whitened_svd(delta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, to
     Raises:
         NumericalError: non-finite input, or the decomposition did not converge.
     """
-    if delta.ndim != 2 or S.shape != (delta.shape[1], delta.shape[1]):
-        raise ValueError(
-            f"whitened_svd expects delta (out, in) and S (in, in), got {tuple(delta.shape)}, {tuple(S.shape)}"
-        )
-    delta64 = delta.detach().to(torch.float64)
-    s64 = S.detach().to(device=delta.device, dtype=torch.float64)
-    _check_finite(delta64, "residual")
-    _check_finite(s64, "whitening factor")
-    whitened = delta64 @ s64
+    whitened = _whitened_residual(delta, S, "whitened_svd")
     if whitened.shape[1] <= whitened.shape[0]:
         return _gram_svd(whitened, "whitened residual")
     return _svd(whitened, "whitened residual")
@@ -208,16 +213,7 @@ def whitened_singular_values(delta: torch.Tensor, S: torch.Tensor) -> torch.Tens
     every projection; only the installed ones need the vectors). Each `σ_i²` is `whitened_svd`'s to within about
     `n·eps·σ_1²` (tests/test_whitening.py), so a tail promises the error the installed factors make to that
     accuracy."""
-    if delta.ndim != 2 or S.shape != (delta.shape[1], delta.shape[1]):
-        raise ValueError(
-            f"whitened_singular_values expects delta (out, in) and S (in, in), got {tuple(delta.shape)}, "
-            f"{tuple(S.shape)}"
-        )
-    delta64 = delta.detach().to(torch.float64)
-    s64 = S.detach().to(device=delta.device, dtype=torch.float64)
-    _check_finite(delta64, "residual")
-    _check_finite(s64, "whitening factor")
-    whitened = delta64 @ s64
+    whitened = _whitened_residual(delta, S, "whitened_singular_values")
     gram = whitened.T @ whitened if whitened.shape[1] <= whitened.shape[0] else whitened @ whitened.T
     try:
         squares = torch.linalg.eigvalsh(gram)
