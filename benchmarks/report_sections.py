@@ -119,6 +119,8 @@ def _drift(run: dict) -> str:
     if "forward_after" not in run:
         return ""
     low, high = sorted(run["compress_seconds"] / run[key]["seconds"] for key in ("forward", "forward_after"))
+    if f"{low:.2f}" == f"{high:.2f}":  # the two forwards agree: the machine held its speed through the run
+        return f"; {low:.2f}x against either forward alone"
     return f"; {low:.2f}x to {high:.2f}x against the forward before or after it alone"
 
 

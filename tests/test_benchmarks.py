@@ -492,6 +492,11 @@ def test_a_run_timed_between_two_forwards_shows_both_and_the_ratio_against_each(
     assert "; the mean of one before and one after the run) | 2.0 (2×8; 1.0 before, 3.0 after) |" in doc
     low, high = c["compress_seconds"] / 3.0, c["compress_seconds"] / 1.0
     assert f"; {low:.2f}x to {high:.2f}x against the forward before or after it alone" in doc
+    # A machine that held its speed: one ratio, not a range from a number to itself.
+    c |= {"forward": {**c["forward"], "seconds": 2.0}, "forward_after": {**c["forward"], "seconds": 2.0}}
+    doc = _rendered(results, tmp_path)
+    assert f"; {c['compress_seconds'] / 2.0:.2f}x against either forward alone" in doc
+    assert "to " + f"{c['compress_seconds'] / 2.0:.2f}x against the forward before" not in doc
 
 
 def test_section_3_times_each_run_between_two_forwards_over_its_own_windows(tmp_path, monkeypatch):
