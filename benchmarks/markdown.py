@@ -50,3 +50,11 @@ def stale_summary(results: dict) -> list[str]:
     if not stale:
         return []
     return [f"**Figures of a former default** (the section says what changed): {', '.join(stale)}.", ""]
+
+
+def paired_verdict(diff: dict) -> str:
+    """'better (x)', 'worse (x)' or 'a tie (x)' for a paired difference of perplexity (negative: better)."""
+    value = f"{diff['value']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}]"
+    if diff["tie"]:
+        return f"a tie ({value})"
+    return f"{'better' if diff['value'] < 0 else 'worse'} ({value})"

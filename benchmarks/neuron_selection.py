@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import command_line, write_json
-from benchmarks.quality import prepare_quality
+from benchmarks.quality import validation_setup
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against
 from compressor.math.neurons import neuron_order, order_tail, refit_down
@@ -82,10 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    setup = prepare_quality(
-        "smollm2-135m", split="validation", eval_max_tokens=args.max_tokens or None, mlp=True,
-        evaluate_original=False,
-    )  # fmt: skip
+    setup = validation_setup(args.max_tokens)
     keeps = [float(k) for k in args.keep.split(",")]
     variants, predicted, seconds = {}, {}, {}
     for keep in keeps:

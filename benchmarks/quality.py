@@ -147,6 +147,15 @@ def prepare_quality(
     )  # fmt: skip
 
 
+def validation_setup(max_tokens: int, progress: bool = True) -> QualitySetup:
+    """The bundled model's calibration with the MLP targeted, scored on the first `max_tokens` of the validation
+    split (0: all of it); the original not scored yet (the choice benchmarks score it beside their variants)."""
+    return prepare_quality(
+        "smollm2-135m", split="validation", eval_max_tokens=max_tokens or None, mlp=True,
+        evaluate_original=False, progress=progress,
+    )  # fmt: skip
+
+
 def build_variant(
     setup: QualitySetup, name: str, overrides: dict, ratio: float, progress: bool = True
 ) -> tuple[torch.nn.Module, dict]:

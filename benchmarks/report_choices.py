@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.markdown import difference, interval, link
+from benchmarks.markdown import difference, interval, link, paired_verdict
 from benchmarks.plots import REPO
+from benchmarks.report_budget_split import budget_split_section
 from benchmarks.report_sections import label
 
 CHOICES = REPO / "benchmarks" / "results" / "choices"
@@ -26,6 +27,7 @@ def choices_section(doc: Path) -> list[str]:
         _attention_forms(doc),
         _whole_model_forms(doc),
         _embedding_target(doc),
+        budget_split_section(doc),
     ]
     body = [line for part in parts for line in part]
     if not body:
@@ -122,7 +124,7 @@ def _neuron_refinements(doc: Path) -> list[str]:
         found = [r for r in data["rows"] if r["variant"] == variant]
         verdicts.append(
             f"`{variant}` "
-            + ", ".join(_paired_verdict(r["minus_greedy"]) + f" at {r['keep']:.0%} kept" for r in found)
+            + ", ".join(paired_verdict(r["minus_greedy"]) + f" at {r['keep']:.0%} kept" for r in found)
         )
     improved = any(not r["minus_greedy"]["tie"] and r["minus_greedy"]["value"] < 0 for r in data["rows"])
     decision = (
@@ -132,14 +134,6 @@ def _neuron_refinements(doc: Path) -> list[str]:
         else "Neither is better anywhere: the default stays."
     )
     return [*lines, "", "Against `greedy`, paired: " + "; ".join(verdicts) + ". " + decision, ""]
-
-
-def _paired_verdict(diff: dict) -> str:
-    """'better (x)', 'worse (x)' or 'a tie (x)' for a paired difference of perplexity (negative: better)."""
-    value = f"{diff['value']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}]"
-    if diff["tie"]:
-        return f"a tie ({value})"
-    return f"{'better' if diff['value'] < 0 else 'worse'} ({value})"
 
 
 def _calibration_size(doc: Path) -> list[str]:

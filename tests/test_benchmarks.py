@@ -868,3 +868,38 @@ def test_the_calibration_precision_choice_counts_its_losses_and_ties_from_the_fi
         in text
     )
     assert "| 130 / 95 |" in text
+
+
+def test_the_budget_split_choice_reads_the_split_and_the_best_lever_from_the_file(tmp_path, monkeypatch):
+    """Section 6's budget split: the loss split and the best lever's verdict come from the validation file."""
+    from benchmarks import report_budget_split
+
+    def row(name, nll, lo=None, hi=None):
+        minus = None if lo is None else {"value": (lo + hi) / 2, "ci95": [lo, hi], "tie": lo <= 0 <= hi}
+        return {"variant": name, "ppl": 20.0 + (lo or 0), "ppl_ci95": [19.0, 21.0], "nll": nll,
+                "minus_default": minus}  # fmt: skip
+
+    def data(lo, hi):
+        return {
+            "tokens": 16352, "original": {"ppl": 15.0, "ppl_ci95": [14.0, 16.0], "nll": 2.7},
+            "rows": [row("default", 3.0), row("attention-restored", 2.95, -1.0, -0.8),
+                     row("mlp-restored", 2.75, -4.2, -3.9), row("mlp-weight-1.5", 2.99, lo, hi),
+                     row("endpoint-1", 3.0, -0.05, 0.02)],
+            "attention_drop": {"loss": 3.1, "rise": [0.2, 0.01, 0.05], "attention_params": [10, 10, 10]},
+            "drop_windows": [64, 68],
+        }  # fmt: skip
+
+    monkeypatch.setattr(report_budget_split, "CHOICES", tmp_path / "choices")
+    (tmp_path / "choices").mkdir()
+    path = tmp_path / "choices" / "budget-split-validation-20.json"
+    path.write_text(json.dumps(data(-0.3, -0.1)))
+    text = "\n".join(report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md"))
+    assert (
+        "rises by 0.300 nats per token: 0.250 with only its MLP compressed, 0.050 with only its attention"
+        in text
+    )
+    assert "`mlp-weight-1.5`, is better (-0.200 [-0.300, -0.100]): 4% of" in text
+    assert "the cheapest: layer 1 +0.0100, layer 2 +0.0500, layer 0 +0.2000" in text
+    path.write_text(json.dumps(data(-0.02, 0.1)))
+    text = "\n".join(report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md"))
+    assert "`endpoint-1`, is a tie (-0.015 [-0.050, +0.020])" in text
