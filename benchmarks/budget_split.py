@@ -29,17 +29,16 @@ import argparse
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import command_line, write_json
 from benchmarks.quality import build_variant, validation_setup
 from benchmarks.whole_model import model_ratio_as_targets
 from compressor.evaluation.intervals import paired_difference
-from compressor.evaluation.perplexity import evaluate_against
+from compressor.evaluation.perplexity import evaluate_against, evaluate_perplexity
 from compressor.math.neurons import greedy_order
 from compressor.modeling.adapters import get_adapter
-from compressor.statistics.sensitivity import Sensitivity
+from compressor.statistics.sensitivity import Sensitivity, collect_sensitivity
 
 MLP_UNITS = ("gate_proj", "up_proj", "down_proj")
 MLP_WEIGHTS = (0.7, 1.5, 2.5)
@@ -62,48 +61,10 @@ def restored(compressed: nn.Module, original: nn.Module, part: str) -> nn.Module
 
 
 def measured_sensitivity(model: nn.Module, keys: list[tuple[int, str]], windows: torch.Tensor) -> dict:
-    """Per (layer, projection) of `model` (compressed modules included), the mean over the windows' tokens of
-    ‖∂L/∂y‖² / d_out at its output, L the summed next-token cross-entropy (`statistics.sensitivity`'s definition,
-    with the output width read from the output itself)."""
-    adapter = get_adapter(model)
-    sums, widths, handles = dict.fromkeys(keys, 0.0), {}, []
-
-    def hook(key):
-        def on_output(module, args, output):
-            widths[key] = output.shape[-1]
-
-            def on_gradient(grad):
-                sums[key] += float(grad.detach().double().square().sum())
-
-            output.register_hook(on_gradient)
-
-        return on_output
-
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in frozen:
-        p.requires_grad_(False)
-    handles.append(
-        model.get_input_embeddings().register_forward_hook(
-            lambda module, args, output: output.detach().requires_grad_(True)
-        )
-    )
-    handles += [adapter.projection(*key).register_forward_hook(hook(key)) for key in keys]
-    tokens = 0
-    try:
-        with torch.enable_grad():
-            for window in windows:
-                batch = window[None]
-                logits = model(input_ids=batch, use_cache=False).logits
-                F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-                ).backward()
-                tokens += batch.numel()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for p, flag in frozen:
-            p.requires_grad_(flag)
-    return {key: sums[key] / (tokens * widths[key]) for key in keys}
+    """Per (layer, projection) of `model` (compressed modules included), its loss sensitivity over the windows
+    (`statistics.sensitivity`: the mean over the tokens of ‖∂L/∂y‖² / d_out)."""
+    projections = tuple(dict.fromkeys(p for _, p in keys))
+    return collect_sensitivity(model, get_adapter(model), windows, projections, progress=False).weights
 
 
 def reweighted(base: Sensitivity, factor: dict) -> Sensitivity:
@@ -171,17 +132,6 @@ def bypass_errors(model: nn.Module, windows: torch.Tensor) -> list[dict]:
     return rows
 
 
-@torch.no_grad()
-def _mean_loss(model: nn.Module, windows: torch.Tensor) -> float:
-    """Mean next-token cross-entropy (nats) over the windows."""
-    total = tokens = 0
-    for window in windows:
-        logits = model(input_ids=window[None], use_cache=False).logits
-        total += float(F.cross_entropy(logits[0, :-1].float(), window[1:], reduction="sum"))
-        tokens += len(window) - 1
-    return total / tokens
-
-
 def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
@@ -206,7 +156,7 @@ def attention_drop_scan(model: nn.Module, windows: torch.Tensor) -> dict:
         adapter.layers[i].self_attn.register_forward_hook(accumulate(i)) for i in range(adapter.num_layers)
     ]
     try:
-        base = _mean_loss(model, windows)
+        base = evaluate_perplexity(model, windows, progress=False).nll
     finally:
         for handle in handles:
             handle.remove()
@@ -221,7 +171,7 @@ def attention_drop_scan(model: nn.Module, windows: torch.Tensor) -> dict:
 
         handle = adapter.layers[layer].self_attn.register_forward_hook(replace)
         try:
-            rises.append(_mean_loss(model, windows) - base)
+            rises.append(evaluate_perplexity(model, windows, progress=False).nll - base)
         finally:
             handle.remove()
     held = [

@@ -3,19 +3,10 @@ attention and MLP measured against the default (`benchmarks.budget_split`; none 
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.markdown import difference, interval, link, paired_verdict
-from benchmarks.plots import REPO
-
-CHOICES = REPO / "benchmarks" / "results" / "choices"
-
-
-def _load(name: str):
-    path = CHOICES / name
-    return (path, json.loads(path.read_text())) if path.is_file() else (path, None)
-
 
 #: The budget-split runs, by the fraction of the model removed.
 BUDGET_SPLIT = {0.2: "budget-split-validation-20.json", 0.3: "budget-split-validation-30.json"}
@@ -31,9 +22,10 @@ BUDGET_VARIANTS = {
 }
 
 
-def budget_split_section(doc: Path) -> list[str]:
-    """Where the model 20% / 30% smaller loses, and the levers on the attention/MLP budget measured against it."""
-    runs = {ratio: _load(name) for ratio, name in BUDGET_SPLIT.items()}
+def budget_split_section(doc: Path, load: Callable[[str], tuple[Path, dict | None]]) -> list[str]:
+    """Where the model 20% / 30% smaller loses, and the levers on the attention/MLP budget measured against it;
+    `load(name)`: a choices file's path and contents (None where it is absent), as section 6 reads them."""
+    runs = {ratio: load(name) for ratio, name in BUDGET_SPLIT.items()}
     runs = {ratio: found for ratio, found in runs.items() if found[1] is not None}
     if not runs:
         return []

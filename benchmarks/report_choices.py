@@ -27,7 +27,7 @@ def choices_section(doc: Path) -> list[str]:
         _attention_forms(doc),
         _whole_model_forms(doc),
         _embedding_target(doc),
-        budget_split_section(doc),
+        budget_split_section(doc, _load),
     ]
     body = [line for part in parts for line in part]
     if not body:

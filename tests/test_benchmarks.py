@@ -872,7 +872,7 @@ def test_the_calibration_precision_choice_counts_its_losses_and_ties_from_the_fi
 
 def test_the_budget_split_choice_reads_the_split_and_the_best_lever_from_the_file(tmp_path, monkeypatch):
     """Section 6's budget split: the loss split and the best lever's verdict come from the validation file."""
-    from benchmarks import report_budget_split
+    from benchmarks import report_budget_split, report_choices
 
     def row(name, nll, lo=None, hi=None):
         minus = None if lo is None else {"value": (lo + hi) / 2, "ci95": [lo, hi], "tie": lo <= 0 <= hi}
@@ -889,11 +889,13 @@ def test_the_budget_split_choice_reads_the_split_and_the_best_lever_from_the_fil
             "drop_windows": [64, 68],
         }  # fmt: skip
 
-    monkeypatch.setattr(report_budget_split, "CHOICES", tmp_path / "choices")
+    monkeypatch.setattr(report_choices, "CHOICES", tmp_path / "choices")
     (tmp_path / "choices").mkdir()
     path = tmp_path / "choices" / "budget-split-validation-20.json"
     path.write_text(json.dumps(data(-0.3, -0.1)))
-    text = "\n".join(report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md"))
+    text = "\n".join(
+        report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md", report_choices._load)
+    )
     assert (
         "rises by 0.300 nats per token: 0.250 with only its MLP compressed, 0.050 with only its attention"
         in text
@@ -901,5 +903,7 @@ def test_the_budget_split_choice_reads_the_split_and_the_best_lever_from_the_fil
     assert "`mlp-weight-1.5`, is better (-0.200 [-0.300, -0.100]): 4% of" in text
     assert "the cheapest: layer 1 +0.0100, layer 2 +0.0500, layer 0 +0.2000" in text
     path.write_text(json.dumps(data(-0.02, 0.1)))
-    text = "\n".join(report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md"))
+    text = "\n".join(
+        report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md", report_choices._load)
+    )
     assert "`endpoint-1`, is a tie (-0.015 [-0.050, +0.020])" in text

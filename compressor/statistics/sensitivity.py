@@ -61,6 +61,9 @@ class LossGradients:
             for layer in range(adapter.num_layers)
             for p in projections
         }
+        # Each output's width, read from the output itself: a compressed projection (factors, kept rows) need
+        # not have a `weight` of its output's shape.
+        self.widths: dict[tuple[int, str], int] = {}
         self.tokens = self.windows = 0
         self._handles: list = []
         self._frozen: list = []
@@ -72,6 +75,7 @@ class LossGradients:
                 add_in_float64(self.sums[key], squared_norm(grad.detach()))
 
             def on_output(module, args, output):
+                self.widths[key] = output.shape[-1]
                 output.register_hook(on_gradient)
 
             return on_output
@@ -110,7 +114,7 @@ class LossGradients:
         """Each projection's mean over the tokens of ‖∂L/∂y_t‖² / d_out."""
         weights = {}
         for (layer, p), total in self.sums.items():
-            value = float(total) / (self.tokens * self.adapter.projection(layer, p).weight.shape[0])
+            value = float(total) / (self.tokens * self.widths[(layer, p)])
             if not math.isfinite(value):
                 raise NumericalError(f"non-finite loss gradient at the output of layer {layer} {p}")
             weights[(layer, p)] = value
