@@ -27,11 +27,11 @@ import pytest
 import torch
 from conftest import random_windows, tiny_model
 
-from compressor.adapters import get_adapter
-from compressor.capture import collect_statistics
+from compressor.api.pipeline import compress_model
 from compressor.checkpoint import load_compressed, save_compressed
-from compressor.pipeline import compress_model
+from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
 
 FINGERPRINTS = Path(__file__).with_name("checkpoint_fingerprints.json")
 LOGIT_TOLERANCE = 1e-4

@@ -1,5 +1,5 @@
-"""The package's layout by stage: the public entry point, the moved modules' old import paths (kept one release),
-the one-line description, and a fresh clone without symlink support installing `compressor.calibration` and
+"""The package's layout by stage: the public entry point, no aliases of module paths, the one-line
+description, and a fresh clone without symlink support installing `compressor.calibration` and
 `compressor.recipes` from their top-level folders."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -34,29 +33,14 @@ def test_the_api_exports_the_four_entry_points():
         api.planning  # noqa: B018
 
 
-@pytest.mark.parametrize("old", sorted(compressor.MOVED_MODULES))
-def test_an_old_import_path_is_the_new_module_with_a_warning(old):
-    new = importlib.import_module(compressor.MOVED_MODULES[old])
-    sys.modules.pop(old, None)
-    with pytest.warns(FutureWarning, match=f"{old} moved to {new.__name__}"):
-        moved = importlib.import_module(old)
-    assert moved is new  # one module object: one class identity, one state
-    assert new.__spec__.name == new.__name__  # its own spec, not the alias's (a package stays a package)
-    if hasattr(new, "__path__"):
-        assert new.__spec__.submodule_search_locations
-
-
-def test_an_old_submodule_path_is_not_loaded_twice():
-    """`compressor.remote_code.masa_modules` through the old package must be the library's module, not a second
-    copy read from the new folder (two `LowRankLinear` classes would fail isinstance checks)."""
-    from compressor.modeling.remote_code.masa_modules import LowRankLinear
-
-    for name in ("compressor.remote_code", "compressor.remote_code.masa_modules"):
-        sys.modules.pop(name, None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        from compressor.remote_code.masa_modules import LowRankLinear as old_path_class
-    assert old_path_class is LowRankLinear
+def test_the_package_aliases_no_module_path():
+    """Nothing released ever used the paths of the layout before 0.1.0: the package installs no import hook, and
+    an old path is simply not there (checkpoints carry their own copy of the remote code)."""
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("compressor")]
+    for old in ("compressor.adapters", "compressor.remote_code", "compressor.layerwise"):
+        sys.modules.pop(old, None)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
 
 
 def test_one_description_true_to_the_default():
@@ -74,6 +58,7 @@ def test_one_description_true_to_the_default():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_fresh_clone_without_symlinks_installs_calibration_and_recipes(tmp_path):
     """What is committed (HEAD), cloned with `core.symlinks=false`, installed (no build isolation: the
     environment's setuptools), imported from outside the checkout."""
