@@ -23,7 +23,8 @@ class CalibrationSettings(_Strict):
         None,
         ge=1,
         description="calibration windows when an MLP projection is targeted (None: `samples`): the MLP's refits "
-        "read inputs several times wider than the attention's and gain from more tokens",
+        "read inputs several times wider than the attention's and gain from more tokens. Unset, it follows the "
+        "model's shapes: 256 (compressor/api/model_defaults.py; never below `samples`)",
     )
     seq_len: int = Field(512, ge=8, description="tokens per calibration window T")
     seed: int = Field(0, description="seed for window sampling")
@@ -126,7 +127,8 @@ class CompressionSettings(_Strict):
         "that explains the most output energy given those kept (chosen on the bundled model's validation split); "
         "greedy-block: the same greedy choosing 32 neurons per step among the 64 best, all gains then updated "
         "at once (matrix-matrix products: much faster on wide MLPs); energy: by each neuron's own output energy, "
-        "about 15x cheaper to compute, a little worse",
+        "about 15x cheaper to compute, a little worse. Unset, it follows the MLP's width: greedy-block from 4096 "
+        "neurons (compressor/api/model_defaults.py)",
     )
     auto_groups: bool = Field(
         False,

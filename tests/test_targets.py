@@ -162,15 +162,17 @@ def test_mlp_checkpoints_round_trip_with_both_loaders(family, tmp_path):
 
 
 def test_a_run_that_targets_the_mlp_takes_the_recipes_mlp_windows():
-    """The bundled recipe calibrates on more windows when an MLP projection is targeted (its refits were measured
-    better with them, on validation); `-n` wins, a run of the attention alone keeps `samples`, and a recipe that
-    sets no `mlp_samples` keeps `samples` for every target."""
+    """The bundled model calibrates on more windows when an MLP projection is targeted (its refits were measured
+    better with them, on validation; they follow the model's shapes, `model_defaults`); `-n` wins, a run of the
+    attention alone keeps `samples`, and a recipe that sets `mlp_samples` to null keeps `samples` for every
+    target."""
+    from compressor.api.model_defaults import MLP_CALIBRATION_WINDOWS
     from compressor.api.run_options import CompressOptions, resolve_run_settings
     from compressor.recipes.schema import builtin_recipe
 
     recipe = builtin_recipe("smollm2-135m")
-    windows, mlp_windows = recipe.calibration.samples, recipe.calibration.mlp_samples
-    assert mlp_windows is not None and mlp_windows > windows
+    windows, mlp_windows = recipe.calibration.samples, MLP_CALIBRATION_WINDOWS
+    assert mlp_windows > windows
     for targets in ("attn,mlp", "mlp"):
         for native in (False, True):
             options = CompressOptions(targets=targets, native=native)

@@ -10,13 +10,14 @@ A model spec is one of
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -50,6 +51,9 @@ class ModelSource:
     gguf_file: str | None = None
     local_only: bool = False  # a hub model read from the local cache (the hub cannot be reached: `hub.py`)
     packaged: str | None = None  # kind "bundled": the name of the packaged model (`packaged_models.py`)
+    # `read_config`'s last read (where, how, the config): a GGUF's metadata takes seconds to parse, and a run reads
+    # the config for its settings (`model_shapes`) before `plan` or the memory check read it again.
+    _config: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def describe(self) -> str:
         """Short human-readable name: the alias (or spec) and what it points to."""
@@ -259,6 +263,9 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
         check_hub_model(source)  # without network: one line at once, or the local cache (`local_only`)
         kwargs.update({"revision": source.revision} if source.revision else {})
         kwargs.update({"local_files_only": True} if source.local_only else {})
+    read = (location, sorted(kwargs.items()))
+    if source._config is not None and source._config[0] == read:
+        return copy.deepcopy(source._config[1]), location, kwargs
     try:
         config = AutoConfig.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
@@ -271,7 +278,23 @@ def read_config(source: ModelSource) -> tuple[object, str, dict]:
             f"could not read the model config in '{location}': {str(err).splitlines()[0]}"
         ) from err
     check_architecture(config, source.spec)
+    source._config = (read, copy.deepcopy(config))
     return config, location, kwargs
+
+
+def model_shapes(source: ModelSource) -> dict | None:
+    """The shapes of a resolved model that its settings follow (`model_defaults`), without reading weights: a
+    packaged model's and a hub model's from their recipe's `shapes` (offline, exactly: `tests/test_recipe_shapes`),
+    else from its config (a local folder's config.json, a GGUF's metadata, a hub model's config). None for a
+    masa-compress checkpoint (nothing to compress)."""
+    from compressor.api.model_defaults import config_shapes
+
+    if source.kind == "compressed":
+        return None
+    recipe = builtin_recipe(source.packaged) if source.kind == "bundled" else shapes_recipe(source)
+    if recipe is not None and recipe.shapes is not None:
+        return recipe.shapes.model_dump()
+    return config_shapes(read_config(source)[0])
 
 
 def shapes_recipe(source: ModelSource) -> Recipe | None:

@@ -17,7 +17,7 @@ from compressor.math.accounting import CompressionPlan, check_ratio, targets_rat
 from compressor.math.grouping import ASSUMED_RULE_ENDS, ASSUMED_RULE_EVEN, assumed_groups, groups_from_layout
 from compressor.methods import Method, ModelShape, get_method
 from compressor.methods.allocation_policies import PaperAllocator
-from compressor.methods.base import bias_projections
+from compressor.methods.base import COMMON_SETTINGS, bias_projections
 from compressor.modeling.adapters import target_projections
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.device import resolve_device
@@ -305,6 +305,11 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         "recipe": run.recipe_name,
         "config_source": where,
         "settings": run.compression.model_dump(),
+        "calibration": run.calibration.model_dump(),
+        # Where each setting came from (`option`, `recipe NAME`, `model shapes (REASON)`, `method NAME`, `default`),
+        # and the compression settings this method reads with them (the human output shows those).
+        "settings_source": {k: run.settings_source[k] for k in ("calibration", "compression")},
+        "settings_read": sorted(run.method.settings_read_for(run.compression) | COMMON_SETTINGS),
         **result,
         "ratio_requested": options.ratio,
         "ratio_of": options.ratio_of,

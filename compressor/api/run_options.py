@@ -1,5 +1,7 @@
 """What a run is told, and how it meets the recipe: `CompressOptions` / `EvalSettings` (the CLI's and the API's
-options; None means "the recipe's value"), resolved into the recipe's validated settings by one rule.
+options; None means "the recipe's value"), resolved into the recipe's validated settings by one rule: an option
+the user gave, else the recipe's explicit value, else what follows the model's shapes (`model_defaults`), else
+the schema's default; `resolve_settings` says which for every setting.
 
 Every compression setting is an option of the same name (`CompressionSettings`' fields), so a new setting needs
 its schema field and its CLI flag, nothing here. Options a method does not read are refused by the method
@@ -8,10 +10,12 @@ its schema field and its CLI flag, nothing here. Options a method does not read 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 from pydantic import ValidationError
 
+from compressor.api.model_defaults import model_defaults
 from compressor.recipes.schema import CalibrationSettings, CompressionSettings, EvaluationSettings, Recipe
 from compressor.runtime.errors import UserError, wording
 
@@ -131,38 +135,97 @@ def override(settings, options: dict[str, str] | None = None, **values):
         raise UserError(f"invalid {wording('--' + name.replace('_', '-'), name)}: {first['msg']}") from None
 
 
+@dataclass
+class ResolvedSettings:
+    """A run's settings and where each came from: `sources[section][setting]` is `option`, `recipe NAME`,
+    `model shapes (REASON)` or `default` (section: calibration, evaluation, compression)."""
+
+    calibration: CalibrationSettings
+    evaluation: EvaluationSettings
+    compression: CompressionSettings
+    sources: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
 def resolve_run_settings(
-    options: CompressOptions, recipe: Recipe | None
+    options: CompressOptions, recipe: Recipe | None, shapes: Mapping[str, object] | None = None
 ) -> tuple[CalibrationSettings, EvaluationSettings, CompressionSettings]:
-    """Merge recipe and options into validated (calibration, evaluation, compression) settings."""
+    """Merge options, recipe and the model's shapes into validated (calibration, evaluation, compression)
+    settings (`resolve_settings`)."""
+    resolved = resolve_settings(options, recipe, shapes)
+    return resolved.calibration, resolved.evaluation, resolved.compression
+
+
+def resolve_settings(
+    options: CompressOptions, recipe: Recipe | None, shapes: Mapping[str, object] | None = None
+) -> ResolvedSettings:
+    """The run's settings, each from the first of: the option given, the recipe's explicit value, the model's
+    shapes (`model_defaults`; `shapes`: the model's, None: the recipe's `shapes` where it has them), the schema's
+    default; and where each came from."""
+    if shapes is None and recipe is not None and recipe.shapes is not None:
+        shapes = recipe.shapes.model_dump()
+    bases = {
+        "calibration": recipe.calibration if recipe else CalibrationSettings(),
+        "evaluation": recipe.evaluation if recipe else EvaluationSettings(),
+        "compression": recipe.compression if recipe else CompressionSettings(),
+    }
+    sources = {
+        section: {k: f"recipe {recipe.name}" if recipe and k in base.model_fields_set else "default"
+                  for k in type(base).model_fields}
+        for section, base in bases.items()
+    }  # fmt: skip
+    bases = _with_model_defaults(bases, sources, shapes or {})
+    given = {
+        "calibration": {setting: getattr(options, o) for o, setting in CALIBRATION_OPTIONS.items()},
+        "evaluation": {setting: getattr(options, o) for o, setting in EVALUATION_OPTIONS.items()},
+        "compression": options.given_compression_settings(),
+    }
     calibration = override(
-        recipe.calibration if recipe else CalibrationSettings(),
-        {setting: o for o, setting in CALIBRATION_OPTIONS.items()},
-        **{setting: getattr(options, o) for o, setting in CALIBRATION_OPTIONS.items()},
+        bases["calibration"], {s: o for o, s in CALIBRATION_OPTIONS.items()}, **given["calibration"]
     )
     evaluation = override(
-        recipe.evaluation if recipe else EvaluationSettings(),
-        {setting: o for o, setting in EVALUATION_OPTIONS.items()},
-        **{setting: getattr(options, o) for o, setting in EVALUATION_OPTIONS.items()},
+        bases["evaluation"], {s: o for o, s in EVALUATION_OPTIONS.items()}, **given["evaluation"]
     )
     if options.eval_max_tokens is not None:
         evaluation = evaluation.model_copy(update={"max_tokens": options.eval_max_tokens or None})
-    compression = override(
-        recipe.compression if recipe else CompressionSettings(), **options.given_compression_settings()
-    )
+        given["evaluation"]["max_tokens"] = options.eval_max_tokens
+    compression = override(bases["compression"], **given["compression"])
+    for section, values in given.items():
+        sources[section].update({k: "option" for k, v in values.items() if v is not None})
     if options.native:
-        compression = native_settings(compression, options)
-    return mlp_calibration(calibration, compression, options), evaluation, compression
+        native = native_settings(compression, options)
+        changed = {k for k in NATIVE_FORMS if getattr(native, k) != getattr(compression, k)}
+        sources["compression"].update(dict.fromkeys(changed, "option (--native)"))
+        compression = native
+    resolved = mlp_calibration(calibration, compression, options)
+    if resolved.samples != calibration.samples:
+        sources["calibration"]["samples"] = sources["calibration"]["mlp_samples"]
+    return ResolvedSettings(resolved, evaluation, compression, sources)
+
+
+def _with_model_defaults(bases: dict, sources: dict, shapes: Mapping[str, object]) -> dict:
+    """The recipe's (or the schema's) settings with what follows the model's shapes where the recipe sets nothing:
+    `model_defaults`' values, sources updated. A derived `mlp_samples` never lowers the recipe's `samples`."""
+    updates: dict[str, dict] = {"calibration": {}, "compression": {}}
+    for name, (value, reason) in model_defaults(shapes).items():
+        section = "calibration" if name in CalibrationSettings.model_fields else "compression"
+        if sources[section][name] != "default":
+            continue  # the recipe's explicit value
+        if name == "mlp_samples" and bases["calibration"].samples >= value:
+            continue  # as many windows as the recipe's `samples` already: `mlp_samples` stays unset
+        updates[section][name] = value
+        sources[section][name] = f"model shapes ({reason})"
+    return {k: base.model_copy(update=updates[k]) if updates.get(k) else base for k, base in bases.items()}
 
 
 def mlp_calibration(
     calibration: CalibrationSettings, compression: CompressionSettings, options: CompressOptions
 ) -> CalibrationSettings:
-    """The calibration of a run: with an MLP projection targeted and no `-n` given, the recipe's `mlp_samples`
-    windows where it sets them; otherwise as it was. The MLP's least-squares refits and neuron orders read inputs
-    2.7x wider than the attention's (down_proj's) and gain from more tokens (benchmarks/results/choices/
-    calibration-windows-mlp-validation.json); a run of the attention alone keeps `samples` (more windows were not
-    measured for it, and they would lengthen `make demo`)."""
+    """The calibration of a run: with an MLP projection targeted and no `-n` given, `mlp_samples` windows where
+    they are set (the recipe's, else the model's: `model_defaults.MLP_CALIBRATION_WINDOWS`); otherwise as it
+    was. The MLP's least-squares refits and neuron orders read inputs as wide as the MLP (2.7x the attention's on
+    the bundled model) and gain from more tokens (benchmarks/results/choices/calibration-windows-mlp-validation.
+    json); a run of the attention alone keeps `samples` (more windows were not measured for it, and they would
+    lengthen `make demo`)."""
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 
     targets_mlp = set(MLP_PROJECTIONS) & set(target_projections(compression.targets))

@@ -10,13 +10,13 @@ import re
 import resource
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from compressor.api.model_loading import ModelSource, resolve_model
-from compressor.api.run_options import CompressOptions, resolve_run_settings
+from compressor.api.model_loading import ModelSource, model_shapes, resolve_model
+from compressor.api.run_options import CompressOptions, resolve_settings
 from compressor.calibration.sources import TextSource, load_documents
 from compressor.calibration.windows import (
     bos_token_id_for,
@@ -50,6 +50,9 @@ class RunSpec:
     evaluation: EvaluationSettings
     compression: CompressionSettings  # the method's effective settings (its preset applied)
     method: Method
+    # Where each setting came from: section (calibration, evaluation, compression) -> setting -> `option`,
+    # `recipe NAME`, `model shapes (REASON)`, `method NAME` (its preset) or `default` (`run_options.resolve_settings`).
+    settings_source: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def recipe_name(self) -> str | None:
@@ -57,17 +60,21 @@ class RunSpec:
 
 
 def resolve_run(model: str, options: CompressOptions) -> RunSpec:
-    """Resolve MODEL and the recipe, merge the options, and let the method refuse what it cannot honour
-    (an unknown method, an option it does not read, settings it has no rule for)."""
+    """Resolve MODEL and the recipe, merge the options (and what follows the model's shapes: its config read, no
+    weights), and let the method refuse what it cannot honour (an unknown method, an option it does not read,
+    settings it has no rule for)."""
     check_ratio(options.ratio)
     recipe = load_recipe_file(options.recipe_file) if options.recipe_file else None
     source = resolve_model(model, recipe)
     recipe = recipe or source.recipe
-    calibration, evaluation, compression = resolve_run_settings(options, recipe)
-    method = get_method(compression.method)
-    method.refuse_unread(options.given_compression_settings(), compression)
-    compression = method.effective_settings(compression)
-    return RunSpec(source, recipe, calibration, evaluation, compression, method)
+    resolved = resolve_settings(options, recipe, model_shapes(source))
+    method = get_method(resolved.compression.method)
+    given = options.given_compression_settings()
+    method.refuse_unread(given, resolved.compression)
+    compression = method.effective_settings(resolved.compression)
+    sources = resolved.sources
+    sources["compression"].update({k: f"method {method.name}" for k in method.preset if k not in given})
+    return RunSpec(source, recipe, resolved.calibration, resolved.evaluation, compression, method, sources)
 
 
 def read_texts(run: RunSpec, evaluate: bool, allow_overlap: bool) -> tuple[TextSource, TextSource | None]:

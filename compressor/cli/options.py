@@ -173,7 +173,7 @@ NeuronOrder = Annotated[
         "--neuron-order",
         metavar="ORDER",
         rich_help_panel=MLP,
-        help=f"{choices('neuron_order')}: which neurons go first (default: {default('neuron_order')}).",
+        help=f"{choices('neuron_order')}: which neurons go first (default: by the MLP's width).",
     ),
 ]
 UniformMlp = Annotated[

@@ -116,6 +116,14 @@ PLAN_ROWS = (
 ZERO_HIDDEN = ("atoms", "coefficients", "dense_kept")
 
 
+#: The calibration settings `plan` shows, by the option that sets each (the calibration `samples` are the run's:
+#: `mlp_samples` where an MLP is targeted).
+PLAN_CALIBRATION = {"source": "calib", "samples": "calib_samples", "seq_len": "seq_len", "seed": "seed",
+                    "precision": "calib_precision"}  # fmt: skip
+#: The order of the settings' sources in `plan`'s lines.
+SOURCE_ORDER = ("option", "recipe", "model shapes", "method", "default")
+
+
 def plan_tables(plan: dict) -> list:
     """The plan as rich renderables: counts with their status, ranks, and the notes."""
     out = _plan_header(plan)
@@ -154,6 +162,7 @@ def _plan_header(plan: dict) -> list:
             f"biases: {', '.join(plan['bias_projections']) or 'none'}"
         ),
     ]
+    out += _settings_lines(plan)
     if plan.get("warning"):
         out.append(Text(f"warning: {plan['warning']}", style="yellow"))
     groups = plan["groups"]
@@ -172,6 +181,30 @@ def _plan_header(plan: dict) -> list:
         )
         out.append(Text(f"  {groups['rule']}", style="dim"))
     return out
+
+
+def _settings_lines(plan: dict) -> list:
+    """The run's settings (the compression settings its method reads, and the calibration's), one line per source
+    (`option`, `recipe NAME`, `model shapes` with each one's reason, `method NAME`, `default`)."""
+    sources = plan.get("settings_source")
+    if not sources:
+        return []
+    read = plan.get("settings_read") or list(plan["settings"])
+    items = [(k, v, sources["compression"][k]) for k, v in plan["settings"].items() if k in read]
+    calibration = plan["calibration"]
+    items += [(option, calibration[k], sources["calibration"][k]) for k, option in PLAN_CALIBRATION.items()]
+    lines: dict[str, list[str]] = {}
+    for name, value, source in items:
+        shown = ("yes" if value else "no") if isinstance(value, bool) else "none" if value is None else value
+        reason = source.removeprefix("model shapes ")
+        if reason != source:  # one line for the model's shapes, each setting with its reason
+            lines.setdefault("model shapes", []).append(f"{name} {shown} {reason}")
+        else:
+            lines.setdefault(source, []).append(f"{name} {shown}")
+    order = sorted(lines, key=lambda s: next(i for i, p in enumerate(SOURCE_ORDER) if s.startswith(p)))
+    return [Text("Settings, by where each comes from", style="bold")] + [
+        Text.assemble((f"  {source}: ", "bold"), ", ".join(lines[source])) for source in order
+    ]
 
 
 def _budget_table(plan: dict) -> Table:
