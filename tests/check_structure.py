@@ -3,7 +3,8 @@
 - no import loops between modules of `compressor/`, `calibration/`, `recipes/`, `benchmarks/` (imports inside
   functions count: a loop hidden in a function is still a loop);
 - the package's floors (`FLOORS`): a module imports from its own subpackage or from a floor below, never up;
-- `compressor/` holds at most 10 entries (besides `__init__.py`, `__main__.py`), and the repository no symlink;
+- `compressor/` holds at most 10 entries (besides `__init__.py`, `__main__.py`), `benchmarks/` at most 12 modules
+  at its top (laid out by role in subpackages), and the repository no symlink;
 - `calibration` and `recipes` imported only as `compressor.calibration` / `compressor.recipes` (one import path);
 - no file over 450 lines;
 - no function over 80 lines, except pure option declarations (a function whose body is only `...` or a
@@ -26,6 +27,7 @@ SHARED_BLOCK = 6
 
 
 MAX_TOP_ENTRIES = 10
+MAX_BENCHMARK_MODULES = 12
 #: The floors of the package, bottom first. A module may import its own subpackage's modules and anything on a
 #: lower floor; packages on one floor do not import each other. `compressor` is the root's face (`__version__`,
 #: the moved-module aliases), importing nothing of the package.
@@ -141,6 +143,12 @@ def top_entries() -> list[str]:
     return entries if len(entries) > MAX_TOP_ENTRIES else []
 
 
+def benchmark_top_modules() -> list[str]:
+    """The modules at the top of `benchmarks/`, when there are more than `MAX_BENCHMARK_MODULES` (all of them)."""
+    modules = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+    return modules if len(modules) > MAX_BENCHMARK_MODULES else []
+
+
 def symlinks() -> list[str]:
     found = []
     for path in sorted(ROOT.iterdir()):
@@ -230,6 +238,7 @@ def problems() -> dict[str, list]:
         "import loops": [" -> ".join(loop) for loop in import_loops(graph)],
         "imports up the floors or across one": imports_up(graph),
         f"entries of compressor/ (at most {MAX_TOP_ENTRIES})": top_entries(),
+        f"modules at the top of benchmarks/ (at most {MAX_BENCHMARK_MODULES})": benchmark_top_modules(),
         "symlinks": symlinks(),
         "bare imports of calibration/ or recipes/": bare_imports(files),
         f"files over {MAX_FILE_LINES} lines": long_files(files),

@@ -1,7 +1,7 @@
-"""`make bench-large`'s arithmetic and page (benchmarks/large.py) on made-up runs: the figures, their verdicts, and
+"""`make bench-large`'s arithmetic and page (benchmarks/engines/large.py) on made-up runs: the figures, their verdicts, and
 a command line per run. The runs themselves take hours on the real 1.5B model and are never part of the tests."""
 
-from benchmarks.large import RUNS, cli_args, figures, render, summary_rows
+from benchmarks.engines.large import RUNS, cli_args, figures, render, summary_rows
 
 
 def _run(
@@ -47,7 +47,7 @@ def test_figures_and_verdicts():
         .isdisjoint({"large_attention_rise_ratio", "large_whole_model_ppl_over_svd_llm"})
     )
     runs["attention-svd-llm"] |= {"note": "its calibration read from the cache", "date": "2026-11-27 09:52"}
-    page = render({"command": "python -m benchmarks.large", "machine": {"cpu": "cpu", "cores": 2},
+    page = render({"command": "python -m benchmarks.engines.large", "machine": {"cpu": "cpu", "cores": 2},
                    "date": "2026-11-27", "runs": runs} | out)  # fmt: skip
     assert "calibration 300 (its calibration read from the cache)" in page and "| 2026-11-27 09:52 |" in page
     assert "16.2000 on 16,352 tokens (the run: 16.2000 on 16,352)" in page
@@ -71,7 +71,7 @@ def test_sigterm_unwinds_the_temporary_directory(tmp_path):
 
     import pytest
 
-    from benchmarks.common import exit_on_sigterm
+    from benchmarks.suite.common import exit_on_sigterm
 
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -90,7 +90,7 @@ def test_the_conversion_is_measured_apart_before_the_runs(monkeypatch):
     """A cache without the converted model: the conversion runs in a child process of its own (`--convert-only`)
     before any run, its peak set beside `plan`'s first-use estimate and named on the page; a converted model: no
     child at all."""
-    import benchmarks.large as large
+    import benchmarks.engines.large as large
     import compressor.api.model_loading as model_loading
 
     children = []
@@ -104,7 +104,7 @@ def test_the_conversion_is_measured_apart_before_the_runs(monkeypatch):
     assert large.convert_model() is None and children == []
     monkeypatch.setattr(model_loading, "needs_conversion", lambda source: True)
     conversion = large.convert_model()
-    assert children == [("benchmarks.large", ["--convert-only"])]
+    assert children == [("benchmarks.engines.large", ["--convert-only"])]
     assert conversion["process"]["peak_rss_gib"] == 8.9 and 8.5 < conversion["planned_gib"] < 9.5
     page = render({"command": "c", "machine": {"cpu": "cpu", "cores": 2}, "date": "d", "runs": {},
                    "conversion": conversion})  # fmt: skip

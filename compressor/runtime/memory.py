@@ -6,7 +6,7 @@ largest of the passes (calibration, the loss sensitivity's backward pass, compre
 original reloaded beside the compressed model). `--layerwise` (`cpu_peak`, read off `api/layerwise.py`,
 `statistics/layer_stream.py`, `modeling/offload.py`, `methods/offloaded_context.py`): one decoder layer and one
 layer's statistics at a time. Every term is computed from shapes and settings; the one constant is the runtime's
-base R0 (Python, torch, transformers, the tokenizer), measured. `benchmarks/memory_projection.py` checks both
+base R0 (Python, torch, transformers, the tokenizer), measured. `benchmarks/report/memory_projection.py` checks both
 against measured runs and projects them to Llama shapes.
 
 Symbols: H hidden, A = heads·head_dim (q's output, o's input), K = kv_heads·head_dim, I intermediate, V vocabulary,

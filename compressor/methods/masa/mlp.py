@@ -22,7 +22,7 @@ from compressor.runtime.progress import progress_bar
 
 #: The ridge of the refit (`neurons.regularized`): none, chosen on the bundled model's validation split with the
 #: order (`settings.neuron_order`): a ridge of 0.01 or 0.1 of mean(diag C) was a tie for the `energy` order and
-#: worse for `greedy` (`benchmarks/neuron_selection.py`, BENCHMARKS.md).
+#: worse for `greedy` (`benchmarks/experiments/neuron_selection/run.py`, BENCHMARKS.md).
 RIDGE = 0.0
 #: The projections of a layer's MLP, the one reading the neurons last.
 GATED = ("gate_proj", "up_proj")

@@ -1,0 +1,1 @@
+"""The `calibration_precision` experiment (README.md: the command that wrote its results)."""

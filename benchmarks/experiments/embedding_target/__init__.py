@@ -1,0 +1,1 @@
+"""The `embedding_target` experiment (README.md: the command that wrote its results)."""

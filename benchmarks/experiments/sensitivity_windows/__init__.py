@@ -1,0 +1,1 @@
+"""The `sensitivity_windows` experiment (README.md: the command that wrote its results)."""
