@@ -2,13 +2,15 @@
 
 Every `masa-compress` line of its shell blocks is parsed by the real command line (with `--help` appended, so
 an unknown command or option fails here, not in a reader's terminal); the cheap ones (`plan`, `recipes`, `show`,
-`--help`) run for real, on a tiny checkpoint standing in for the demo's; the Python snippets run on a tiny
-model. The demo's checkpoint path the README reads is the one `make demo` writes.
+`--help`) run for real, on a tiny checkpoint standing in for the demo's; the quickstart's compressions of
+`./my-model` run for real on a tiny model folder of that name (with a tiny calibration appended); the Python
+snippets run on a tiny model. The demo's checkpoint path the README reads is the one `make demo` writes.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shlex
 from pathlib import Path
@@ -23,6 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 DEMO_OUT = default_output_dir("smollm2-135m", "masa", 0.2)
 CHEAP = ("plan", "recipes", "show", "--help", "--version")
+#: The quickstart's own model and its checkpoint, as the README names them.
+MY_MODEL, MY_OUT = "./my-model", "out/my-model"
+#: Appended to a quickstart compression so that it stays a fast test (flags `compress --help` lists).
+TINY_RUN = ["--calib-samples", "4", "--seq-len", "64", "--eval-seq-len", "64", "--eval-max-tokens", "256"]
 
 
 def _blocks(language: str) -> list[str]:
@@ -70,13 +76,65 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "argv", [c for c in COMMANDS if c[1] in CHEAP], ids=[" ".join(c[1:3]) for c in COMMANDS if c[1] in CHEAP]
 )
-def test_cheap_readme_commands_run(argv, tiny_checkpoint, capsys):
-    args = [tiny_checkpoint if a == DEMO_OUT else a for a in argv[1:]]
+def test_cheap_readme_commands_run(argv, tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    tiny_model_dir(tmp_path / MY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    args = [tiny_checkpoint if a in (DEMO_OUT, MY_OUT) else a for a in argv[1:]]
     try:
         main(args)
     except SystemExit as exc:
         assert exc.code in (0, None), capsys.readouterr().err
     assert capsys.readouterr().out.strip()
+
+
+def _quickstart_compressions() -> list[list[str]]:
+    """The README's compressions of `./my-model` on the CPU (the `.gguf` and `--device cuda` lines are parsed
+    above: a GGUF of a tiny model and a GPU are not at hand in the fast tests)."""
+    runs = []
+    for argv in COMMANDS:
+        args = argv[2:] if argv[1] == "compress" else argv[1:]
+        if args[0] == MY_MODEL and "--device" not in args:
+            runs.append(args)
+    return runs
+
+
+QUICKSTART = _quickstart_compressions()
+
+
+def test_the_quickstart_compresses_a_local_folder_and_the_whole_model():
+    assert [MY_MODEL, "--ratio", "0.2", "--out", MY_OUT] in QUICKSTART
+    assert any("--ratio-of" in args and "attn,mlp" in args for args in QUICKSTART)
+    assert any(args[1] == "plan" and args[2] == MY_MODEL for args in COMMANDS)  # `plan` comes first
+    assert any(a[1].endswith(".gguf") for a in COMMANDS) and any("cuda" in a for a in COMMANDS)
+
+
+@pytest.mark.parametrize("args", QUICKSTART, ids=[" ".join(a[1:5]) for a in QUICKSTART])
+def test_quickstart_compressions_run_on_a_local_folder(args, tmp_path, monkeypatch, capsys):
+    """The command as written, `./my-model` being a tiny model folder in the working directory; then the
+    checkpoint it wrote loads, as the README's loading snippet reads it."""
+    tiny_model_dir(tmp_path / MY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    main([*args, *TINY_RUN, "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    out = args[args.index("--out") + 1]
+    assert Path(summary["out"]).resolve() == (tmp_path / out).resolve()
+    assert summary["ppl_after"] > 0 and (tmp_path / out / "masa_config.json").is_file()
+    if "--ratio-of" in args:
+        assert summary["ratio_of"] == "model"
+
+
+def test_the_families_the_readme_says_are_refused_are():
+    """Phi-3 (fused q/k/v and gate/up) and mixture-of-experts models, in one line, from their config alone."""
+    import transformers
+
+    from compressor.api.model_loading import check_architecture
+    from compressor.runtime.errors import UserError
+
+    for config in (transformers.Phi3Config(), transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):
+        with pytest.raises(UserError, match=f"unsupported architecture .*'{config.model_type}'") as err:
+            check_architecture(config, "a folder")
+        assert "\n" not in str(err.value)
+    assert "Phi-3" in README and "mixture-of-experts" in README
 
 
 def test_readme_python_snippets_run(tiny_checkpoint, tmp_path, monkeypatch):
@@ -85,6 +143,8 @@ def test_readme_python_snippets_run(tiny_checkpoint, tmp_path, monkeypatch):
     import compressor.api
 
     model = str(tiny_model_dir(tmp_path / "tiny"))
+    # The quickstart's own model: its snippet writes out/my-model, which the loading snippet after it reads.
+    tiny_model_dir(tmp_path / MY_MODEL)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
         compressor.api,

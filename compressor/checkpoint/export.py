@@ -38,7 +38,7 @@ DECI_FAMILIES = ("llama", "mistral")
 
 @dataclass(frozen=True)
 class DenseExport:
-    """Where a dense export went and what it weighs next to the compressed checkpoint (it is NOT smaller)."""
+    """Where a dense export went and what it weighs next to the compressed checkpoint (never below it)."""
 
     path: Path
     compressed_bytes: int

@@ -35,7 +35,13 @@ def export_command(
         str, typer.Argument(metavar="OUT", help="Where to write: OUT.gguf, or a folder for --format hf.")
     ],
     format: Annotated[
-        str, typer.Option("--format", metavar="FORMAT", help="gguf (llama.cpp) or hf (dense, NOT smaller).")
+        str,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="gguf (llama.cpp) or hf (dense attention, narrower MLP: smaller than the original only when "
+            "the MLP was narrowed).",
+        ),
     ] = "gguf",
     tensor_type: Annotated[
         str,
@@ -107,11 +113,12 @@ def export_dense_command(
     overwrite: o.Overwrite = False,
     as_json: o.Json = False,
 ) -> None:
-    """Same as `export CHECKPOINT OUT --format hf` (this name goes in the next release): a dense Hugging Face
-    model, NOT smaller.
+    """Same as `export CHECKPOINT OUT --format hf` (this name goes in the next release): a plain Hugging Face
+    model, never smaller than the checkpoint.
 
-    For runtimes that take only dense weights: it loads without trust_remote_code and gives the same logits;
-    the savings exist only in the compressed format.
+    For runtimes that take only dense weights: it loads without trust_remote_code and gives the same logits.
+    The attention is expanded to dense matrices, the MLP kept at its narrower width: smaller than the original
+    only when the MLP was narrowed.
     """
     result = export_dense(path, out, overwrite=overwrite)
     payload = {
@@ -138,8 +145,8 @@ def _print_dense(payload: dict) -> None:
     console.print(
         f"Wrote a dense checkpoint to {payload['out']}: {payload['dense_params']:,} parameters, "
         f"{payload['dense_bytes'] / 2**20:.1f} MiB on disk, vs {payload['compressed_params']:,} parameters and "
-        f"{payload['compressed_bytes'] / 2**20:.1f} MiB compressed. [bold]It is not smaller[/]: use it only for "
-        "runtimes that need dense weights."
+        f"{payload['compressed_bytes'] / 2**20:.1f} MiB compressed. [bold]It is not smaller than the checkpoint[/]"
+        " (the attention is dense again): use it only for runtimes that need dense weights."
     )
 
 
