@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+#: Every test runs on this many threads, whatever the machine (CI's has 2 cores): float32 reductions, and so the
+#: last bits of every number, depend on how the work is split; subprocesses inherit it through the environment.
+THREADS = 2
+for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_variable] = str(THREADS)
+torch.set_num_threads(THREADS)
 
 #: The rule the autouse fixture below enforces.
 FAST_TESTS_RULE = (
@@ -159,3 +168,19 @@ def reloaded_identically(model, path, seq_len: int = 12) -> list:
             torch.testing.assert_close(other(x).logits, expected, rtol=0, atol=1e-5)
             assert sum(p.numel() for p in other.parameters()) == sum(p.numel() for p in model.parameters())
     return reloaded
+
+
+@pytest.fixture(scope="session")
+def bundled_run(tmp_path_factory):
+    """`bundled_run(form)`: the bundled model compressed in `form` (tests/bundled_runs.py), once per session, shared
+    by every end-to-end test of that form. Only slow tests may ask for it (it loads the bundled weights)."""
+    from bundled_runs import compress_form
+
+    runs: dict = {}
+
+    def get(form: str):
+        if form not in runs:
+            runs[form] = compress_form(form, tmp_path_factory.mktemp(form) / "ckpt")
+        return runs[form]
+
+    return get

@@ -1,4 +1,5 @@
-"""Same inputs and seed give the same checkpoint, byte for byte (on CPU)."""
+"""Same inputs and seed give the same checkpoint, byte for byte (on CPU). On the bundled model: the command line's
+run with its statistics captured afresh writes the shared API run's bytes (tests/test_bundled.py)."""
 
 from __future__ import annotations
 
@@ -37,17 +38,3 @@ def test_two_runs_write_byte_identical_safetensors(tmp_path, method):
     first = _digests(_tiny_checkpoint(tmp_path / "a", method))
     second = _digests(_tiny_checkpoint(tmp_path / "b", method))
     assert first and first == second
-
-
-@pytest.mark.slow
-def test_bundled_model_runs_are_byte_identical(tmp_path):
-    from compressor.api import CompressOptions, compress
-
-    digests = []
-    for name in ("a", "b"):
-        options = CompressOptions(
-            ratio=0.2, calib_samples=4, seq_len=64, evaluate=False, out=str(tmp_path / name)
-        )
-        run = compress("smollm2-135m", options, device="cpu", dtype="float32", progress=False)
-        digests.append(_digests(Path(run.summary["out"])))
-    assert digests[0] and digests[0] == digests[1]

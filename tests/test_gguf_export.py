@@ -243,6 +243,7 @@ def test_quantized_file_runs_and_generates(tmp_path, tokenizer_gguf):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bundled_f32_export_gives_transformers_log_probs_per_token(tmp_path):
     """The issue's bar: the f32 export's llama.cpp log-probabilities equal transformers' within 1e-3 per token,
     on a window of the real evaluation text, through the tool's own tokenizer path (llama.cpp's)."""
@@ -275,6 +276,7 @@ def test_bundled_f32_export_gives_transformers_log_probs_per_token(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bundled_narrower_mlps_export_and_score_as_in_transformers(tmp_path, capsys):
     """`--targets mlp` (per-layer widths: llama.cpp's `deci`) → `export` → `eval --engine llama.cpp` gives the
     checkpoint's own perplexity and faithfulness (the GGUF records its source, so it is compared by default), and
@@ -323,6 +325,7 @@ def test_a_type_no_matrix_can_take_is_refused_before_writing(tmp_path, tokenizer
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bundled_native_model_exports_quantized_without_fallbacks_and_generates(tmp_path):
     """The whole model 20% smaller in engine forms (`--native`: whole heads, MLP widths in multiples of 32): every
     matrix fills q8_0's blocks and the q8_0 file generates; the f32 file scores like the checkpoint."""
