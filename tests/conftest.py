@@ -44,6 +44,8 @@ def tiny_config(family: str, **overrides):
         return transformers.GemmaConfig(head_dim=16, **kwargs)
     if family == "mistral":
         return transformers.MistralConfig(**kwargs)
+    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3"):  # the other families the tool names
+        return transformers.CONFIG_MAPPING[family](head_dim=16, **kwargs)
     raise ValueError(family)
 
 

@@ -62,3 +62,49 @@ def test_unsupported_architecture_is_refused_with_its_name():
     with pytest.raises(UserError, match="unsupported architecture 'GPT2LMHeadModel'") as err:
         get_adapter(model)
     assert "\n" not in str(err.value)
+
+
+def test_forms_a_q_k_norm_would_change_are_refused_by_family():
+    """MoDeGPT's zero-filled q/k dimensions on any q/k RMSNorm, whole query heads on a norm across heads: refused
+    in one line naming the family and what works instead; every other family and form passes."""
+    from compressor.modeling.adapters import QK_NORM, SUPPORTED_MODEL_TYPES, check_family_forms
+
+    assert set(QK_NORM) <= set(SUPPORTED_MODEL_TYPES)
+    for family in SUPPORTED_MODEL_TYPES:
+        for method, attention, targets in [
+            ("masa", "factors", "attn"),
+            ("masa", "heads", "attn,mlp"),
+            ("masa", "heads", "mlp"),
+            ("modegpt", "factors", "attn,mlp"),
+            ("flap", "factors", "attn,mlp"),
+        ]:
+            refused = (method == "modegpt" and family in QK_NORM) or (
+                attention == "heads" and targets != "mlp" and QK_NORM.get(family) == "across_heads"
+            )
+            if not refused:
+                check_family_forms(family, method, attention, targets)
+                continue
+            with pytest.raises(UserError) as err:
+                check_family_forms(family, method, attention, targets)
+            assert family in str(err.value) and "\n" not in str(err.value) and "use " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "argv"),
+    [
+        ("qwen3", ["--method", "modegpt", "--targets", "attn,mlp", "--ratio-of", "model"]),
+        ("olmo2", ["--targets", "attn,mlp", "--ratio", "0.5", "--ratio-of", "model", "--native"]),
+    ],
+)
+def test_a_refused_family_form_writes_nothing(family, argv, tmp_path, capsys):
+    from conftest import tiny_model_dir
+
+    from compressor.cli import main
+
+    folder = tiny_model_dir(tmp_path / family, family)
+    capsys.readouterr()  # drop what building the folder printed
+    with pytest.raises(SystemExit) as exit_:
+        main([str(folder), *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

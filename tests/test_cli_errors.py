@@ -34,6 +34,13 @@ def _tiny_model_dir(tmp: Path) -> str:
     return str(tiny_model_dir(tmp / "tiny"))
 
 
+def _family_dir(tmp: Path, family: str) -> str:
+    """A tiny random model of `family` as a user's own folder."""
+    from conftest import tiny_model_dir
+
+    return str(tiny_model_dir(tmp / family, family))
+
+
 def _text_file(tmp: Path, content: str, name: str = "text.txt") -> str:
     path = tmp / name
     path.write_text(content)
@@ -120,6 +127,27 @@ CASES = [
     ("ratio of 0", lambda t, mp: ["smollm2-135m", "--ratio", "0"], "outside (0, 1)"),
     ("ratio of 1.5", lambda t, mp: ["smollm2-135m", "--ratio", "1.5"], "outside (0, 1)"),
     ("unknown method", lambda t, mp: ["smollm2-135m", "--method", "magic"], "unknown --method 'magic'"),
+    (
+        "MoDeGPT on a family whose q/k RMSNorm would rescale what it keeps",
+        lambda t, mp: [_family_dir(t, "qwen3"), "--method", "modegpt", "--out", str(t / "out")],
+        "--method modegpt on qwen3",
+    ),
+    (
+        "--native removing query heads where q/k norms span all heads",
+        lambda t, mp: [
+            _family_dir(t, "olmo2"),
+            "--targets",
+            "attn,mlp",
+            "--ratio",
+            "0.5",
+            "--ratio-of",
+            "model",
+            "--native",
+            "--out",
+            str(t / "out"),
+        ],  # fmt: skip
+        "--native on olmo2",
+    ),
     ("empty evaluation text", lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
     (
         "unknown evaluation split",

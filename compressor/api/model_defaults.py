@@ -52,5 +52,5 @@ def model_defaults(shapes: Mapping[str, object]) -> dict[str, tuple[object, str]
 
 def config_shapes(config) -> dict[str, object]:
     """The shapes `model_defaults` reads, from a transformers config (those it has)."""
-    names = ("num_hidden_layers", "hidden_size", "intermediate_size")
+    names = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size")
     return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}

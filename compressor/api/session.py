@@ -26,7 +26,7 @@ from compressor.calibration.windows import (
 )
 from compressor.math.accounting import check_ratio, targets_ratio
 from compressor.methods import Method, ModelShape, get_method
-from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
+from compressor.modeling.adapters import MLP_PROJECTIONS, check_family_forms, target_projections
 from compressor.recipes.schema import (
     CalibrationSettings,
     CompressionSettings,
@@ -67,11 +67,14 @@ def resolve_run(model: str, options: CompressOptions) -> RunSpec:
     recipe = load_recipe_file(options.recipe_file) if options.recipe_file else None
     source = resolve_model(model, recipe)
     recipe = recipe or source.recipe
-    resolved = resolve_settings(options, recipe, model_shapes(source))
+    shapes = model_shapes(source)
+    resolved = resolve_settings(options, recipe, shapes)
     method = get_method(resolved.compression.method)
     given = options.given_compression_settings()
     method.refuse_unread(given, resolved.compression)
     compression = method.effective_settings(resolved.compression)
+    model_type = (shapes or {}).get("model_type")
+    check_family_forms(model_type, compression.method, compression.attention, compression.targets)
     sources = resolved.sources
     sources["compression"].update({k: f"method {method.name}" for k in method.preset if k not in given})
     return RunSpec(source, recipe, resolved.calibration, resolved.evaluation, compression, method, sources)

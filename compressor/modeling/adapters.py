@@ -50,6 +50,33 @@ SUPPORTED_MODEL_TYPES = (
     "olmo2",
 )
 
+#: How a family normalizes queries and keys before the rotary embedding (transformers' modeling files):
+#: `per_head`, one RMSNorm over each head's `head_dim` (Qwen3, Gemma 3); `across_heads`, one RMSNorm over all heads'
+#: dimensions at once (OLMo 2's q_norm/k_norm, of width heads x head_dim). Families absent have none.
+QK_NORM = {"qwen3": "per_head", "gemma3_text": "per_head", "olmo2": "across_heads"}
+
+
+def check_family_forms(model_type: str | None, method: str, attention: str, targets: str) -> None:
+    """Refuse, in one line and before any weight is read, a form that would silently make another model of this
+    family than the method's: the q/k norms rescale what a form keeps.
+
+    - MoDeGPT keeps q/k dimensions inside each head and zero-fills the rest: a q/k RMSNorm then averages over the
+      zeros too and rescales the kept dimensions (not the method's model).
+    - Whole query heads (`--native`) on a norm across heads: removing a head changes every other head's RMS."""
+    scope = QK_NORM.get(model_type or "")
+    if scope is None:
+        return
+    if method == "modegpt":
+        raise UserError(
+            f"--method modegpt on {model_type}: its q/k RMSNorm ({scope.replace('_', ' ')}) would rescale the q/k "
+            "dimensions MoDeGPT keeps; use the default --method masa, or --method flap"
+        )
+    if attention == "heads" and "q_proj" in target_projections(targets) and scope == "across_heads":
+        raise UserError(
+            f"--native on {model_type}: its q_norm/k_norm normalize across all heads at once, so removing a query "
+            "head changes the others; use --targets mlp --native (the attention whole), or drop --native"
+        )
+
 
 @dataclass(frozen=True)
 class ProjectionGeometry:
