@@ -52,6 +52,7 @@ def compress_engine_form(ratio: float, out: Path, **forms) -> dict:
     return {
         **forms,
         "seconds": time.perf_counter() - start,
+        "calibration_windows": summary["settings"]["calibration"]["samples"],
         "model_params_before": summary["model_params_before"],
         "model_params_after": summary["model_params_after"],
     }
@@ -311,9 +312,8 @@ def render(results: dict) -> str:
         f"{results['machine'].get('cores', '?')} cores. The model {ratio} smaller in the forms engines run, "
         "exported with `masa-compress export`; the original exported by the same code. `native`: `--targets "
         f"attn,mlp --ratio {results['ratio_of_model']} --ratio-of model --native` (whole query heads and MLP "
-        "neurons, in multiples of 32, one loss-aware allocation; calibrated on 128 windows, twice the recipe's "
-        "`samples`, as `--native` took when the MLP was targeted at the time of these runs: every run that targets "
-        "the MLP now takes the recipe's `mlp_samples`); `mlp only`: `--targets mlp --ratio-of model "
+        f"neurons, in multiples of 32, one loss-aware allocation; {_windows(results)}); `mlp only`: `--targets mlp "
+        "--ratio-of model "
         f"--width-multiple {choice['chosen']}` (the attention whole).",
         "",
         f"## Validation split (first {choice['max_tokens']:,} tokens; original {number(native['original_ppl'])}"
@@ -401,6 +401,16 @@ def render_notes(results: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def _windows(results: dict) -> str:
+    """How the native model was calibrated, as its run recorded it (files written before the record: unknown)."""
+    windows = results["compression"]["native"].get("calibration_windows")
+    return (
+        f"calibrated on {windows} windows of 512 tokens"
+        if windows
+        else "its calibration windows not recorded"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
