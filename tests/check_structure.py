@@ -10,12 +10,18 @@
 - no function over 80 lines, except pure option declarations (a function whose body is only `...` or a
   docstring, with its signature holding typer options);
 - no block of six or more identical lines (ignoring blank lines and comments) shared between
-  `compressor/modeling/remote_code/` and the rest of the package.
+  `compressor/modeling/remote_code/` and the rest of the package;
+- no module path of a model family in the library outside its registry (`compressor/modeling/families.py`; the
+  checkpoint's remote code carries its own documented copy): no `.self_attn` / `.qkv_proj` / `.gate_up_proj`
+  attribute, no `.mlp` of a layer (`layer.mlp`, `layers[i].mlp`), no `model.model.layers`, no string holding a
+  dotted path through those (`"model.layers."`, `"self_attn"`, `"mlp.down_proj"`). Docstrings and comments may
+  name them.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -231,6 +237,59 @@ def shared_blocks(files: list[Path]) -> list[str]:
     return found
 
 
+#: Where the library may write a family's module paths: the registry, and the remote code's copy.
+FAMILY_REGISTRY = ("compressor/modeling/families.py", "compressor/modeling/remote_code/")
+#: Modules no code outside the registry names as an attribute.
+FAMILY_MODULES = {"self_attn", "qkv_proj", "gate_up_proj", "block_sparse_moe"}
+#: A string naming one of them, or a dotted path through a layer's MLP or the decoder's layers.
+FAMILY_PATH = re.compile(
+    r"\b(self_attn|qkv_proj|gate_up_proj|block_sparse_moe)\b|\bmlp\.(\w|$)|\bmodel\.layers\b"
+)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                found.add(id(body[0].value))
+    return found
+
+
+def _names_a_family_path(node: ast.AST, docstrings: set[int]) -> bool:
+    if isinstance(node, ast.Attribute):
+        if node.attr in FAMILY_MODULES:
+            return True
+        layer = isinstance(node.value, ast.Subscript) or (
+            isinstance(node.value, ast.Name) and node.value.id == "layer"
+        )
+        if node.attr == "mlp" and layer:  # a decoder layer's MLP
+            return True
+        if node.attr == "layers" and isinstance(node.value, ast.Attribute) and node.value.attr == "model":
+            return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+        return bool(FAMILY_PATH.search(node.value))
+    return False
+
+
+def family_paths(files: list[Path]) -> list[str]:
+    """Module paths of a model family written outside the registry (see the module docstring)."""
+    found = []
+    for p in files:
+        relative = str(p.relative_to(ROOT))
+        if not relative.startswith("compressor/") or relative.startswith(FAMILY_REGISTRY):
+            continue
+        tree = ast.parse(p.read_text())
+        docstrings = _docstrings(tree)
+        found += [
+            f"{relative}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(tree)
+            if _names_a_family_path(node, docstrings)
+        ]
+    return found
+
+
 def problems() -> dict[str, list]:
     files = source_files()
     graph = import_graph(files)
@@ -246,6 +305,7 @@ def problems() -> dict[str, list]:
         f"blocks of {SHARED_BLOCK}+ lines repeated between remote_code/ and the library": shared_blocks(
             files
         ),
+        "module paths of a model family outside compressor/modeling/families.py": family_paths(files),
     }
 
 

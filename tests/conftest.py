@@ -44,8 +44,19 @@ def tiny_config(family: str, **overrides):
         return transformers.GemmaConfig(head_dim=16, **kwargs)
     if family == "mistral":
         return transformers.MistralConfig(**kwargs)
-    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3"):  # the other families the tool names
+    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text"):  # the other families the tool names
         return transformers.CONFIG_MAPPING[family](head_dim=16, **kwargs)
+    # Their defaults name token ids beyond a tiny vocabulary (SmolLM3's 128004, Phi-3's 32000).
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if family == "smollm3":
+        return transformers.CONFIG_MAPPING[family](head_dim=16, **{**ids, **kwargs})
+    if family == "phi3":  # fused qkv_proj and gate_up_proj; head_dim is hidden_size / heads
+        return transformers.Phi3Config(**{**ids, **kwargs})
+    if family == "mixtral":  # mixture of experts: 4 experts, 2 per token
+        return transformers.MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **kwargs})
+    if family == "qwen3_moe":  # mixture of experts with per-head q/k norms
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}
+        return transformers.Qwen3MoeConfig(**{**moe, **kwargs})
     raise ValueError(family)
 
 

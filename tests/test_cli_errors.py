@@ -148,6 +148,37 @@ CASES = [
         ],  # fmt: skip
         "--native on olmo2",
     ),
+    (
+        "FLAP (whole query heads) where q/k norms span all heads",
+        lambda t, mp: [_family_dir(t, "olmo2"), "--method", "flap", "--out", str(t / "out")],
+        "--method flap on olmo2",
+    ),
+    (
+        "the MLP of a mixture of experts as a target",
+        lambda t, mp: [_family_dir(t, "mixtral"), "--targets", "attn,mlp", "--out", str(t / "out")],
+        "--targets attn,mlp on mixtral",
+    ),
+    (
+        "--native removing query heads of a fused qkv_proj",
+        lambda t, mp: [
+            _family_dir(t, "phi3"),
+            "--targets",
+            "attn,mlp",
+            "--ratio",
+            "0.5",
+            "--ratio-of",
+            "model",
+            "--native",
+            "--out",
+            str(t / "out"),
+        ],  # fmt: skip
+        "--native on phi3",
+    ),
+    (
+        "--layerwise with fused projections",
+        lambda t, mp: [_family_dir(t, "phi3"), "--layerwise", "--out", str(t / "out")],
+        "--layerwise on phi3",
+    ),
     ("empty evaluation text", lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
     (
         "unknown evaluation split",
@@ -286,6 +317,49 @@ CASES = [
         "an unknown --ratio-of",
         lambda t, mp: ["plan", "smollm2-135m", "--ratio-of", "file"],
         "--ratio-of 'file' is not one of: targets, model",
+    ),
+    (
+        "a byte budget with a --type",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "90MiB", "--type", "q4_k_m"],
+        "--size chooses every matrix's type: drop --type q4_k_m",
+    ),
+    (
+        "a byte budget for a file that is not a GGUF",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.bin"), "--size", "90MiB"],
+        "a GGUF file's name ends in .gguf",
+    ),
+    (
+        "a size that is not one",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "ninety"],
+        "--size ninety: not a size",
+    ),
+    (
+        "a byte budget without importance weights",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "90MiB", "--imatrix", "none"],
+        "--size weighs each type's rounding by the calibration: drop --imatrix none",
+    ),
+    (
+        "an unknown GGUF type",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--type", "q3_q"],
+        "--type q3_q: unknown GGUF type",
+    ),
+    (
+        "importance weights for a type that ignores them",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "q8_0",
+            "--imatrix",
+            "calibration",
+        ],
+        "--type q8_0 does not use importance weights",
+    ),
+    (
+        "a 2-bit i-quant without importance weights",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--type", "iq2_xs", "--imatrix", "none"],
+        "--type iq2_xs needs importance weights",
     ),
     (
         "a dry run cannot choose G and B",

@@ -1,8 +1,9 @@
 """One set of figures: the README's are rendered from the committed results files, and every headline figure the
 docs and `--help` quote equals the results file's value at the precision printed, so a stale figure fails here.
 
-BENCHMARKS.md is rendered too (tests/test_benchmarks.py checks it); the README's two blocks are checked below;
-outside them the README quotes no measured figure at all.
+BENCHMARKS.md is rendered too (tests/test_benchmarks.py checks it); the README's blocks are checked below (the
+support matrix is the render of the family registry: tests/test_families.py holds each cell); outside them the
+README quotes no measured figure at all.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _help(argv: list[str], capsys, monkeypatch) -> str:
 
 
 def test_the_readme_blocks_are_the_render_of_the_committed_results():
-    assert {m.group(1) for m in BLOCK.finditer(README)} == {"results", "limitations"}
+    assert {m.group(1) for m in BLOCK.finditer(README)} == {"results", "limitations", "support"}
     assert render_readme(README) == README, (
         "run: python -m benchmarks.report (it refreshes README.md's blocks)"
     )

@@ -76,11 +76,81 @@ def test_mix_types_per_tensor():
     assert mix_type("blk.0.ffn_down.weight", "q5_k_m", 30, True) == "Q6_K"
     assert mix_type("blk.4.ffn_down.weight", "q5_k_m", 30, True) == "Q5_K"
     assert mix_type("blk.0.ffn_down.weight", "q6_k", 30, True) == "Q6_K"
-    assert {mix_type("blk.3.ffn_up.weight", mix, 30, True) for mix in K_QUANT_MIXES} == {
+    assert {mix_type("blk.3.ffn_up.weight", mix, 30, True) for mix in ("q4_k_m", "q5_k_m", "q6_k")} == {
         "Q4_K",
         "Q5_K",
         "Q6_K",
     }
+    # every mix's base type is what it writes where no rule asks for more bits
+    assert {mix: mix_type("blk.9.ffn_up.weight", mix, 30, True) for mix in K_QUANT_MIXES} == {
+        mix: K_QUANT_MIXES[mix].base for mix in K_QUANT_MIXES
+    }
+
+
+def test_low_bit_mixes_follow_llama_quantizes_rules():
+    """The rules of `llama_tensor_get_type_impl` (llama.cpp's src/llama-quant.cpp) for the 2- and 3-bit mixes: the
+    value matrix by its query heads per KV head, the first layers and the attention output with more bits."""
+    # q3_k_m: attn_v Q5_K in the first two, Q4_K after; ffn_down Q5_K in the first sixteenth; attn_output Q4_K
+    assert [mix_type(f"blk.{i}.attn_v.weight", "q3_k_m", 32, True) for i in range(3)] == [
+        "Q5_K",
+        "Q5_K",
+        "Q4_K",
+    ]
+    assert [mix_type(f"blk.{i}.ffn_down.weight", "q3_k_m", 32, True) for i in (0, 1, 2)] == [
+        "Q5_K",
+        "Q5_K",
+        "Q4_K",
+    ]
+    assert mix_type("blk.5.attn_output.weight", "q3_k_m", 32, True) == "Q4_K"
+    assert mix_type("blk.5.attn_q.weight", "q3_k_m", 32, True) == "Q3_K"
+    assert mix_type("blk.5.attn_v.weight", "q3_k_s", 32, True) == "Q3_K"
+    # q2_k: attn_v Q4_K from 4 query heads per KV head (Qwen2.5-Coder-1.5B: 6), else Q3_K (SmolLM2: 3)
+    assert mix_type("blk.5.attn_v.weight", "q2_k", 28, True, gqa=6) == "Q4_K"
+    assert mix_type("blk.5.attn_v.weight", "q2_k", 30, True, gqa=3) == "Q3_K"
+    assert mix_type("blk.5.ffn_down.weight", "q2_k", 28, True) == "Q3_K"
+    assert mix_type("blk.5.attn_output.weight", "q2_k", 28, True) == "Q3_K"
+    assert mix_type("blk.5.ffn_gate.weight", "q2_k", 28, True) == "Q2_K"
+    # the output matrix: Q6_K, Q5_K in the 2-bit i-quant mixes, Q8_0 when its rows do not fill the base's blocks
+    assert mix_type("output.weight", "q2_k", 28, True, row_length=1536) == "Q6_K"
+    assert mix_type("output.weight", "iq2_xs", 28, True, row_length=1536) == "Q5_K"
+    assert mix_type("token_embd.weight", "q2_k", 30, False, row_length=576) == "Q8_0"
+    assert mix_type("token_embd.weight", "iq2_xs", 28, True) == "Q2_K"  # an embedding of its own
+    # iq3_xxs's value matrix: IQ3_XXS with importance weights, IQ3_S without
+    assert mix_type("blk.5.attn_v.weight", "iq3_xxs", 28, True, gqa=2, has_imatrix=True) == "IQ3_XXS"
+    assert mix_type("blk.5.attn_v.weight", "iq3_xxs", 28, True, gqa=2) == "IQ3_S"
+    assert mix_type("blk.0.ffn_down.weight", "iq4_xs", 32, True) == "Q5_K"
+    assert mix_type("blk.0.ffn_down.weight", "iq4_xs", 32, True, has_imatrix=True) == "IQ4_XS"
+
+
+def _weighted_error(array, decoded, weights):
+    return float((np.square(decoded - array) * weights).sum())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"])
+def test_importance_weights_lower_the_weighted_error(type_name):
+    """Handed one weight per column (llama.cpp's imatrix entry), ggml's quantizer trades error on the light
+    columns for less on the heavy ones: the weighted squared error is lower than without weights."""
+    needs_llama_cpp()
+    import gguf
+    from gguf import quants
+
+    rng = np.random.default_rng(2)
+    array = rng.standard_normal((16, 512)).astype(np.float32)
+    weights = rng.lognormal(0.0, 2.0, 512).astype(np.float32)  # a few inputs carry most of the energy
+    qtype = gguf.GGMLQuantizationType[type_name]
+    plain = quants.dequantize(quantize_with_llama_cpp(array, type_name), qtype)
+    weighted = quants.dequantize(quantize_with_llama_cpp(array, type_name, weights), qtype)
+    assert _weighted_error(array, weighted, weights) < 0.7 * _weighted_error(
+        array, plain, weights
+    )  # measured: 0.29-0.55
+
+
+def test_types_that_need_importance_weights_are_refused_without_them():
+    needs_llama_cpp()
+    with pytest.raises(ValueError, match="IQ2_XS needs importance weights"):
+        quantize_with_llama_cpp(np.zeros((2, 256), np.float32), "IQ2_XS")
+    with pytest.raises(ValueError, match="256 finite non-negative values"):
+        quantize_with_llama_cpp(np.zeros((2, 256), np.float32), "Q4_K", np.full(255, 1.0))
 
 
 def test_fallbacks_for_rows_that_do_not_fill_256_value_blocks():
@@ -90,3 +160,6 @@ def test_fallbacks_for_rows_that_do_not_fill_256_value_blocks():
     assert fitting_type("blk.0.ffn_down.weight", "Q6_K", 1216, True) == "Q8_0"
     assert fitting_type("token_embd.weight", "Q6_K", 576, False) == "Q8_0"
     assert fitting_type("blk.0.ffn_down.weight", "Q4_K", 1000, True) == "F16"  # not even 32
+    assert fitting_type("blk.0.attn_q.weight", "Q3_K", 576, True) == "Q4_0"
+    assert fitting_type("blk.0.attn_q.weight", "Q2_K", 576, True) == "Q4_0"
+    assert fitting_type("blk.0.attn_q.weight", "IQ4_XS", 576, True) == "IQ4_NL"

@@ -14,13 +14,13 @@ from torch import nn
 
 from compressor.api.pipeline import compress_model
 from compressor.checkpoint.gguf_export import (
-    check_gguf_type,
     choose_architecture,
     layer_shapes,
     llama3_rope_factors,
     permute_for_rope,
     write_gguf,
 )
+from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
 from compressor.modeling.adapters import get_adapter
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
@@ -96,10 +96,22 @@ def test_architecture_follows_the_shapes():
 
 def test_types_other_k_quants_name_the_tool_that_makes_them():
     assert check_gguf_type("Q8_0") == "q8_0"
-    with pytest.raises(UserError, match="llama-quantize.*Q4_K_S"):
-        check_gguf_type("q4_k_s")
+    with pytest.raises(UserError, match="llama-quantize.*Q2_K_S"):
+        check_gguf_type("q2_k_s")
     with pytest.raises(UserError, match="unknown GGUF type: choose one of f32"):
         check_gguf_type("int3")
+
+
+def test_importance_weights_apply_below_8_bits_and_are_required_by_the_2_bit_i_quants():
+    assert check_imatrix("q4_k_m", None) and check_imatrix("q4_0", None) and check_imatrix("iq2_xs", None)
+    assert not check_imatrix("q8_0", None) and not check_imatrix("f16", None)
+    assert not check_imatrix("q3_k_m", "none")
+    with pytest.raises(UserError, match="--type q8_0 does not use importance weights"):
+        check_imatrix("q8_0", "calibration")
+    with pytest.raises(UserError, match="--type iq2_xs needs importance weights"):
+        check_imatrix("iq2_xs", "none")
+    with pytest.raises(UserError, match="unknown: choose calibration or none"):
+        check_imatrix("q4_k_m", "file.dat")
 
 
 def test_llama3_rope_factors_are_transformers_scaling():
@@ -372,6 +384,16 @@ def test_every_type_loads_in_llama_cpp_close_to_the_model(tmp_path, tokenizer_gg
     assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < bound
 
 
+def k_quant_model(**overrides):
+    """A tiny llama whose rows fill 256-value blocks (hidden size 256), weights N(0, 0.1): k-quants apply."""
+    model = tiny_model("llama", **{"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, **overrides})  # fmt: skip
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.1)
+    return model
+
+
 def test_k_quant_mix_runs_in_llama_cpp_with_llama_quantizes_types(tmp_path, tokenizer_gguf):
     """q4_k_m on a model of hidden size 256: every matrix in Q4_K or Q6_K as `llama-quantize` picks, the down_proj
     of a 96-wide MLP (not a multiple of 256) in Q4_K's fallback Q5_0, listed; llama.cpp runs it within 4-bit
@@ -381,11 +403,7 @@ def test_k_quant_mix_runs_in_llama_cpp_with_llama_quantizes_types(tmp_path, toke
     )
     import gguf
 
-    model = tiny_model("llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, num_hidden_layers=8)  # fmt: skip
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.1)
+    model = k_quant_model(num_hidden_layers=8)
     narrow_mlps(model, [512, 256, 96, 512, 512, 512, 256, 512])
     result = write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="q4_k_m")
     stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(result.path)).tensors}
@@ -426,3 +444,62 @@ def test_flap_model_with_its_compensation_biases_runs_in_llama_cpp(tmp_path, tok
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 1e-3
+
+
+def test_importance_weights_are_each_matrix_inputs_mean_squares():
+    """The imatrix is, per matrix, the mean over the calibration tokens of the square of each input column: q/k/v
+    read the input norm's output, the head the final norm's; with tied embeddings the embedding's entry is the
+    head's (llama.cpp multiplies the final hidden state by that matrix)."""
+    from compressor.statistics.importance import measure_importance
+
+    model = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    windows = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, list[torch.Tensor]] = {"norm": [], "final": []}
+    layer = model.model.layers[1]
+    hooks = [
+        layer.input_layernorm.register_forward_hook(lambda m, a, out: seen["norm"].append(out.detach())),
+        model.model.norm.register_forward_hook(lambda m, a, out: seen["final"].append(out.detach())),
+    ]
+    importance = measure_importance(model, windows, progress=False)
+    for hook in hooks:
+        hook.remove()
+    expected = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen["norm"]]).double().square().mean(0)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        torch.testing.assert_close(importance.of(f"model.layers.1.self_attn.{name}"), expected)
+    head = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen["final"]]).double().square().mean(0)
+    torch.testing.assert_close(importance.of("lm_head"), head)
+    torch.testing.assert_close(importance.of("model.embed_tokens"), head)
+    assert importance.tokens == 48 and importance.windows == 3
+    assert importance.of("model.layers.0.mlp.down_proj").shape == (model.config.intermediate_size,)
+
+
+@pytest.mark.parametrize("tensor_type", ["q2_k", "q3_k_m", "q4_0"])
+def test_importance_weights_bring_llama_cpp_closer_to_the_model_on_its_calibration(
+    tmp_path, tokenizer_gguf, tensor_type
+):
+    """Quantized with the imatrix of the very tokens it is then scored on, the file's log-probabilities in
+    llama.cpp are closer to the model's than without it; the file records where its weights came from."""
+    pytest.importorskip(
+        "xllamacpp", reason="llama.cpp's wheel is not installed (pip install masa-compress[gguf])"
+    )
+    import gguf
+
+    from compressor.statistics.importance import measure_importance
+
+    model = k_quant_model(num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    importance = measure_importance(model, ids, progress=False)
+    plain = write_gguf(model, tokenizer_gguf, tmp_path / "plain.gguf", tensor_type=tensor_type)
+    weighted = write_gguf(model, tokenizer_gguf, tmp_path / "weighted.gguf", tensor_type=tensor_type,
+                          importance=importance.weights, imatrix_note="4 windows of 32")  # fmt: skip
+    assert plain.imatrix == "none" and weighted.imatrix == "4 windows of 32"
+    assert weighted.types == plain.types  # the same type per matrix, other blocks
+    fields = gguf.GGUFReader(str(weighted.path)).fields
+    assert fields["quantize.imatrix.dataset"].contents() == "4 windows of 32"
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    errors = {}
+    for name, result in (("plain", plain), ("weighted", weighted)):
+        got = llama_cpp_log_probs(result.path, ids)
+        errors[name] = float((got.exp() * (got - expected)).sum(-1).mean())  # KL(file || model), nats
+    assert errors["weighted"] < 0.9 * errors["plain"], errors

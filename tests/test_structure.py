@@ -1,6 +1,7 @@
 """The structure facts of `tests/check_structure.py` hold: no import loops, no import up the floors, at most 10
 entries at the package's top, no symlink, no file over 450 lines, no function over 80 lines (option declarations
-aside), nothing repeated between `remote_code/` and the library."""
+aside), nothing repeated between `remote_code/` and the library, no module path of a model family outside its
+registry (`compressor/modeling/families.py`)."""
 
 from __future__ import annotations
 

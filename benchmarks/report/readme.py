@@ -1,8 +1,9 @@
 """README.md's figures, rendered from the committed results files (no measurement here, no figure typed by hand).
 
-Two blocks of README.md are written here, each between its markers: the results table (`results_table`: today's
+Three blocks of README.md are written here, each between its markers: the results table (`results_table`: today's
 defaults on the bundled SmolLM2-135M and on Qwen2.5-Coder-1.5B, beside the peers measured on the same
-calibration) and the limitations that carry a figure (`limitations`). `python -m benchmarks.report` refreshes
+calibration), the limitations that carry a figure (`limitations`), and the support matrix (`support.py`: from
+the family registry, which tests/test_families.py holds to it). `python -m benchmarks.report` refreshes
 them with BENCHMARKS.md; tests/test_figures.py checks that the committed README is their render.
 
 Sources, all under `benchmarks/results/`:
@@ -24,6 +25,7 @@ import re
 from pathlib import Path
 
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
+from benchmarks.report.support import support_matrix
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
@@ -188,7 +190,7 @@ def limitations(results_dir: Path = RESULTS_DIR) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"results": results_table, "limitations": limitations}
+RENDERERS = {"results": results_table, "limitations": limitations, "support": support_matrix}
 
 
 def render_readme(text: str, results_dir: Path = RESULTS_DIR) -> str:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
-from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, check_gguf_type, write_gguf
+from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, write_gguf
+from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
+from compressor.recipes.schema import CalibrationSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 
@@ -37,20 +39,34 @@ def export(
     out: str | os.PathLike,
     *,
     format: str = "gguf",
-    tensor_type: str = "f16",
+    tensor_type: str | None = None,
     tokenizer_from: str | None = None,
     layout: str = "padded",
+    imatrix: str | None = None,
+    calib_samples: int | None = None,
+    size: int | str | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
-    checked before any weight is read."""
+    checked before any weight is read.
+
+    `imatrix`: `calibration` weighs each quantized matrix's rounding by the mean square of its inputs over the
+    calibration text (llama.cpp's importance matrix, measured here on the model written; cached), `none` does
+    not; None: `calibration` for the types below 8 bits. The calibration is the checkpoint's own (its text,
+    window length and seed), else the recipe's; `calib_samples` windows (default: its `samples`).
+
+    `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
+    loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
+    calibration), instead of a `tensor_type` mix."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     if format == "gguf" and layout != "padded":
         raise UserError(
             f"--layout {layout} applies to --format hf (a GGUF's layout follows the shapes): drop it"
         )
+    if size is not None and format != "gguf":
+        raise UserError("--size sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
     source = resolve_model(model)
     if format == "hf":
         if source.kind != "compressed":
@@ -61,22 +77,103 @@ def export(
             "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
             "compressed_params": result.compressed_params, "dense_params": result.dense_params,
         })  # fmt: skip
-    tensor_type = check_gguf_type(tensor_type)
+    tensor_type, budget, use_importance = check_quantization(tensor_type, imatrix, size, calib_samples)
     out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
     original = original_source(source)
     check_hub_model(source)
     tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
+    calibration, calib_text = None, None
+    if use_importance:
+        from compressor.calibration.sources import load_documents
+
+        calibration = importance_calibration(source, original, calib_samples)
+        calib_text = load_documents(calibration.source, split="calibration")
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
+    measured, imatrix_note, chooser = None, "", None
+    if use_importance:
+        measured, imatrix_note = measure_for_export(
+            loaded, calibration, calib_text, budget is not None, progress
+        )
+    if budget is not None:
+        from compressor.checkpoint.byte_budget import BudgetChooser
+
+        chooser = BudgetChooser(loaded.model, measured, budget, progress)
     written: GgufExport = write_gguf(
-        loaded.model,
-        tokenizer_gguf,
-        out,
-        tensor_type=tensor_type,
-        name=source.describe(),
-        overwrite=overwrite,
+        loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
         extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else ""},
+        importance=None if measured is None else measured.weights, imatrix_note=imatrix_note, choose_types=chooser,
+    )  # fmt: skip
+    details = written.as_dict()
+    if chooser is not None:
+        plan = chooser.plan.to_dict()
+        details |= {"type": "size", "budget": budget, "predicted_loss_rise": plan["predicted_loss_rise"]}
+    return ExportResult("gguf", written.path, details)
+
+
+def check_quantization(
+    tensor_type: str | None, imatrix: str | None, size: int | str | None, calib_samples: int | None
+) -> tuple[str, int | None, bool]:
+    """(the --type written, the byte budget or None, whether importance weights are measured), or a one-line
+    error for options that do not go together. With `size` every matrix's type is the budget's: f16 is the
+    type `write_gguf` is handed, its `choose_types` decides."""
+    budget = None
+    if size is not None:
+        from compressor.checkpoint.byte_budget import parse_size
+        from compressor.checkpoint.ggml_quantize import check_quantizer
+
+        budget = parse_size(size) if isinstance(size, str) else int(size)
+        if tensor_type is not None:
+            raise UserError(f"--size chooses every matrix's type: drop --type {tensor_type}")
+        if imatrix == "none":
+            raise UserError("--size weighs each type's rounding by the calibration: drop --imatrix none")
+        check_quantizer()
+        tensor_type, use_importance = "f16", True
+    else:
+        tensor_type = check_gguf_type(tensor_type or "f16")
+        use_importance = check_imatrix(tensor_type, imatrix)
+    if calib_samples is not None and not use_importance:
+        raise UserError(
+            "--calib-samples sets the importance weights' windows: it needs --imatrix calibration"
+        )
+    return tensor_type, budget, use_importance
+
+
+def measure_for_export(
+    loaded, calibration: CalibrationSettings, calib_text, sensitivities: bool, progress: bool
+):
+    """The importance weights of the loaded model on its calibration windows (cached), with the output
+    sensitivities a byte budget reads; and the line the GGUF records of where they came from."""
+    from compressor.api.session import calibration_token_windows
+    from compressor.checkpoint.byte_budget import GRADIENT_WINDOWS
+    from compressor.statistics.importance import cached_importance
+
+    windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
+    gradient_windows = GRADIENT_WINDOWS if sensitivities else 0
+    measured = cached_importance(loaded.model, calib_text.fingerprint, windows, progress, gradient_windows)
+    note = (
+        f"{calib_text.name}: {windows.shape[0]} windows of {windows.shape[1]} tokens, seed {calibration.seed}"
     )
-    return ExportResult("gguf", written.path, written.as_dict())
+    return measured, note
+
+
+def importance_calibration(
+    source: ModelSource, original: ModelSource, samples: int | None = None
+) -> CalibrationSettings:
+    """The calibration the importance weights are measured on: a checkpoint's own (as its run recorded it), else
+    the recipe's, else the defaults; `samples` windows where given."""
+    settings = CalibrationSettings()
+    if original.recipe is not None:
+        settings = original.recipe.calibration
+    if source.kind == "compressed":
+        recorded = (read_masa_config(source.location).get("metadata") or {}).get("settings") or {}
+        recorded = recorded.get("calibration") or {}
+        fields = {k: recorded[k] for k in ("source", "samples", "seq_len", "seed") if k in recorded}
+        settings = settings.model_copy(update=fields)
+    if samples is not None:
+        if samples < 1:
+            raise UserError(f"--calib-samples {samples}: must be at least 1")
+        settings = settings.model_copy(update={"samples": samples})
+    return settings
 
 
 def original_source(source: ModelSource) -> ModelSource:

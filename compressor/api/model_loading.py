@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from compressor.api.packaged_models import PACKAGED_MODELS, ensure_gguf, gguf_directory, packaged_model
-from compressor.modeling.adapters import SUPPORTED_MODEL_TYPES
+from compressor.modeling.families import SUPPORTED_MODEL_TYPES
 from compressor.recipes.schema import Recipe, builtin_recipe, builtin_recipe_names
 from compressor.runtime.cache_root import cache_dir
 from compressor.runtime.device import resolve_device, resolve_dtype
@@ -174,8 +174,8 @@ def check_architecture(config, where: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = ",".join(getattr(config, "architectures", None) or [str(model_type)])
         raise UserError(
-            f"unsupported architecture '{archs}' (model_type '{model_type}') in {where}: supported are "
-            f"decoder-only models with separate q/k/v/o projections ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"unsupported architecture '{archs}' (model_type '{model_type}') in {where}: supported are the "
+            f"families of the README's support matrix ({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
 
 

@@ -28,12 +28,14 @@ from compressor.checkpoint.layout import DEFAULT_MAX_SHARD_BYTES
 from compressor.checkpoint.load import _load_tokenizer, load_compressed, read_masa_config
 from compressor.math.heads import head_columns
 from compressor.modeling import remote_code
-from compressor.modeling.adapters import get_adapter
+from compressor.modeling.adapters import MLP_PROJECTIONS, get_adapter
+from compressor.modeling.families import FAMILIES
+from compressor.modeling.remote_code.masa_modules import FusedLinear
 from compressor.runtime.errors import UserError
 
 LAYOUTS = ("padded", "deci")
 DECI_CONFIG_FILE = "configuration_decilm.py"
-DECI_FAMILIES = ("llama", "mistral")
+DECI_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.deci)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ def export_dense(
     if layout == "padded":
         _one_mlp_width(adapter)
     _every_head(adapter)
+    _join_fused(adapter)
     with _atomic_directory(out_dir, overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
         if layout == "deci":
@@ -119,17 +122,17 @@ def _weights_bytes(directory: Path) -> int:
 def _one_mlp_width(adapter) -> None:
     """Give every layer's MLP the width of the widest (zero neurons appended: gate/up rows and down columns of
     zeros contribute nothing, whatever the activation), and write that width into the config."""
-    mlps = [getattr(layer, "mlp", None) for layer in adapter.layers]
-    if not all(isinstance(getattr(mlp, "down_proj", None), nn.Linear) for mlp in mlps):
-        return  # not a gated MLP of plain projections: nothing of it was compressed
-    widths = [mlp.down_proj.in_features for mlp in mlps]
+    layers = range(adapter.num_layers)
+    if not all(isinstance(adapter.find_projection(i, "down_proj"), nn.Linear) for i in layers):
+        return  # not a gated MLP of plain projections (an MoE's experts): nothing of it was compressed
+    widths = [adapter.projection(i, "down_proj").in_features for i in layers]
     width = max(widths)
-    for mlp, own in zip(mlps, widths, strict=True):
+    for i, own in zip(layers, widths, strict=True):
         if own == width:
             continue
-        mlp.gate_proj = _padded(mlp.gate_proj, width, rows=True)
-        mlp.up_proj = _padded(mlp.up_proj, width, rows=True)
-        mlp.down_proj = _padded(mlp.down_proj, width, rows=False)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            padded = _padded(adapter.projection(i, name), width, rows=name != "down_proj")
+            setattr(adapter.block_of(i, name), name, padded)
     adapter.config.intermediate_size = width
 
 
@@ -140,14 +143,36 @@ def _every_head(adapter) -> None:
     nothing. Per KV group, its kept heads first: query head i still reads KV head i // (heads per KV head)."""
     geometry = adapter.geometry
     per_group, d = geometry.num_heads // geometry.num_kv_heads, geometry.head_dim
-    for attention in (layer.self_attn for layer in adapter.layers):
-        kept = attention.q_proj.out_features // (geometry.num_kv_heads * d)
+    for i in range(adapter.num_layers):
+        q_proj, o_proj = adapter.projection(i, "q_proj"), adapter.projection(i, "o_proj")
+        kept = q_proj.out_features // (geometry.num_kv_heads * d)
         if kept == per_group:
             continue
         rows = head_columns([g * per_group + h for g in range(geometry.num_kv_heads) for h in range(kept)], d)
-        attention.q_proj = _scattered(attention.q_proj, rows, geometry.num_heads * d, rows_axis=True)
-        attention.o_proj = _scattered(attention.o_proj, rows, geometry.num_heads * d, rows_axis=False)
-        attention.num_key_value_groups = per_group
+        adapter.block_of(i, "q_proj").q_proj = _scattered(q_proj, rows, geometry.num_heads * d, True)
+        adapter.block_of(i, "o_proj").o_proj = _scattered(o_proj, rows, geometry.num_heads * d, False)
+        adapter.attention(i).num_key_value_groups = per_group
+
+
+@torch.no_grad()
+def _join_fused(adapter) -> None:
+    """Give a family whose projections transformers fuses (Phi-3) its fused modules back, so that the plain
+    architecture loads the export: one nn.Linear of the parts' rows, in order."""
+    for i in range(adapter.num_layers):
+        for fused, parts in adapter.family.fused.items():
+            view = adapter.block_of(i, parts[0])
+            if not isinstance(view, FusedLinear):
+                continue
+            modules = [getattr(view, name) for name in view.parts]
+            weight = torch.cat([m.weight for m in modules])
+            joined = nn.Linear(
+                weight.shape[1], weight.shape[0], bias=modules[0].bias is not None, device="meta"
+            )
+            joined.weight = nn.Parameter(weight)
+            if joined.bias is not None:
+                joined.bias = nn.Parameter(torch.cat([m.bias for m in modules]))
+            block = adapter.mlp(i) if parts[0] in MLP_PROJECTIONS else adapter.attention(i)
+            setattr(block, fused, joined)
 
 
 def _scattered(linear: nn.Linear, index: torch.Tensor, size: int, rows_axis: bool) -> nn.Linear:
@@ -184,7 +209,7 @@ def _write_deci_config(directory: Path, adapter) -> None:
     for key in ("masa", "auto_map", "intermediate_size"):
         config.pop(key, None)
     geometry = adapter.geometry
-    widths = [layer.mlp.down_proj.in_features for layer in adapter.layers]
+    widths = [adapter.projection(i, "down_proj").in_features for i in range(adapter.num_layers)]
     config.update(
         architectures=["DeciLMForCausalLM"],
         model_type="nemotron-nas",

@@ -10,15 +10,17 @@ source without one fails in one line naming `--tokenizer-from`.
 
 Weights go through `gguf`'s pure-Python writer. Matrices are stored in the requested type; where a matrix's
 rows do not fill whole quantization blocks (q8_0/q5_0/q4_0: 32 values) it falls back to f16, and every such
-tensor is listed in the result. The k-quant mixes (q4_k_m, q5_k_m, q6_k) are quantized by llama.cpp's own
-code, with `llama-quantize`'s choice of type per tensor and its fallbacks (`ggml_quantize.py`).
+tensor is listed in the result. llama.cpp's mixes (q2_k ... q6_k, the i-quants) are quantized by llama.cpp's own
+code, with `llama-quantize`'s choice of type per tensor and its fallbacks (`ggml_quantize.py`). With importance
+weights (`importance`: the tool's own imatrix, `statistics/importance.py`) every quantized matrix goes through
+llama.cpp's quantizer with its vector, as `llama-quantize --imatrix` quantizes it.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,35 +28,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor.checkpoint.ggml_quantize import (
-    K_QUANT_FALLBACK,
-    K_QUANT_MIXES,
-    check_quantizer,
-    fitting_type,
-    ggml_block,
-    mix_type,
-    quantize_with_llama_cpp,
+from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, needs_imatrix, quantize_with_llama_cpp
+from compressor.checkpoint.gguf_types import (
+    GGUF_TYPES,
+    check_gguf_type,
+    check_some_matrix_fits,
+    dominant_file_type,
+    matrix_types,
+    type_counts,
 )
 from compressor.modeling.adapters import geometry_from_config, get_adapter
+from compressor.modeling.families import FAMILIES
 from compressor.runtime.errors import UserError
-
-# --type → (the GGUF tensor type of a matrix, `general.file_type`); 1-D tensors (norms, biases) stay f32 always.
-GGUF_TYPES = {
-    "f32": ("F32", "ALL_F32"),
-    "f16": ("F16", "MOSTLY_F16"),
-    "bf16": ("BF16", "MOSTLY_BF16"),
-    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
-    "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
-    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
-}
-# k-quant mixes whose per-tensor rules are not written here: llama.cpp's `llama-quantize` makes them.
-OTHER_K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q5_k_s")
-FALLBACK_TYPE = "F16"
 
 # model_type → llama.cpp architecture when all layers share their shapes, and whether Q/K rows must be
 # permuted (llama.cpp's `llama`/`deci` rotate interleaved pairs; transformers rotates halves; `qwen2` uses
 # the halves layout itself, as transformers does).
-UNIFORM_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+UNIFORM_ARCHITECTURE = {name: family.llama_cpp for name, family in FAMILIES.items() if family.llama_cpp}
 PER_LAYER_ARCHITECTURE = "deci"
 PERMUTED_ROPE = {"llama", "deci"}
 
@@ -69,6 +59,10 @@ class GgufExport:
     bytes: int
     parameters: int
     fallbacks: dict[str, str] = field(default_factory=dict)  # tensor name → the type it was stored in
+    types: dict[str, str] = field(
+        default_factory=dict
+    )  # every matrix's name → the GGML type it was stored in
+    imatrix: str = "none"  # where the importance weights came from, or none
     mlp_widths: list[int] = field(default_factory=list)
     heads: list[int] = field(default_factory=list)
     kv_heads: list[int] = field(default_factory=list)
@@ -80,26 +74,12 @@ class GgufExport:
             "bytes": self.bytes,
             "parameters": self.parameters,
             "fallbacks": dict(self.fallbacks),
+            "type_counts": type_counts(self.types),
+            "imatrix": self.imatrix,
             "mlp_widths": list(self.mlp_widths),
             "heads": list(self.heads),
             "kv_heads": list(self.kv_heads),
         }
-
-
-def check_gguf_type(tensor_type: str) -> str:
-    """The `--type` value, lower-cased, or a one-line error naming the types there are."""
-    name = tensor_type.lower()
-    choices = ", ".join([*GGUF_TYPES, *K_QUANT_MIXES])
-    if name in OTHER_K_QUANTS:
-        raise UserError(
-            f"--type {name}: not written by this tool: export --type f16, then run llama.cpp's "
-            f"`llama-quantize OUT.gguf OUT-{name}.gguf {name.upper()}`; or choose one of {choices}"
-        )
-    if name in K_QUANT_MIXES:
-        check_quantizer()
-    elif name not in GGUF_TYPES:
-        raise UserError(f"--type {tensor_type}: unknown GGUF type: choose one of {choices}")
-    return name
 
 
 def check_gguf_output(out: str | os.PathLike, overwrite: bool) -> Path:
@@ -119,7 +99,7 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
     config = adapter.config
     head_dim = geometry_from_config(config).head_dim
     widths, heads, kv_heads = [], [], []
-    for index, layer in enumerate(adapter.layers):
+    for index in range(adapter.num_layers):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             module = adapter.projection(index, name)
             if not isinstance(module, nn.Linear):
@@ -128,12 +108,12 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
                     "runs whole heads only: compress with --native (or leave the attention out of --targets)"
                 )
         for name in ("gate_proj", "up_proj", "down_proj"):
-            if not isinstance(getattr(layer.mlp, name, None), nn.Linear):
+            if not isinstance(adapter.find_projection(index, name), nn.Linear):
                 raise UserError(
-                    f"layer {index} mlp.{name} is not a plain projection: llama.cpp runs narrower MLPs only: "
+                    f"layer {index} {name} is not a plain projection: llama.cpp runs narrower MLPs only: "
                     "compress with --native (or leave the MLP out of --targets)"
                 )
-        widths.append(layer.mlp.down_proj.in_features)
+        widths.append(adapter.projection(index, "down_proj").in_features)
         heads.append(adapter.projection(index, "q_proj").out_features // head_dim)
         kv_heads.append(adapter.projection(index, "k_proj").out_features // head_dim)
     return widths, heads, kv_heads
@@ -189,26 +169,6 @@ def llama3_rope_factors(config) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
-def block_size(tensor_type: str) -> int:
-    """Values per block of a `--type` (1 for the float types); of a k-quant mix, of llama.cpp's fallback for
-    rows that do not fill its 256-value blocks (32), since those matrices still take a quantized type."""
-    if tensor_type in K_QUANT_MIXES:
-        return ggml_block(K_QUANT_FALLBACK[K_QUANT_MIXES[tensor_type][0]])
-    return ggml_block(GGUF_TYPES[tensor_type][0])
-
-
-def check_some_matrix_fits(model: nn.Module, tensor_type: str) -> None:
-    """A quantized type that no matrix of the model can take (no row a whole number of blocks) is refused
-    before anything is written: every matrix would be f16, and the file would not be what was asked."""
-    block = block_size(tensor_type)
-    rows = {p.shape[-1] for p in model.parameters() if p.ndim == 2}
-    if block > 1 and not any(length % block == 0 for length in rows):
-        raise UserError(
-            f"--type {tensor_type}: no matrix of this model has rows of a multiple of {block} values (its "
-            f"blocks): every one would be stored f16: choose --type f16"
-        )
-
-
 def read_tokenizer_fields(gguf_path: Path) -> list:
     """The `tokenizer.*` fields of a GGUF file (vocabulary, merges, special tokens, chat template)."""
     import gguf
@@ -234,11 +194,22 @@ def write_gguf(
     overwrite: bool = False,
     extra_fields: dict[str, str] | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    importance: Mapping[str, torch.Tensor] | None = None,
+    imatrix_note: str = "",
+    choose_types: Callable[[list[tuple[str, np.ndarray, str]], int], dict[str, str]] | None = None,
 ) -> GgufExport:
     """Write `model` (plain projections, any per-layer widths and head counts) as a GGUF file at `out`,
     atomically (a temporary sibling renamed into place), with the tokenizer of `tokenizer_gguf` and the string
-    fields `extra_fields` (e.g. the source model's name)."""
-    import gguf
+    fields `extra_fields` (e.g. the source model's name).
+
+    `importance`: per module path (`model.layers.3.mlp.down_proj`), the mean square of each input column over
+    calibration text (`statistics.importance`); every quantized matrix that has one is quantized by llama.cpp
+    with it, and `imatrix_note` (the text and windows it came from) is recorded in the file, as
+    `llama-quantize --imatrix` records its dataset.
+
+    `choose_types`: given the matrices (GGUF name, fp32 array, module path) and the bytes of everything else
+    (metadata, tokenizer, 1-D tensors, as written, padded), each matrix's GGML type (`byte_budget`): the file is
+    then exactly those bytes plus the matrices' padded blocks."""
 
     tensor_type = check_gguf_type(tensor_type)
     out = check_gguf_output(out, overwrite)
@@ -248,25 +219,69 @@ def write_gguf(
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
     tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
     rope_factors = llama3_rope_factors(config)
-    file_type = K_QUANT_MIXES[tensor_type][1] if tensor_type in K_QUANT_MIXES else GGUF_TYPES[tensor_type][1]
+    file_type = (
+        K_QUANT_MIXES[tensor_type].file_type if tensor_type in K_QUANT_MIXES else GGUF_TYPES[tensor_type][1]
+    )
     check_some_matrix_fits(model, tensor_type)
     has_output = not bool(getattr(config, "tie_word_embeddings", False))
+    mix_context = {"gqa": heads[0] // max(kv_heads[0], 1), "has_imatrix": importance is not None}
+    by_llama_cpp = tensor_type in K_QUANT_MIXES or importance is not None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), architecture)
-    fallbacks: dict[str, str] = {}
-    parameters = 0
-    try:
+    def add_fields(writer) -> None:
         _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name)
         for field_ in tokenizer_fields:
             _copy_field(writer, field_)
         for key, value in (extra_fields or {}).items():
             writer.add_string(key, value)
-        for tensor_name, array in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
+        if importance is not None:
+            writer.add_string("quantize.imatrix.dataset", imatrix_note or "masa-compress calibration")
+            writer.add_int32("quantize.imatrix.entries_count", len(importance))
+
+    tensors = list(_gguf_tensors(model, architecture, heads, kv_heads, rope_factors))
+    chosen: dict[str, str] = {}
+    if choose_types is not None:  # the budget's types replace the --type mix (`export` passes f16)
+        chosen = choose_types(
+            [t for t in tensors if t[1].ndim == 2], fixed_bytes(add_fields, architecture, tensors)
+        )
+        file_type = dominant_file_type(chosen, tensors)
+        by_llama_cpp = True
+
+    def type_of(tensor_name: str, array: np.ndarray) -> tuple[str, str]:
+        if tensor_name in chosen:
+            return chosen[tensor_name], chosen[tensor_name]
+        return matrix_types(tensor_name, array, tensor_type, len(widths), has_output, mix_context)
+
+    fallbacks, types, parameters = _write_file(
+        out, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor
+    )
+    return GgufExport(
+        path=out, architecture=architecture, tensor_type=tensor_type, bytes=out.stat().st_size,
+        parameters=parameters, fallbacks=fallbacks, types=types,
+        imatrix=(imatrix_note or "calibration") if importance is not None else "none",
+        mlp_widths=widths, heads=heads, kv_heads=kv_heads,
+    )  # fmt: skip
+
+
+def _write_file(out: Path, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor):
+    """Write the GGUF at `out` through a temporary sibling renamed into place (nothing half-written is left):
+    (fallbacks, every matrix's type, parameters)."""
+    import gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), architecture)
+    fallbacks: dict[str, str] = {}
+    types: dict[str, str] = {}
+    parameters = 0
+    try:
+        add_fields(writer)
+        for tensor_name, array, module_path in tensors:
             parameters += 0 if tensor_name.startswith("rope_freqs") else array.size  # a table, not weights
-            wanted, stored = _matrix_types(tensor_name, array, tensor_type, len(widths), has_output)
-            _store(writer, tensor_name, array, stored, by_llama_cpp=tensor_type in K_QUANT_MIXES)
+            wanted, stored = type_of(tensor_name, array)
+            weights = None if importance is None else importance.get(module_path)
+            _store(writer, tensor_name, array, stored, by_llama_cpp=by_llama_cpp, importance=weights)
+            if array.ndim == 2:
+                types[tensor_name] = stored
             if stored != wanted:
                 fallbacks[tensor_name] = stored
             if on_tensor is not None:
@@ -279,17 +294,39 @@ def write_gguf(
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
-    return GgufExport(
-        path=out,
-        architecture=architecture,
-        tensor_type=tensor_type,
-        bytes=out.stat().st_size,
-        parameters=parameters,
-        fallbacks=fallbacks,
-        mlp_widths=widths,
-        heads=heads,
-        kv_heads=kv_heads,
+    return fallbacks, types, parameters
+
+
+def fixed_bytes(add_fields: Callable, architecture: str, tensors: list) -> int:
+    """The bytes of a file that its matrices' types do not change: metadata, tokenizer, 1-D tensors (f32)."""
+    return metadata_bytes(add_fields, architecture, tensors) + sum(
+        padded(array.size * 4) for _, array, _ in tensors if array.ndim == 1
     )
+
+
+def padded(nbytes: int, alignment: int = 32) -> int:
+    """Bytes a tensor (or the metadata) takes in a GGUF file: rounded up to the file's alignment (gguf's 32)."""
+    return -(-nbytes // alignment) * alignment
+
+
+def metadata_bytes(add_fields: Callable, architecture: str, tensors: list) -> int:
+    """The padded bytes of a GGUF's header, key-values and tensor infos: written once to a scratch file (their
+    size does not depend on the tensors' types, only on names and shapes)."""
+    import tempfile
+
+    import gguf
+
+    with tempfile.TemporaryDirectory(prefix="masa-gguf-") as scratch:
+        path = Path(scratch) / "header.gguf"
+        writer = gguf.GGUFWriter(str(path), architecture)
+        add_fields(writer)
+        for tensor_name, array, _ in tensors:
+            writer.add_tensor_info(tensor_name, array.shape, np.dtype(np.float32), array.size * 4)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        return padded(path.stat().st_size, gguf.GGUF_DEFAULT_ALIGNMENT)
 
 
 def _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name) -> None:
@@ -323,9 +360,12 @@ def _copy_field(writer, field_) -> None:
     writer.add_key_value(field_.name, field_.contents(), value_type, sub_type=sub_type)
 
 
-def _gguf_tensors(model, architecture, heads, kv_heads, rope_factors) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, fp32 array) for every tensor llama.cpp reads, in transformers' order, Q/K rows permuted for
-    the architectures whose rope rotates interleaved pairs."""
+def _gguf_tensors(
+    model, architecture, heads, kv_heads, rope_factors
+) -> Iterator[tuple[str, np.ndarray, str]]:
+    """(GGUF name, fp32 array, module path) for every tensor llama.cpp reads, in transformers' order, Q/K rows
+    permuted for the architectures whose rope rotates interleaved pairs (rows only: the columns, which importance
+    weights describe, keep their order)."""
     import gguf
 
     adapter = get_adapter(model)
@@ -334,7 +374,7 @@ def _gguf_tensors(model, architecture, heads, kv_heads, rope_factors) -> Iterato
     state = model.state_dict()
     tied = bool(getattr(adapter.config, "tie_word_embeddings", False))
     if rope_factors is not None:
-        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors
+        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors, ""
     for key, tensor in state.items():
         if key == "lm_head.weight" and tied:
             continue  # llama.cpp reads the embedding when the file has no output matrix
@@ -348,7 +388,7 @@ def _gguf_tensors(model, architecture, heads, kv_heads, rope_factors) -> Iterato
         if architecture in PERMUTED_ROPE and base.endswith(("q_proj", "k_proj")):
             counts = heads if base.endswith("q_proj") else kv_heads
             array = permute_for_rope(array, counts[_layer_index(base)])
-        yield f"{gguf_name}.{suffix}", array
+        yield f"{gguf_name}.{suffix}", array, base
 
 
 def _layer_index(module_path: str) -> int:
@@ -356,24 +396,19 @@ def _layer_index(module_path: str) -> int:
     return int(parts[parts.index("layers") + 1])
 
 
-def _matrix_types(tensor_name: str, array: np.ndarray, tensor_type: str, num_layers: int, has_output: bool):
-    """(the type `--type` asks of this tensor, the type it is stored in): 1-D tensors are f32 always; a matrix
-    whose rows do not fill whole blocks falls back (f16, or llama.cpp's fallback in a k-quant mix)."""
-    if array.ndim == 1:
-        return "F32", "F32"
-    row_length = array.shape[-1]
-    if tensor_type in K_QUANT_MIXES:
-        wanted = mix_type(tensor_name, tensor_type, num_layers, has_output)
-        return wanted, fitting_type(tensor_name, wanted, row_length, has_output)
-    wanted = GGUF_TYPES[tensor_type][0]
-    return wanted, wanted if row_length % ggml_block(wanted) == 0 else FALLBACK_TYPE
-
-
-def _store(writer, tensor_name: str, array: np.ndarray, type_name: str, by_llama_cpp: bool) -> None:
-    """Add one tensor in GGML type `type_name`, quantized by llama.cpp's code or by `gguf`'s."""
+def _store(
+    writer, tensor_name: str, array: np.ndarray, type_name: str, by_llama_cpp: bool, importance=None
+) -> None:
+    """Add one tensor in GGML type `type_name`, quantized by llama.cpp's code (with its importance weights, if
+    any) or by `gguf`'s."""
     import gguf
     from gguf import quants
 
+    if needs_imatrix(tensor_name, type_name) and importance is None:
+        raise UserError(
+            f"{tensor_name}: its type {type_name} needs importance weights and none were measured for it: "
+            "choose another --type"
+        )
     if type_name == "F32":
         writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
     elif type_name == "F16":
@@ -383,4 +418,5 @@ def _store(writer, tensor_name: str, array: np.ndarray, type_name: str, by_llama
         writer.add_tensor(tensor_name, quants.quantize(array, qtype), raw_dtype=qtype)
     else:
         qtype = gguf.GGMLQuantizationType[type_name]
-        writer.add_tensor(tensor_name, quantize_with_llama_cpp(array, type_name), raw_dtype=qtype)
+        weights = None if importance is None else np.asarray(importance, dtype=np.float32)
+        writer.add_tensor(tensor_name, quantize_with_llama_cpp(array, type_name, weights), raw_dtype=qtype)

@@ -59,6 +59,9 @@ def _layout(adapter: DecoderAdapter, plan: CompressionPlan) -> tuple[dict, dict[
         **({"basis_key": BASIS_KEY} if any(p["mode"] == "basis" for p in projections) else {}),
         "groups": [{"index": g.index, "layers": g.layers, "n_atoms": g.n_atoms} for g in plan.groups],
         "projections": projections,
+        # A family whose projections transformers fuses is stored split (`masa_modules.FusedLinear`): which fused
+        # module holds which projections, of how many rows (both loaders split it so before loading).
+        **({"fused": adapter.fused_sizes()} if adapter.family.fused else {}),
     }
     return layout, shared
 

@@ -44,16 +44,46 @@ def export_command(
         ),
     ] = "gguf",
     tensor_type: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--type",
             metavar="TYPE",
             help=(
-                "GGUF matrices: f32, f16, bf16, q8_0, q5_0, q4_0, or the k-quant mixes q4_k_m, q5_k_m, q6_k "
-                "(by llama.cpp's quantizer; rows that do not fill whole blocks fall back, listed)."
+                "GGUF matrices: f32, f16, bf16, q8_0, q5_0, q4_0, or llama.cpp's mixes q6_k, q5_k_m, q5_k_s, "
+                "q4_k_m, q4_k_s, q3_k_l, q3_k_m, q3_k_s, q2_k and the i-quants iq4_xs, iq4_nl, iq3_m, iq3_s, "
+                "iq3_xxs, iq2_xs, iq2_xxs (by llama.cpp's quantizer, with llama-quantize's type per tensor; rows "
+                "that do not fill whole blocks fall back, listed) (default: f16)."
             ),
         ),
-    ] = "f16",
+    ] = None,
+    size: Annotated[
+        str | None,
+        typer.Option(
+            "--size",
+            metavar="SIZE",
+            help="The GGUF's bytes at most (e.g. 90MiB, 1.2GB): each matrix's type chosen by one loss-aware "
+            "allocation over the calibration's importance weights and sensitivities, instead of a --type mix.",
+        ),
+    ] = None,
+    imatrix: Annotated[
+        str | None,
+        typer.Option(
+            "--imatrix",
+            metavar="SOURCE",
+            help="calibration: weigh each matrix's rounding by its inputs' mean squares on the calibration text "
+            "(llama.cpp's importance matrix, measured on this model; cached), or none (default: calibration for "
+            "the types below 8 bits).",
+        ),
+    ] = None,
+    calib_samples: Annotated[
+        int | None,
+        typer.Option(
+            "--calib-samples",
+            metavar="N",
+            help="Calibration windows the importance weights are measured on (default: the checkpoint's or "
+            "the recipe's samples).",
+        ),
+    ] = None,
     tokenizer_from: Annotated[
         str | None,
         typer.Option(
@@ -86,7 +116,7 @@ def export_command(
 
     result = export(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
-        overwrite=overwrite, progress=not as_json,
+        imatrix=imatrix, calib_samples=calib_samples, size=size, overwrite=overwrite, progress=not as_json,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))
@@ -99,6 +129,15 @@ def export_command(
         f"Wrote {result.path}: llama.cpp architecture {info['architecture']}, {info['type']}, "
         f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB."
     )
+    if info.get("budget") is not None:
+        console.print(
+            f"Within --size {info['budget']:,} bytes: {info['bytes']:,} written; predicted rise of the "
+            f"calibration loss {info['predicted_loss_rise']:.4f} nats per token."
+        )
+    counts = info.get("type_counts") or {}
+    if len(counts) > 1 or info.get("imatrix", "none") != "none":
+        mix = ", ".join(f"{n} {t}" for t, n in counts.items())
+        console.print(f"Matrices: {mix}; importance weights: {info.get('imatrix', 'none')}.")
     if info["fallbacks"]:
         kinds = sorted(set(info["fallbacks"].values()))
         console.print(
@@ -151,10 +190,16 @@ def _print_dense(payload: dict) -> None:
 
 
 def show_command(
-    path: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress.")],
+    path: Annotated[
+        str,
+        typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress, or a .gguf file."),
+    ],
     as_json: o.Json = False,
 ) -> None:
-    """What a compressed checkpoint holds: settings, groups, ranks."""
+    """What a compressed checkpoint holds: settings, groups, ranks; of a GGUF file, each matrix's type."""
+    if path.endswith(".gguf"):
+        _show_gguf(path, as_json)
+        return
     info = describe_checkpoint(path)
     if as_json:
         print(json.dumps(info))
@@ -166,6 +211,28 @@ def show_command(
     console.print(_ranks_table(info))
     if info["kept_by_type"]:
         console.print(_kept_table(info["kept_by_type"]))
+
+
+def _show_gguf(path: str, as_json: bool) -> None:
+    from compressor.checkpoint.gguf_types import describe_gguf
+
+    info = describe_gguf(path)
+    if as_json:
+        print(json.dumps(info))
+        return
+    mix = ", ".join(f"{n} {t}" for t, n in info["type_counts"].items())
+    console.print(
+        f"{info['path']}: llama.cpp architecture {info['architecture']}, {info['file_type']}, "
+        f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB; importance weights: {info['imatrix']}"
+    )
+    console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
+    roles = sorted({role for row in info["layers"] for role in row if role != "layer"})
+    table = Table(title="GGML type per layer")
+    for column in ("layer", *roles):
+        table.add_column(column, justify="right" if column == "layer" else "left")
+    for row in info["layers"]:
+        table.add_row(str(row["layer"]), *(row.get(role, "") for role in roles))
+    console.print(table)
 
 
 def _kept_table(rows: list[dict]) -> Table:

@@ -28,6 +28,7 @@ from compressor.modeling.adapters import (
     ProjectionGeometry,
     geometry_from_config,
 )
+from compressor.modeling.families import family_of
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.device import statistics_device
 from compressor.runtime.errors import NumericalError, UserError, all_finite
@@ -86,10 +87,12 @@ class ModelShape:
 
 
 def bias_projections(config) -> tuple[str, ...]:
-    """Projections with a bias: Qwen2 has q/k/v biases by construction; the other supported families have them
-    on all four attention projections exactly when `attention_bias` is set, and on the MLP's with `mlp_bias`."""
+    """Projections with a bias: a family with q/k/v biases by construction (Qwen2: `Family.qkv_bias`) has those;
+    the other supported families have them on all four attention projections exactly when `attention_bias` is
+    set, and on the MLP's with `mlp_bias`."""
     mlp = ("gate_proj", "up_proj", "down_proj") if getattr(config, "mlp_bias", False) else ()
-    if getattr(config, "model_type", None) == "qwen2":
+    family = family_of(getattr(config, "model_type", None))
+    if family is not None and family.qkv_bias:
         return ("q_proj", "k_proj", "v_proj", *mlp)
     return (PROJECTIONS if getattr(config, "attention_bias", False) else ()) + mlp
 

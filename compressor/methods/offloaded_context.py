@@ -16,15 +16,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from compressor.methods.base import MethodContext
-from compressor.modeling.adapters import MLP_PROJECTIONS
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.errors import NumericalError, all_finite
 
 
 def projection_prefix(om: OffloadedModel, layer: int, projection: str) -> str:
     """The state-dict prefix of a projection, e.g. `model.layers.3.self_attn.q_proj.`."""
-    block = "mlp" if projection in MLP_PROJECTIONS else "self_attn"
-    return f"{om.layer_prefix(layer)}{block}.{projection}."
+    return f"{om.layer_prefix(layer)}{om.adapter.path_in_layer(projection)}."
 
 
 class CompressedLayers(Mapping[str, torch.Tensor]):

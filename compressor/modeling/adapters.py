@@ -1,8 +1,9 @@
 """Architecture adapters: the stages ask these for layers, projections, norms and the unembedding.
 
-Adding a model family is one small class. Everything Hugging Face ships as a decoder-only model
-whose layers hold `self_attn.{q,k,v,o}_proj` (Llama, Mistral, Qwen2/3, Gemma 1-3, SmolLM) is
-covered by `DecoderAdapter`; anything else is refused with a one-line error naming it.
+Where a family keeps them is its entry in the registry (`families.py`), the one place module paths are written;
+`DecoderAdapter` reads it. A family that transformers builds with fused projections (Phi-3's `qkv_proj`) gets
+them split into views of q/k/v and gate/up when the adapter is made (`masa_modules.FusedLinear`: the same
+outputs, concatenated); anything outside the registry is refused with a one-line error naming it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from compressor.modeling.families import (
+    FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    Family,
+    family_of,
+    form_refusal,
+    get_path,
+)
+from compressor.modeling.remote_code.masa_modules import FusedLinear
 from compressor.runtime.errors import UserError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -38,44 +48,28 @@ def target_projections(targets: str) -> tuple[str, ...]:
     return tuple(p for t in TARGETS if t in names for p in TARGETS[t])
 
 
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "smollm3",
-    "olmo2",
-)
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "QK_NORM",
+    "DecoderAdapter",
+    "check_family_forms",
+    "get_adapter",
+]
 
-#: How a family normalizes queries and keys before the rotary embedding (transformers' modeling files):
-#: `per_head`, one RMSNorm over each head's `head_dim` (Qwen3, Gemma 3); `across_heads`, one RMSNorm over all heads'
-#: dimensions at once (OLMo 2's q_norm/k_norm, of width heads x head_dim). Families absent have none.
-QK_NORM = {"qwen3": "per_head", "gemma3_text": "per_head", "olmo2": "across_heads"}
+#: How each family normalizes queries and keys (`families.Family.qk_norm`); families absent have no q/k norm.
+QK_NORM = {name: f.qk_norm for name, f in FAMILIES.items() if f.qk_norm}
 
 
-def check_family_forms(model_type: str | None, method: str, attention: str, targets: str) -> None:
-    """Refuse, in one line and before any weight is read, a form that would silently make another model of this
-    family than the method's: the q/k norms rescale what a form keeps.
-
-    - MoDeGPT keeps q/k dimensions inside each head and zero-fills the rest: a q/k RMSNorm then averages over the
-      zeros too and rescales the kept dimensions (not the method's model).
-    - Whole query heads (`--native`) on a norm across heads: removing a head changes every other head's RMS."""
-    scope = QK_NORM.get(model_type or "")
-    if scope is None:
-        return
-    if method == "modegpt":
-        raise UserError(
-            f"--method modegpt on {model_type}: its q/k RMSNorm ({scope.replace('_', ' ')}) would rescale the q/k "
-            "dimensions MoDeGPT keeps; use the default --method masa, or --method flap"
-        )
-    if attention == "heads" and "q_proj" in target_projections(targets) and scope == "across_heads":
-        raise UserError(
-            f"--native on {model_type}: its q_norm/k_norm normalize across all heads at once, so removing a query "
-            "head changes the others; use --targets mlp --native (the attention whole), or drop --native"
-        )
+def check_family_forms(
+    model_type: str | None, method: str, attention: str, targets: str, layerwise: bool = False
+) -> None:
+    """Refuse, in one line and before any weight is read, a form this family cannot take
+    (`families.form_refusal`: a form that would silently make another model than the method's, or that the
+    family's modules cannot hold)."""
+    reason = form_refusal(model_type, method, attention, target_projections(targets), layerwise)
+    if reason:
+        raise UserError(reason)
 
 
 @dataclass(frozen=True)
@@ -133,38 +127,62 @@ def keep_heads_per_kv_head(attention: nn.Module) -> None:
         attention.num_key_value_groups = q.out_features // k.out_features
 
 
+#: The description of a model outside the registry: the common layout, so that `_check` names what is missing.
+GENERIC = Family("", "", "", "")
+
+
 class DecoderAdapter:
-    """Hugging Face decoder-only models with `model.layers[i].self_attn.{q,k,v,o}_proj`."""
+    """Hugging Face decoder-only models of a registered family (`families.FAMILIES`)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config
         self.model_type = getattr(self.config, "model_type", type(model).__name__)
+        self.family = family_of(self.model_type) or GENERIC
         self._check()
 
     # -- structure -------------------------------------------------------------------------------
     @property
     def decoder(self) -> nn.Module:
-        return self.model.model if hasattr(self.model, "model") else self.model
+        """The decoder without its LM head (the model itself where it is given without one)."""
+        return getattr(self.model, self.family.decoder, self.model)
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.decoder.layers
+        return getattr(self.decoder, self.family.layers)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def attention(self, layer_index: int) -> nn.Module:
-        return self.layers[layer_index].self_attn
+        return get_path(self.layers[layer_index], self.family.attention)
+
+    def mlp(self, layer_index: int) -> nn.Module | None:
+        """The layer's MLP block (an MoE's: its router and experts)."""
+        return getattr(self.layers[layer_index], self.family.mlp, None)
+
+    def path_in_layer(self, name: str) -> str:
+        """Where projection `name` is inside a decoder layer, e.g. `self_attn.q_proj` (`self_attn.qkv_proj.q_proj`
+        where it is fused)."""
+        block = self.family.mlp if name in MLP_PROJECTIONS else self.family.attention
+        fused = self.family.fused_into(name)
+        return f"{block}.{fused}.{name}" if fused else f"{block}.{name}"
 
     def block_of(self, layer_index: int, name: str) -> nn.Module:
-        """The submodule holding projection `name`: self_attn, or mlp for gate/up/down."""
-        layer = self.layers[layer_index]
-        return layer.mlp if name in MLP_PROJECTIONS else layer.self_attn
+        """The submodule holding projection `name`: the attention block, the MLP for gate/up/down, or the view of
+        a fused projection that holds it."""
+        return get_path(self.layers[layer_index], self.path_in_layer(name).rpartition(".")[0])
 
     def projection(self, layer_index: int, name: str) -> nn.Module:
         return getattr(self.block_of(layer_index, name), name)
+
+    def find_projection(self, layer_index: int, name: str) -> nn.Module | None:
+        """The projection, or None where the layer has none of that name (an MoE's MLP)."""
+        try:
+            return self.projection(layer_index, name)
+        except AttributeError:
+            return None
 
     def projection_path(self, layer_index: int, name: str) -> str:
         """Fully qualified module name, e.g. `model.layers.3.self_attn.q_proj`."""
@@ -174,14 +192,13 @@ class DecoderAdapter:
         raise KeyError(name)
 
     def set_projection(self, layer_index: int, name: str, module: nn.Module) -> None:
-        block = self.block_of(layer_index, name)
-        setattr(block, name, module)
+        setattr(self.block_of(layer_index, name), name, module)
         if name in ("q_proj", "k_proj"):
-            keep_heads_per_kv_head(block)
+            keep_heads_per_kv_head(self.attention(layer_index))
 
     @property
     def final_norm(self) -> nn.Module:
-        return self.decoder.norm
+        return getattr(self.decoder, self.family.final_norm)
 
     @property
     def unembedding(self) -> nn.Module:
@@ -191,17 +208,33 @@ class DecoderAdapter:
     def geometry(self) -> ProjectionGeometry:
         return geometry_from_config(self.config)
 
+    def fused_sizes(self) -> dict[str, dict[str, int]]:
+        """Fused module -> {projection: output rows} of the base architecture (what `_split_fused` cuts)."""
+        g = self.geometry
+        return {fused: {p: g.shape(p)[0] for p in parts} for fused, parts in self.family.fused.items()}
+
+    def _split_fused(self) -> None:
+        """Each fused projection of a layer as a `FusedLinear` of plain projections (once: a view already split
+        stays as it is)."""
+        for fused, sizes in self.fused_sizes().items():
+            block_name = self.path_in_layer(next(iter(sizes))).split(".")[0]
+            for layer in self.layers:
+                block = get_path(layer, block_name)
+                module = getattr(block, fused, None)
+                if isinstance(module, nn.Linear):
+                    setattr(block, fused, FusedLinear.split(module, sizes))
+
     def check_mlp(self) -> None:
         """`--targets mlp` needs gated MLPs with separate gate/up/down projections of the config's sizes."""
         g = self.geometry
         for i in range(self.num_layers):
-            mlp = getattr(self.layers[i], "mlp", None)
             for name in MLP_PROJECTIONS:
-                module = getattr(mlp, name, None)
+                module = self.find_projection(i, name)
                 if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != g.shape(name):
                     raise UserError(
-                        f"--targets mlp: layer {i} has no mlp.{name} of shape {list(g.shape(name))} "
-                        f"('{self.model_type}' models are supported for attention only): use --targets attn"
+                        f"--targets mlp: layer {i} has no {self.path_in_layer(name)} of shape "
+                        f"{list(g.shape(name))} ('{self.model_type}' models are supported for attention only): "
+                        "use --targets attn"
                     )
 
     # -- parameter accounting -----------------------------------------------------------------------
@@ -221,22 +254,28 @@ class DecoderAdapter:
     # -- validation -----------------------------------------------------------------------------------
     def _check(self) -> None:
         arch = type(self.model).__name__
-        layers = getattr(self.decoder, "layers", None)
+        try:
+            layers = self.layers
+        except AttributeError:
+            layers = None
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise UserError(
                 f"unsupported architecture '{arch}' (model_type '{self.model_type}'): no decoder layers "
-                f"found; supported: decoder-only models with self_attn.q/k/v/o_proj ({', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"found; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for i, layer in enumerate(layers):
-            attn = getattr(layer, "self_attn", None)
-            missing = [n for n in PROJECTIONS if attn is None or not hasattr(attn, n)]
+        self._split_fused()
+        for i in range(len(layers)):
+            missing = [n for n in PROJECTIONS if self.find_projection(i, n) is None]
             if missing:
                 raise UserError(
                     f"unsupported architecture '{arch}' (model_type '{self.model_type}'): layer {i} has no "
-                    f"self_attn.{missing[0]}; supported: decoder-only models with separate q/k/v/o projections "
-                    f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+                    f"{self.path_in_layer(missing[0])}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
                 )
-        if not hasattr(self.decoder, "norm") or self.model.get_output_embeddings() is None:
+        try:
+            has_norm = self.final_norm is not None
+        except AttributeError:
+            has_norm = False
+        if not has_norm or self.model.get_output_embeddings() is None:
             raise UserError(
                 f"unsupported architecture '{arch}' (model_type '{self.model_type}'): no final norm or "
                 "unembedding for the logit lens"

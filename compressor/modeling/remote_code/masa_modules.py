@@ -236,6 +236,53 @@ class SharedInputLinear(nn.Module):
         )
 
 
+class FusedLinear(nn.Module):
+    """Projections that transformers fuses into one module (Phi-3's `qkv_proj`, `gate_up_proj`) held apart: each
+    part is a projection of its own (plain or compressed, under its own name: `qkv_proj.q_proj`), and the output
+    is theirs concatenated, as the fused module's was, so the family's own forward reads it unchanged."""
+
+    def __init__(self, parts: dict[str, nn.Module]):
+        super().__init__()
+        self.parts = tuple(parts)
+        for name, module in parts.items():
+            setattr(self, name, module)
+
+    @classmethod
+    def split(cls, linear: nn.Linear, sizes: dict[str, int]) -> FusedLinear:
+        """The fused `linear` cut into plain projections of `sizes` output rows each, in output order."""
+        parts, start = {}, 0
+        for name, rows in sizes.items():
+            part = nn.Linear(
+                linear.in_features,
+                rows,
+                bias=linear.bias is not None,
+                dtype=linear.weight.dtype,
+                device="meta",
+            )
+            part.weight = nn.Parameter(
+                linear.weight.detach()[start : start + rows].clone(), linear.weight.requires_grad
+            )
+            if linear.bias is not None:
+                part.bias = nn.Parameter(
+                    linear.bias.detach()[start : start + rows].clone(), linear.bias.requires_grad
+                )
+            parts[name], start = part, start + rows
+        if start != linear.out_features:
+            raise ValueError(f"parts of {start} rows for a fused projection of {linear.out_features}")
+        return cls(parts)
+
+    @property
+    def in_features(self) -> int:
+        return getattr(self, self.parts[0]).in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(getattr(self, name).out_features for name in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([getattr(self, name)(x) for name in self.parts], dim=-1)
+
+
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """The effective (out, in) weight of any projection module."""
     if isinstance(module, nn.Linear):

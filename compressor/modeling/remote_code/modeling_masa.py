@@ -20,38 +20,59 @@ each layer holding its own empty placeholder. A shared input basis (`basis` mode
 
 Each family also gets its own config class with model_type `masa_<family>`: without `trust_remote_code` loading
 then fails loudly, instead of building the dense base model with randomly initialized attention.
+
+Only the checkpoint's family is imported: `auto_map` names `Masa<Config>` and `Masa<Model>`, which this module
+builds on first access (the module-level `__getattr__`) from transformers' classes of that family alone, so a
+checkpoint loads under a transformers release that lacks (or cannot import) any other family. `FAMILIES` below is
+this file's own copy of the registry's names (`compressor/modeling/families.py`; a test keeps the two equal), as
+are the block names `ATTENTION` and `MLP`: the file must run where masa-compress is not installed.
+
+A family whose projections transformers fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is stored split: the layout's
+`fused` entry says which fused module holds which projections, and of how many rows; each becomes a
+`FusedLinear` of those projections, whose concatenated output the family's own forward reads.
 """
 
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GemmaConfig,
-    GemmaForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Olmo2Config,
-    Olmo2ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    SmolLM3Config,
-    SmolLM3ForCausalLM,
-)
 
-from .masa_modules import MLP_PROJECTIONS, group_tensor, projection_module
+from .masa_modules import MLP_PROJECTIONS, FusedLinear, group_tensor, projection_module
+
+#: model_type -> (its transformers config class, its causal-LM class), by name: the families a checkpoint may hold.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+#: In every family above: a layer's attention block, and its MLP (gate/up/down).
+ATTENTION, MLP = "self_attn", "mlp"
 
 
 def _block(projection: str) -> str:
-    return "mlp" if projection in MLP_PROJECTIONS else "self_attn"
+    return MLP if projection in MLP_PROJECTIONS else ATTENTION
+
+
+def _parent(layout: dict, projection: str) -> str:
+    """The path of the module holding `projection` in a layer: its block, or the fused module within it."""
+    fused = next((name for name, rows in layout.get("fused", {}).items() if projection in rows), None)
+    return f"{_block(projection)}.{fused}" if fused else _block(projection)
+
+
+def _module(root: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
 
 
 class GroupTensors(nn.Module):
@@ -102,14 +123,20 @@ class MasaMixin:
                 owner.register_parameter(attribute, nn.Parameter(torch.zeros(shape), requires_grad=False))
             return getattr(owner, attribute)
 
-        for spec in self.config.masa["projections"]:
+        layout = self.config.masa
+        for fused, rows in layout.get("fused", {}).items():  # the fused modules split, at the base's shapes
+            block = _block(next(iter(rows)))
+            for layer in self.model.layers:
+                parent = getattr(layer, block)
+                setattr(parent, fused, FusedLinear.split(getattr(parent, fused), rows))
+        for spec in layout["projections"]:
             module = projection_module(spec, group_shared)
             if module is not None:  # `dense` keeps the base family's own nn.Linear
                 layer = self.model.layers[spec["layer"]]
-                setattr(getattr(layer, _block(spec["projection"])), spec["projection"], module)
-        for spec in self.config.masa["projections"]:  # `heads` mode: fewer query heads per KV head there
+                setattr(_module(layer, _parent(layout, spec["projection"])), spec["projection"], module)
+        for spec in layout["projections"]:  # `heads` mode: fewer query heads per KV head there
             if spec["mode"] == "heads" and spec["projection"] == "q_proj":
-                attention = self.model.layers[spec["layer"]].self_attn
+                attention = getattr(self.model.layers[spec["layer"]], ATTENTION)
                 attention.num_key_value_groups = (
                     attention.q_proj.out_features // attention.k_proj.out_features
                 )
@@ -119,8 +146,8 @@ class MasaMixin:
         for spec in self.config.masa["projections"]:
             if spec["mode"] in ("shared", "basis"):
                 key, attribute, _ = group_tensor(spec)
-                block = _block(spec["projection"])
-                tied[f"model.layers.{spec['layer']}.{block}.{spec['projection']}.{attribute}"] = key
+                parent = _parent(self.config.masa, spec["projection"])
+                tied[f"model.layers.{spec['layer']}.{parent}.{spec['projection']}.{attribute}"] = key
         return tied
 
 
@@ -139,13 +166,15 @@ def _masa_family(config_class: type, model_class: type) -> tuple[type, type]:
     return config, model
 
 
-# One pair per supported base family; `auto_map` in config.json names the pair of the checkpoint's family.
-MasaLlamaConfig, MasaLlamaForCausalLM = _masa_family(LlamaConfig, LlamaForCausalLM)
-MasaMistralConfig, MasaMistralForCausalLM = _masa_family(MistralConfig, MistralForCausalLM)
-MasaQwen2Config, MasaQwen2ForCausalLM = _masa_family(Qwen2Config, Qwen2ForCausalLM)
-MasaQwen3Config, MasaQwen3ForCausalLM = _masa_family(Qwen3Config, Qwen3ForCausalLM)
-MasaGemmaConfig, MasaGemmaForCausalLM = _masa_family(GemmaConfig, GemmaForCausalLM)
-MasaGemma2Config, MasaGemma2ForCausalLM = _masa_family(Gemma2Config, Gemma2ForCausalLM)
-MasaGemma3TextConfig, MasaGemma3ForCausalLM = _masa_family(Gemma3TextConfig, Gemma3ForCausalLM)
-MasaSmolLM3Config, MasaSmolLM3ForCausalLM = _masa_family(SmolLM3Config, SmolLM3ForCausalLM)
-MasaOlmo2Config, MasaOlmo2ForCausalLM = _masa_family(Olmo2Config, Olmo2ForCausalLM)
+def __getattr__(name: str) -> type:
+    """`Masa<Config>` / `Masa<Model>` of one family (what `auto_map` names), built on first access from that
+    family's transformers classes only."""
+    for base_names in FAMILIES.values():
+        if name in (f"Masa{base_names[0]}", f"Masa{base_names[1]}"):
+            bases = [
+                getattr(transformers, base) for base in base_names
+            ]  # imports this family's modules alone
+            pair = _masa_family(*bases)
+            globals().update({cls.__name__: cls for cls in pair})
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,207 @@
+"""Judged in bytes: the original model quantized by llama.cpp's mixes, with and without the tool's importance
+weights, and by `export --size` at each mix's bytes (every matrix's type by the loss-aware allocation), scored in
+llama.cpp itself.
+
+1. the original exported at f16 and at each `--types` mix, twice below 8 bits: `--imatrix none` and
+   `--imatrix calibration` (the recipe's calibration, `--calib-samples` windows), by `masa-compress export`;
+2. every file run by llama.cpp on the same capped TEST windows, in one pass against the original in transformers:
+   perplexity with its interval, KL and top-1 (`evaluation.perplexity.evaluate_against`);
+3. per type, the paired difference of perplexity, plain minus importance-weighted, and `--size` minus the
+   importance-weighted mix of the same bytes, on those windows (95% bootstrap interval; inside it, a tie).
+
+Writes `benchmarks/results/bytes-<model>.json` and `.md`. Speeds are not timed here (`make bench-engines` times
+its files in turns on an otherwise idle machine). `python -m benchmarks.engines.bytes_frontier --model
+smollm2-135m [--types q8_0,q6_k,...] [--max-tokens 16384] [--calib-samples 64]` (`make bench-bytes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from benchmarks.report.markdown import interval, number
+from benchmarks.suite.common import command_line, log, machine_info, write_json
+from compressor.api.export import export
+from compressor.api.model_loading import load_model, load_with_llama_cpp, resolve_model
+from compressor.api.session import evaluation_token_windows
+from compressor.calibration.sources import load_documents
+from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, NEEDS_IMATRIX
+from compressor.checkpoint.gguf_types import BELOW_8_BITS
+from compressor.evaluation.intervals import paired_difference
+from compressor.evaluation.perplexity import evaluate_against
+from compressor.recipes.schema import EvaluationSettings
+
+RESULTS = Path("benchmarks/results")
+TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
+MAX_TOKENS = 16384
+
+
+def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples: int | None) -> dict:
+    """(type, imatrix) → what `export` wrote: f16, and each type without and (below 8 bits) with the imatrix."""
+    files = {}
+    for tensor_type in ("f16", *types):
+        choices = ("none", "calibration") if tensor_type in BELOW_8_BITS else (None,)
+        if tensor_type in K_QUANT_MIXES and K_QUANT_MIXES[tensor_type].base in NEEDS_IMATRIX:
+            choices = ("calibration",)  # llama.cpp writes it only with importance weights
+        for imatrix in choices:
+            log(f"export {model} {tensor_type} imatrix {imatrix or 'n/a'}")
+            written = export(
+                model, work / f"{tensor_type}-{imatrix or 'plain'}.gguf", tensor_type=tensor_type, imatrix=imatrix,
+                calib_samples=calib_samples if imatrix == "calibration" else None, overwrite=True, progress=False,
+            )  # fmt: skip
+            files[(tensor_type, imatrix or "none")] = written.to_dict()
+    for tensor_type in types:
+        if (tensor_type, "calibration") not in files:
+            continue
+        size = files[(tensor_type, "calibration")]["bytes"]
+        log(f"export {model} --size {size:,} (the size of its {tensor_type} with the importance weights)")
+        written = export(
+            model, work / f"size-{tensor_type}.gguf", size=size, calib_samples=calib_samples, overwrite=True,
+            progress=False,
+        )  # fmt: skip
+        files[(tensor_type, "size")] = written.to_dict()
+    return files
+
+
+def score_ladder(model: str, files: dict, max_tokens: int) -> tuple[dict, list[dict]]:
+    """Every file in llama.cpp on the capped test windows, against the original in transformers, in one pass."""
+    source = resolve_model(model)
+    evaluation = EvaluationSettings(
+        **{
+            **(source.recipe.evaluation.model_dump() if source.recipe else {}),
+            "split": "test",
+            "max_tokens": max_tokens,
+        }
+    )
+    original = load_model(source, device="cpu", dtype="float32", progress=False)
+    documents = load_documents(evaluation.source, split="test")
+    windows, text_name = evaluation_token_windows(original.tokenizer, evaluation, documents)
+    engines = {
+        key: load_with_llama_cpp(resolve_model(row["out"]), evaluation.seq_len, False)
+        for key, row in files.items()
+    }
+    log(
+        f"scoring {len(engines)} files on {windows.shape[0]} windows of {windows.shape[1]} tokens ({text_name})"
+    )
+    reference, scored = evaluate_against(
+        original.model, {f"{t}|{i}": e.model for (t, i), e in engines.items()}, windows, progress=True,
+        description="llama.cpp files vs the original",
+    )  # fmt: skip
+    rows, per_window = [], {}
+    for (tensor_type, imatrix), written in files.items():
+        result, faith = scored[f"{tensor_type}|{imatrix}"]
+        per_window[(tensor_type, imatrix)] = result
+        rows.append({
+            "type": tensor_type, "imatrix": imatrix, "bytes": written["bytes"], "ppl": result.ppl,
+            "ppl_ci95": result.ppl_ci95, "kl": faith.kl_to_original, "top1": faith.top1_agreement,
+            "type_counts": written["type_counts"], "fallbacks": len(written["fallbacks"]),
+        })  # fmt: skip
+    gains, frontier = {}, {}
+    for tensor_type in {t for t, i in files if i == "calibration" and (t, "none") in files}:
+        plain, weighted = per_window[(tensor_type, "none")], per_window[(tensor_type, "calibration")]
+        difference = paired_difference(plain.window_nll, weighted.window_nll, plain.window_tokens)
+        gains[tensor_type] = {"plain_minus_imatrix": difference.value, "ci95": list(difference.ci95)}
+    for tensor_type in {t for t, i in files if i == "size"}:
+        baseline, ours = per_window[(tensor_type, "calibration")], per_window[(tensor_type, "size")]
+        difference = paired_difference(ours.window_nll, baseline.window_nll, ours.window_tokens)
+        frontier[tensor_type] = {
+            "type": tensor_type, "baseline_bytes": files[(tensor_type, "calibration")]["bytes"],
+            "baseline_ppl": baseline.ppl, "ours_bytes": files[(tensor_type, "size")]["bytes"], "ours_ppl": ours.ppl,
+            "diff": difference.value, "diff_lo": difference.ci95[0], "diff_hi": difference.ci95[1],
+            "predicted_loss_rise": files[(tensor_type, "size")].get("predicted_loss_rise"),
+        }  # fmt: skip
+    protocol = {
+        "text": text_name, "split": "test", "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+        "tokens": reference.tokens, "original_transformers_ppl": reference.ppl,
+        "original_transformers_ppl_ci95": reference.ppl_ci95,
+    }  # fmt: skip
+    order = list(K_QUANT_MIXES)
+    ladder = [frontier[t] for t in sorted(frontier, key=lambda t: order.index(t) if t in order else -1)]
+    return {"protocol": protocol, "imatrix_gain": gains, "frontier": ladder}, rows
+
+
+def render(results: dict) -> str:
+    p = results["protocol"]
+    lines = [
+        f"# {results['model']} in bytes: llama.cpp's mixes with and without importance weights",
+        "",
+        f"`{results['command']}`. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
+        f"the test split ({p['windows']} windows of {p['seq_len']}; {p['text']}); KL and top-1 against the "
+        f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
+        f"{results['imatrix']}.",
+        "",
+        "| type | imatrix | MiB | perplexity [95%] | KL | top-1 | matrices by type |",
+        "|---|---|---:|---|---:|---:|---|",
+    ]
+    for row in sorted(results["rows"], key=lambda r: (-r["bytes"], r["imatrix"])):
+        mix = ", ".join(f"{n} {t}" for t, n in row["type_counts"].items())
+        lines.append(
+            f"| {row['type']} | {row['imatrix']} | {row['bytes'] / 2**20:.1f} | {number(row['ppl'])}"
+            f"{interval(row['ppl_ci95'])} | {row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
+        )
+    if results.get("frontier"):
+        lines += [
+            "",
+            "`--size` at each file's bytes (the importance-weighted mix's) against that mix, paired on the same "
+            "windows (ours − llama.cpp's mix; inside the interval, a tie):",
+            "",
+            "| budget of | llama.cpp mix MiB | ppl | `--size` MiB | ppl | ours − mix [95%] | reading |",
+            "|---|---:|---:|---:|---:|---|---|",
+        ]
+        for row in results["frontier"]:
+            reading = "ours better" if row["diff_hi"] < 0 else "ours worse" if row["diff_lo"] > 0 else "tie"
+            lines.append(
+                f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} | {number(row['baseline_ppl'])} | "
+                f"{row['ours_bytes'] / 2**20:.2f} | {number(row['ours_ppl'])} | {row['diff']:+.3f} "
+                f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | {reading} |"
+            )
+    lines += [
+        "",
+        "Paired on the same windows, perplexity without the importance weights minus with them:",
+        "",
+    ]
+    lines += ["| type | plain − imatrix [95%] | reading |", "|---|---|---|"]
+    for tensor_type, gain in sorted(
+        results["imatrix_gain"].items(),
+        key=lambda kv: list(K_QUANT_MIXES).index(kv[0]) if kv[0] in K_QUANT_MIXES else -1,
+    ):
+        lo, hi = gain["ci95"]
+        reading = "imatrix better" if lo > 0 else "imatrix worse" if hi < 0 else "tie"
+        lines.append(
+            f"| {tensor_type} | {gain['plain_minus_imatrix']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {reading} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--calib-samples", type=int, default=None)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results file (default: results/bytes-MODEL.json)"
+    )
+    args = parser.parse_args(argv)
+    types = tuple(t.strip() for t in args.types.split(",") if t.strip())
+    with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
+        files = export_ladder(args.model, types, Path(work), args.calib_samples)
+        scored, rows = score_ladder(args.model, files, args.max_tokens)
+    imatrix = next((row["imatrix"] for row in files.values() if row["imatrix"] != "none"), "none")
+    results = {
+        "command": command_line("benchmarks.engines.bytes_frontier", argv),
+        "model": args.model,
+        "machine": machine_info(),
+        "imatrix": imatrix,
+        **scored,
+        "rows": rows,
+    }
+    out = args.out or RESULTS / f"bytes-{args.model}.json"
+    write_json(out, results)
+    out.with_suffix(".md").write_text(render(results))
+    log(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""A GGUF of at most SIZE bytes: each matrix's quantization type chosen by one loss-aware allocation.
+
+llama.cpp's mixes fix each tensor's type by its name and layer (`ggml_quantize.mix_type`). Here every matrix (the
+embedding and the output head included) takes the type, among those its rows fit, that the allocation picks:
+minimize the predicted rise of the calibration loss subject to the file's exact bytes.
+
+The prediction is the one `--allocation global-loss` makes for low-rank errors (`statistics/sensitivity.py`): a
+matrix's output error e_t = ΔW x_t raises the mean next-token loss by about ½ ḡ² · mean_t ‖e_t‖², ḡ² the mean of
+‖∂L/∂y_t‖² / d_out over calibration tokens. Quantization noise is close to uncorrelated across input columns, so
+mean_t ‖e_t‖² = tr(ΔW R ΔWᵀ) ≈ Σ_i R_ii ‖ΔW_{:,i}‖², R_ii the importance weights (`statistics/importance.py`) —
+and ΔW is measured, not modelled: each candidate type is quantized by ggml's own code with those weights and
+decoded again. The embedding's rows are looked up, not multiplied: its error raises the loss by ½ ḡ²_emb ·
+Σ_v share_v ‖ΔE_v‖², share_v the token's share of the calibration tokens; a tied matrix carries both terms.
+
+The allocation is a multiple-choice knapsack, solved exactly by dynamic programming over the bytes (in the file's
+32-byte alignment units, or coarser units rounded up for large budgets, the rounding's leftover then spent on
+the upgrades that buy the most predicted loss per byte).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compressor.checkpoint.ggml_quantize import (
+    dequantize_with_llama_cpp,
+    ggml_block,
+    quantize_with_llama_cpp,
+    row_bytes,
+)
+from compressor.runtime.errors import UserError
+
+#: The types a matrix may take, as llama.cpp runs them on every backend: k-quants and i-quants for rows of 256s,
+#: the 32-value types for the others (what llama.cpp's fallbacks use), f16 always.
+CANDIDATE_TYPES = (
+    "Q2_K", "IQ3_S", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0",
+    "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1", "F16",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    type_name: str
+    bytes: int
+    predicted: float  # predicted rise of the mean next-token loss, nats
+
+
+@dataclass
+class BytePlan:
+    """Each matrix's type, the file's predicted bytes and predicted loss rise."""
+
+    types: dict[str, str]
+    bytes: int
+    predicted: float
+    budget: int
+    fixed_bytes: int
+    options: dict[str, list[Option]] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        counts: dict[str, int] = {}
+        for type_name in self.types.values():
+            counts[type_name] = counts.get(type_name, 0) + 1
+        return {
+            "budget": self.budget,
+            "bytes": self.bytes,
+            "predicted_loss_rise": self.predicted,
+            "type_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "types": dict(self.types),
+        }
+
+
+def candidate_types(row_length: int, has_importance: bool) -> list[str]:
+    """The candidate types whose blocks a row of `row_length` fills (IQ types that need an imatrix only with one)."""
+    from compressor.checkpoint.ggml_quantize import NEEDS_IMATRIX
+
+    return [
+        t for t in CANDIDATE_TYPES
+        if row_length % ggml_block(t) == 0 and (has_importance or t not in NEEDS_IMATRIX)
+    ]  # fmt: skip
+
+
+def rounding_errors(
+    array: np.ndarray, type_name: str, importance: np.ndarray | None, chunk_rows: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per column i ‖ΔW_{:,i}‖², per row r ‖ΔW_{r,:}‖²) of `array` stored in `type_name`: quantized by ggml with
+    `importance` and decoded, a chunk of rows at a time (ggml quantizes rows independently), summed in fp64."""
+    columns = np.zeros(array.shape[1], dtype=np.float64)
+    rows = np.empty(array.shape[0], dtype=np.float64)
+    for first in range(0, array.shape[0], chunk_rows):
+        part = np.ascontiguousarray(array[first : first + chunk_rows], dtype=np.float32)
+        if type_name == "F16":
+            decoded = part.astype(np.float16).astype(np.float32)
+        else:
+            blocks = quantize_with_llama_cpp(part, type_name, importance)
+            decoded = dequantize_with_llama_cpp(blocks, type_name, part.shape)
+        squared = np.square((decoded - part).astype(np.float64))
+        columns += squared.sum(0)
+        rows[first : first + len(part)] = squared.sum(1)
+    return columns, rows
+
+
+#: Rows of each matrix quantized to measure a type's rounding error (evenly spaced; ggml rounds rows independently,
+#: so the sum over all rows is the sample's times rows / sampled). The embedding's rows are looked up by token:
+#: its `LOOKUP_ROWS` most frequent calibration tokens are measured exactly, a sample of the others as above.
+SAMPLE_ROWS = 512
+LOOKUP_ROWS = 2048
+
+
+def _spaced(indices: np.ndarray, count: int) -> np.ndarray:
+    if len(indices) <= count:
+        return indices
+    return indices[np.linspace(0, len(indices) - 1, count).round().astype(np.int64)]
+
+
+def matrix_options(
+    array: np.ndarray,
+    importance: np.ndarray | None,
+    gradient: float,
+    lookup: tuple[float, np.ndarray] | None = None,
+    sample_rows: int = SAMPLE_ROWS,
+) -> list[Option]:
+    """Every candidate type of one matrix with its bytes and predicted loss rise. `importance`: R_ii per column;
+    `gradient`: ḡ² at its output (0 for a lookup-only embedding); `lookup`: (ḡ² at the embedding's output, each
+    row's token share) when the matrix is also the embedding. Errors are measured on `sample_rows` evenly spaced
+    rows, scaled to the whole matrix (and on the lookup's rows by `lookup_error`)."""
+    rows, row_length = array.shape
+    uniform = _spaced(np.arange(rows), sample_rows)
+    options = []
+    for type_name in candidate_types(row_length, importance is not None):
+        rise = 0.0
+        if gradient and importance is not None:
+            columns, _ = rounding_errors(array[uniform], type_name, importance)
+            rise += 0.5 * gradient * rows / len(uniform) * float(columns @ importance.astype(np.float64))
+        if lookup is not None:
+            rise += 0.5 * lookup[0] * lookup_error(array, type_name, importance, lookup[1], sample_rows)
+        options.append(Option(type_name, rows * row_bytes(type_name, row_length), rise))
+    return options
+
+
+def lookup_error(
+    array: np.ndarray, type_name: str, importance: np.ndarray | None, share: np.ndarray, sample_rows: int
+) -> float:
+    """Σ_v share_v ‖ΔE_v‖², the mean squared error of the embedding rows the calibration tokens look up: the
+    `LOOKUP_ROWS` most frequent tokens' rows exactly, the others' from `sample_rows` of them."""
+    order = np.argsort(-share, kind="stable")
+    frequent, others = order[:LOOKUP_ROWS], np.sort(order[LOOKUP_ROWS:])
+    _, errors = rounding_errors(array[frequent], type_name, importance)
+    total = float(errors @ share[frequent].astype(np.float64))
+    if len(others):
+        _, sample = rounding_errors(array[_spaced(others, sample_rows)], type_name, importance)
+        total += float(sample.mean()) * float(share[others].sum())
+    return total
+
+
+def rows_bytes(array: np.ndarray, has_importance: bool) -> int:
+    """The bytes of `array` in the smallest of its candidate types."""
+    rows, row_length = array.shape
+    return min(rows * row_bytes(t, row_length) for t in candidate_types(row_length, has_importance))
+
+
+def _hull(options: list[Option]) -> list[Option]:
+    """The options no other beats on both bytes and predicted rise, by increasing bytes."""
+    frontier: list[Option] = []
+    for option in sorted(options, key=lambda o: (o.bytes, o.predicted)):
+        if not frontier or option.predicted < frontier[-1].predicted:
+            frontier.append(option)
+    return frontier
+
+
+def allocate(
+    options: dict[str, list[Option]], fixed_bytes: int, budget: int, pad: int = 32, max_units: int = 250_000
+) -> BytePlan:
+    """Each matrix's type, minimizing the summed predicted rise with Σ padded bytes + `fixed_bytes` ≤ `budget`;
+    a one-line error naming the smallest file when even the smallest types do not fit.
+
+    Exact dynamic programming over the bytes left, in units of `pad` bytes (a file's alignment) or, for a budget of
+    more than `max_units` of them, of the multiple of `pad` that keeps it at `max_units` (each matrix's bytes
+    rounded up to the unit, so the file still fits); the bytes the rounding leaves are then spent on the single
+    upgrades that buy the most predicted loss per byte."""
+    padded = {name: [Option(o.type_name, -(-o.bytes // pad) * pad, o.predicted) for o in _hull(opts)]
+              for name, opts in options.items()}  # fmt: skip
+    smallest = fixed_bytes + sum(opts[0].bytes for opts in padded.values())
+    if smallest > budget:
+        raise UserError(
+            f"--size {budget:,} bytes: the smallest file this model can make is {smallest:,} bytes "
+            f"({smallest / 2**20:.1f} MiB, every matrix in its smallest type): ask for at least that"
+        )
+    free = budget - fixed_bytes
+    unit = pad * max(1, -(-free // (pad * max_units)))
+    capacity = free // unit
+    names = list(padded)
+    best = np.zeros(capacity + 1)  # best[c]: least summed rise of the matrices so far within c units
+    picks = np.empty((len(names), capacity + 1), dtype=np.int16)
+    for index, name in enumerate(names):
+        candidates = np.full((len(padded[name]), capacity + 1), np.inf)
+        for k, option in enumerate(padded[name]):
+            units = -(-option.bytes // unit)
+            if units <= capacity:
+                candidates[k, units:] = best[: capacity + 1 - units] + option.predicted
+        picks[index] = candidates.argmin(0)
+        best = candidates.min(0)
+    choice: dict[str, Option] = {}
+    left = capacity
+    for index in range(len(names) - 1, -1, -1):
+        option = padded[names[index]][picks[index, left]]
+        choice[names[index]] = option
+        left -= -(-option.bytes // unit)
+    choice = {name: choice[name] for name in names}
+
+    def total(chosen: dict[str, Option]) -> int:
+        return fixed_bytes + sum(o.bytes for o in chosen.values())
+
+    spare = budget - total(choice)
+    while True:  # the bytes the units' rounding left: the upgrades that fit, best gain per byte first
+        upgrade_found = None
+        for name, opts in padded.items():
+            for upgrade in opts[opts.index(choice[name]) + 1 :]:
+                cost, gain = upgrade.bytes - choice[name].bytes, choice[name].predicted - upgrade.predicted
+                if cost <= spare and gain > 0 and (upgrade_found is None or gain / cost > upgrade_found[0]):
+                    upgrade_found = (gain / cost, name, upgrade, cost)
+        if upgrade_found is None:
+            break
+        _, name, upgrade, cost = upgrade_found
+        choice[name], spare = upgrade, spare - cost
+    return BytePlan(
+        types={name: o.type_name for name, o in choice.items()},
+        bytes=total(choice),
+        predicted=sum(o.predicted for o in choice.values()),
+        budget=budget,
+        fixed_bytes=fixed_bytes,
+        options=options,
+    )
+
+
+def parse_size(text: str) -> int:
+    """`850MiB`, `1.2GB`, `90M`, `123456` → bytes (KiB/MiB/GiB are powers of 1024, kB/MB/GB of 1000)."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+             "kib": 1024, "mib": 1024**2, "gib": 1024**3}  # fmt: skip
+    value = text.strip().lower().replace(" ", "")
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in units or amount <= 0:
+        raise UserError(
+            f"--size {text}: not a size: write bytes or a number with a unit, e.g. 850MiB or 1.2GB"
+        )
+    return int(amount * units[unit])
+
+
+#: Calibration windows whose backward pass measures the output sensitivities (`--allocation global-loss`'s
+#: `sensitivity_samples` default).
+GRADIENT_WINDOWS = 4
+
+
+#: Each matrix's options by (importance key, tensor name): a second budget for the same model and calibration in
+#: one process (the bytes benchmark's ladder) measures nothing again. Keys without an importance key are not kept.
+_OPTIONS: dict[tuple[str, str], list[Option]] = {}
+
+
+class BudgetChooser:
+    """`write_gguf`'s `choose_types` for a byte budget: every matrix's options measured (progress per matrix), the
+    allocation made; `plan` holds it afterwards."""
+
+    def __init__(self, model, importance, budget: int, progress: bool = True):
+        if importance.gradients is None:
+            raise ValueError("a byte budget needs the output sensitivities: measure with gradient_windows")
+        self.importance, self.budget, self.progress = importance, budget, progress
+        names = {id(m): n for n, m in model.named_modules()}
+        output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        self.head_path = names.get(id(output))
+        self.embedding_path = names[id(embedding)]
+        self.tied = output is not None and output.weight is embedding.weight
+        self.plan: BytePlan | None = None
+
+    def options(self, array: np.ndarray, module_path: str) -> list[Option]:
+        imp = self.importance
+        vector = imp.weights.get(module_path)
+        vector = None if vector is None else vector.numpy().astype(np.float32)
+        if module_path != self.embedding_path:
+            return matrix_options(array, vector, imp.gradients.get(module_path, 0.0))
+        lookup = (imp.gradients.get(self.embedding_path, 0.0), imp.token_share.numpy())
+        head_gradient = imp.gradients.get(self.head_path, 0.0) if self.tied else 0.0
+        return matrix_options(array, vector, head_gradient, lookup)
+
+    def __call__(self, matrices: list[tuple[str, np.ndarray, str]], fixed_bytes: int) -> dict[str, str]:
+        from compressor.runtime.progress import progress_bar
+
+        smallest = fixed_bytes + sum(  # refused before any rounding is measured
+            -(-rows_bytes(array, self.importance.weights.get(path) is not None) // 32) * 32
+            for _, array, path in matrices
+        )
+        if smallest > self.budget:
+            allocate({}, smallest, self.budget)  # its one-line error, naming the smallest file
+        options = {}
+        with progress_bar("Rounding errors per type", total=len(matrices), enabled=self.progress) as bar:
+            for tensor_name, array, module_path in matrices:
+                memo = (self.importance.key, tensor_name) if self.importance.key else None
+                if memo is not None and memo in _OPTIONS:
+                    options[tensor_name] = _OPTIONS[memo]
+                else:
+                    options[tensor_name] = self.options(array, module_path)
+                    if memo is not None:
+                        _OPTIONS[memo] = options[tensor_name]
+                bar.advance(1)
+        self.plan = allocate(options, fixed_bytes, self.budget)
+        return self.plan.types

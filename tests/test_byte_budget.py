@@ -1,0 +1,119 @@
+"""A GGUF within a byte budget: each matrix's type by one loss-aware allocation (`checkpoint/byte_budget.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
+
+from compressor.checkpoint.byte_budget import BudgetChooser, Option, allocate, parse_size, rounding_errors
+from compressor.checkpoint.gguf_export import write_gguf
+from compressor.checkpoint.gguf_types import describe_gguf, type_counts
+from compressor.runtime.errors import UserError
+
+
+def test_sizes_parse_in_both_unit_systems():
+    assert parse_size("850MiB") == 850 * 2**20
+    assert parse_size("1.2GB") == 1_200_000_000
+    assert parse_size("123456") == 123456
+    assert parse_size("90 mb") == 90_000_000
+    for bad in ("", "-3MiB", "12 parsecs", "MiB"):
+        with pytest.raises(UserError, match="not a size: write bytes or a number with a unit"):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocation_is_the_knapsacks_optimum(seed):
+    """Four matrices of four options each (sizes in the file's 32-byte units): the allocation is the exhaustive
+    optimum at every budget, and a budget below the smallest file names it."""
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    options = {}
+    for name in "abcd":
+        sizes = sorted(rng.integers(1, 20, 4) * 32)
+        rises = sorted(rng.random(4), reverse=True)
+        options[name] = [
+            Option(f"T{i}", int(b), float(r)) for i, (b, r) in enumerate(zip(sizes, rises, strict=True))
+        ]
+    for budget in range(100, 3000, 96):
+        feasible = [
+            (sum(o.predicted for o in combo), combo)
+            for combo in itertools.product(*options.values())
+            if 100 + sum(o.bytes for o in combo) <= budget
+        ]
+        smallest = 100 + sum(min(o.bytes for o in opts) for opts in options.values())
+        if not feasible:
+            with pytest.raises(
+                UserError, match=f"the smallest file this model can make is {smallest:,} bytes"
+            ):
+                allocate(options, 100, budget)
+            continue
+        plan = allocate(options, 100, budget)
+        assert plan.bytes <= budget
+        assert plan.predicted == pytest.approx(min(f[0] for f in feasible), abs=1e-12)
+
+
+def test_coarse_units_of_a_large_budget_still_fit_it():
+    """With more bytes than `max_units` alignment units, the units grow and each matrix's bytes round up: the
+    plan still fits, and its rise is within the small loss of that rounding of the fine plan's."""
+    rng = np.random.default_rng(3)
+    options = {
+        f"m{i}": [Option(f"T{k}", int(b), float(r)) for k, (b, r) in enumerate(
+            zip(sorted(rng.integers(10, 400, 5) * 32), sorted(rng.random(5), reverse=True), strict=True))]
+        for i in range(30)
+    }  # fmt: skip
+    fine = allocate(options, 1000, 150_000)
+    coarse = allocate(options, 1000, 150_000, max_units=200)  # 4416 units of 32 bytes: rounded to 200 of 736
+    assert coarse.bytes <= 150_000 and fine.bytes <= 150_000
+    assert fine.predicted <= coarse.predicted <= fine.predicted * 1.01  # measured: 0.14% above
+
+
+def test_rounding_errors_are_the_decoded_matrix_minus_the_original():
+    pytest.importorskip("xllamacpp")
+    import gguf
+    from gguf import quants
+
+    from compressor.checkpoint.ggml_quantize import quantize_with_llama_cpp
+
+    array = np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32)
+    weights = np.random.default_rng(2).random(512).astype(np.float32)
+    columns, rows = rounding_errors(array, "Q4_K", weights, chunk_rows=16)  # chunks: rows are independent
+    decoded = quants.dequantize(
+        quantize_with_llama_cpp(array, "Q4_K", weights), gguf.GGMLQuantizationType.Q4_K
+    )
+    np.testing.assert_allclose(columns, np.square(decoded.astype(np.float64) - array).sum(0), rtol=1e-6)
+    np.testing.assert_allclose(rows, np.square(decoded.astype(np.float64) - array).sum(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_budgeted_file_is_its_planned_bytes_within_the_budget_and_runs(tmp_path, tokenizer_gguf, tied):  # noqa: F811
+    """The file is exactly the plan's bytes (metadata, tokenizer and 1-D tensors counted as written), at most the
+    budget; a larger budget buys a lower predicted loss rise; llama.cpp runs every mix it chooses."""
+    pytest.importorskip("xllamacpp")
+    import gguf
+
+    from compressor.statistics.importance import measure_importance
+
+    model = k_quant_model(num_hidden_layers=4, tie_word_embeddings=tied)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    importance = measure_importance(model, ids, progress=False, gradient_windows=2)
+    plans = []
+    for budget in (900_000, 1_400_000, 2_400_000):
+        chooser = BudgetChooser(model, importance, budget, progress=False)
+        written = write_gguf(model, tokenizer_gguf, tmp_path / f"{budget}.gguf", importance=importance.weights,
+                             choose_types=chooser)  # fmt: skip
+        assert written.bytes == chooser.plan.bytes <= budget
+        stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(written.path)).tensors}
+        assert {k: v for k, v in stored.items() if k in chooser.plan.types} == chooser.plan.types
+        assert torch.isfinite(llama_cpp_log_probs(written.path, ids[:1])).all()
+        shown = describe_gguf(written.path)  # `show FILE.gguf`: what was chosen, per layer
+        assert shown["type_counts"] == type_counts(chooser.plan.types) and shown["bytes"] == written.bytes
+        assert shown["layers"][2]["ffn_down"] == chooser.plan.types["blk.2.ffn_down.weight"]
+        plans.append(chooser.plan)
+    assert plans[0].predicted > plans[1].predicted > plans[2].predicted
+    with pytest.raises(UserError, match="the smallest file this model can make is"):
+        write_gguf(model, tokenizer_gguf, tmp_path / "tiny.gguf", importance=importance.weights,
+                   choose_types=BudgetChooser(model, importance, 100_000, progress=False))  # fmt: skip
+    assert not (tmp_path / "tiny.gguf").exists()
