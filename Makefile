@@ -16,7 +16,7 @@ RATIO ?= 0.2
 # `make demo DEMO_EVAL_TOKENS=` (empty) scores every token.
 DEMO_EVAL_TOKENS ?= 24576
 
-.PHONY: install demo test test-long test-fast lint format bench bench-quick bench-engines bench-zero-shot bench-gpu bench-large bench-vllm clean
+.PHONY: install demo test test-long test-fast lint format bench bench-quick bench-engines bench-bytes bench-zero-shot bench-gpu bench-large bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -68,6 +68,9 @@ bench-quick: install  ## reduced benchmark for CI: checks that numbers are finit
 
 bench-engines: install  ## the smaller model in llama.cpp (~25 min): benchmarks/results/engines.md
 	$(BIN)/python -m benchmarks.engines.llama_cpp
+
+bench-bytes: install  ## the bundled model in bytes: llama.cpp's mixes with and without importance weights, and export --size at their sizes (~30 min): benchmarks/results/bytes-smollm2-135m.md
+	$(BIN)/python -m benchmarks.engines.bytes_frontier --model smollm2-135m
 
 bench-zero-shot: install  ## zero-shot accuracy of the model 10/20/30% smaller beside its peers (~1.7 h): BENCHMARKS.md section 2
 	$(BIN)/python -m benchmarks.engines.zero_shot_peers --model-ratio 0.2 --limit 200

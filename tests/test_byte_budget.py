@@ -117,3 +117,30 @@ def test_budgeted_file_is_its_planned_bytes_within_the_budget_and_runs(tmp_path,
         write_gguf(model, tokenizer_gguf, tmp_path / "tiny.gguf", importance=importance.weights,
                    choose_types=BudgetChooser(model, importance, 100_000, progress=False))  # fmt: skip
     assert not (tmp_path / "tiny.gguf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
+    """The real path: `export smollm2-135m --size` through the CLI writes a GGUF within the budget that llama.cpp
+    runs, `show` says which type each matrix took, and its perplexity in llama.cpp on the first test windows is
+    that of a 4-bit file (measured: see the docstring's bound), not a broken one."""
+    pytest.importorskip("xllamacpp")
+    import json
+
+    from compressor.api import EvalSettings, evaluate
+    from compressor.cli import main
+
+    out = tmp_path / "m.gguf"
+    main(["export", "smollm2-135m", str(out), "--size", "85MiB", "--calib-samples", "8", "--json"])
+    written = json.loads(capsys.readouterr().out)
+    assert written["bytes"] <= 85 * 2**20 == written["budget"] and out.stat().st_size == written["bytes"]
+    main(["show", str(out), "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["type_counts"] == written["type_counts"] and len(shown["layers"]) == 30
+    settings = EvalSettings(engine="llama.cpp", max_tokens=1024, compare=False)
+    ppl = evaluate(str(out), settings, progress=False).result.ppl
+    original = evaluate(
+        "smollm2-135m", EvalSettings(max_tokens=1024, compare=False), progress=False
+    ).result.ppl
+    assert ppl < 1.15 * original, (ppl, original)

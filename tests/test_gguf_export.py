@@ -90,8 +90,35 @@ def test_architecture_follows_the_shapes():
     assert choose_architecture("qwen2", [128] * 3, [4] * 3, [2] * 3) == "qwen2"
     assert choose_architecture("qwen2", [128, 96, 128], [4] * 3, [2] * 3) == "deci"
     assert choose_architecture("llama", [128] * 3, [4, 3, 4], [2] * 3) == "deci"
-    with pytest.raises(UserError, match="model_type 'gemma'.*not implemented"):
+    with pytest.raises(UserError, match="model_type 'gemma': GGUF export refused: llama.cpp's GELU"):
         choose_architecture("gemma", [128] * 3, [4] * 3, [2] * 3)
+
+
+def test_per_layer_shapes_of_a_family_deci_does_not_hold_are_refused_in_one_line():
+    for family in ("qwen3", "smollm3", "olmo2", "phi3", "mixtral", "qwen3_moe"):
+        with pytest.raises(UserError, match=f"model_type '{family}' with per-layer MLP widths") as err:
+            choose_architecture(family, [128, 96], [4, 4], [2, 2])
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob false: llama.cpp's qwen3moe renormalizes"),
+        ({"norm_topk_prob": True, "mlp_only_layers": [1]}, "dense MLP layers among the experts"),
+    ],
+)
+def test_what_llama_cpp_computes_otherwise_is_refused_before_writing(
+    tmp_path, tokenizer_gguf, overrides, match
+):
+    with pytest.raises(UserError, match=match):
+        write_gguf(
+            tiny_model("qwen3_moe", vocab_size=VOCAB, **overrides), tokenizer_gguf, tmp_path / "m.gguf"
+        )
+    model = tiny_model("smollm3", vocab_size=VOCAB, no_rope_layers=[1, 0, 1, 1, 1, 1])
+    with pytest.raises(UserError, match="no_rope_layers .* every 4th layer"):
+        write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_types_other_k_quants_name_the_tool_that_makes_them():
@@ -209,18 +236,36 @@ def llama_cpp_log_probs(path: Path, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(engine(input_ids=ids).logits.float(), dim=-1)
 
 
+#: Phi-3.5 / Phi-4-mini's rope: longrope factors (40 tokens > 32: the long ones) on 3/4 of each head.
+LONGROPE = {
+    "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                        "original_max_position_embeddings": 32},
+    "original_max_position_embeddings": 32,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("family", "widths", "architecture"),
+    ("family", "widths", "architecture", "overrides"),
     [
-        ("llama", None, "llama"),
-        ("llama", [128, 96, 64, 128, 32, 96], "deci"),
-        ("qwen2", None, "qwen2"),  # q/k/v biases
-        ("qwen2", [128, 96, 64, 128, 32, 96], "deci"),
-        ("mistral", None, "llama"),
+        ("llama", None, "llama", {"tie_word_embeddings": True}),
+        ("llama", [128, 96, 64, 128, 32, 96], "deci", {"tie_word_embeddings": True}),
+        ("qwen2", None, "qwen2", {}),  # q/k/v biases
+        ("qwen2", [128, 96, 64, 128, 32, 96], "deci", {}),
+        ("mistral", None, "llama", {}),
+        ("qwen3", None, "qwen3", {}),  # q/k RMSNorm per head
+        ("smollm3", None, "smollm3", {}),  # no rope in every 4th layer; tied
+        ("olmo2", None, "olmo2", {}),  # post-norms only; q/k RMSNorm across heads
+        ("phi3", None, "phi3", {}),  # fused attn_qkv and gate+up
+        ("phi3", None, "phi3", LONGROPE),
+        ("mixtral", None, "llama", {}),  # 4 experts, 2 per token
+        ("qwen3_moe", None, "qwen3moe", {"norm_topk_prob": True}),
     ],
 )
-def test_llama_cpp_gives_transformers_log_probs(tmp_path, tokenizer_gguf, family, widths, architecture):
-    model = tiny_model(family, vocab_size=VOCAB, tie_word_embeddings=family == "llama")
+def test_llama_cpp_gives_transformers_log_probs(
+    tmp_path, tokenizer_gguf, family, widths, architecture, overrides
+):
+    model = tiny_model(family, vocab_size=VOCAB, **{"tie_word_embeddings": False, **overrides})
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.2)  # far from the init, so that a wrong permutation or bias shows
@@ -417,6 +462,50 @@ def test_k_quant_mix_runs_in_llama_cpp_with_llama_quantizes_types(tmp_path, toke
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 0.2
+
+
+@pytest.mark.parametrize("family", ["phi3", "mixtral"])
+def test_k_quant_mix_classes_fused_and_expert_tensors_as_llama_quantize_does(
+    tmp_path, tokenizer_gguf, family
+):
+    """Phi-3's fused attn_qkv takes attn_v's rules (Q6_K in the `use_more_bits` layers of q4_k_m), experts'
+    ffn_down_exps ffn_down's, the router stays f32; llama.cpp runs the file within 4-bit rounding."""
+    pytest.importorskip(
+        "xllamacpp", reason="llama.cpp's wheel is not installed (pip install masa-compress[gguf])"
+    )
+    import gguf
+
+    model = tiny_model(family, vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.1)
+    result = write_gguf(model, tokenizer_gguf, tmp_path / "m.gguf", tensor_type="q4_k_m")
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(result.path)).tensors}
+    more_bits = [0, 3, 6, 7]
+    v_like, down = ("attn_qkv", "ffn_down") if family == "phi3" else ("attn_v", "ffn_down_exps")
+    assert [layer for layer in range(8) if stored[f"blk.{layer}.{v_like}.weight"] == "Q6_K"] == more_bits
+    assert [layer for layer in range(8) if stored[f"blk.{layer}.{down}.weight"] == "Q6_K"] == more_bits
+    if family == "mixtral":
+        assert stored["blk.0.ffn_gate_inp.weight"] == "F32" and stored["blk.1.ffn_up_exps.weight"] == "Q4_K"
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 0.2
+
+
+def test_eight_experts_get_llama_quantizes_extra_bits_in_the_attention():
+    from compressor.checkpoint.ggml_quantize import mix_type
+
+    def of(name, mix="q4_k_m", n_expert=8):
+        return mix_type(name, mix, 32, True, n_expert=n_expert)
+
+    assert of("blk.5.attn_v.weight") == of("blk.5.attn_k.weight") == "Q8_0"
+    assert of("blk.5.attn_output.weight") == "Q5_K" and of("blk.5.attn_output.weight", "q6_k") == "Q6_K"
+    assert (
+        of("blk.5.attn_v.weight", n_expert=4) == "Q4_K" and of("blk.6.attn_qkv.weight", n_expert=1) == "Q6_K"
+    )
+    assert of("blk.5.attn_v.weight", "iq2_xs", n_expert=4) == "Q4_K"
 
 
 def test_export_options_that_do_not_apply_are_one_line_errors(tmp_path):

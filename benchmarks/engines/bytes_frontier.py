@@ -34,7 +34,7 @@ from compressor.recipes.schema import EvaluationSettings
 
 RESULTS = Path("benchmarks/results")
 TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
-MAX_TOKENS = 16384
+MAX_TOKENS = 8192
 
 
 def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples: int | None) -> dict:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from benchmarks.engines.large import summary_rows as large_summary_rows
+from benchmarks.report.bytes import bytes_section
 from benchmarks.report.choices import choices_section
 from benchmarks.report.markdown import difference, interval, mib, number
 from benchmarks.report.memory_projection import (
@@ -397,6 +398,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_scaling_section(results, rel),
     ]
     lines += choices_section(doc)
+    lines += bytes_section()
     notes = results.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]

@@ -90,13 +90,18 @@ def mix_type(
     row_length: int | None = None,
     gqa: int = 1,
     has_imatrix: bool = False,
+    n_expert: int = 1,
 ) -> str:
     """The GGML type `llama-quantize` gives `tensor_name` (a matrix) in `mix`, before any block fallback.
 
     `llama-quantize` counts the attn_v (and ffn_down) tensors in the order of the file it reads: `position` is
     this one's place among them, by default its layer (the order `write_gguf` writes them in). `gqa`: query heads
     per KV head (of the first layer, as llama.cpp reads it); `row_length`: the output matrix takes Q8_0 when its
-    rows do not fill the mix's blocks; `has_imatrix`: whether importance weights are given (a few rules differ)."""
+    rows do not fill the mix's blocks; `has_imatrix`: whether importance weights are given (a few rules differ);
+    `n_expert`: experts per layer of a mixture of experts (llama.cpp gives an 8-expert model's attention more bits).
+
+    Tensors are classed as llama.cpp classes them (`tensor_get_category`, `category_is_attn_v`): a fused
+    `attn_qkv` (Phi-3) takes attn_v's rules, an expert tensor (`ffn_down_exps`) those of its projection."""
     base = K_QUANT_MIXES[mix].base
     if is_output_matrix(tensor_name, has_output):
         if row_length is not None and row_length % ggml_block(base):
@@ -107,24 +112,47 @@ def mix_type(
     if not tensor_name.startswith("blk."):
         return base
     layer = int(tensor_name.split(".")[1]) if position is None else position
-    role = tensor_name.split(".")[2]
+    role = tensor_category(tensor_name)
+    eight_experts = n_expert == 8
     if mix in TWO_BIT_MIXES:
         if role == "attn_v":
-            return "Q4_K" if gqa >= 4 else "Q2_K"
+            return "Q4_K" if gqa >= 4 or n_expert >= 4 else "Q2_K"
+        if role == "attn_k" and eight_experts:
+            return "Q4_K"
         if role == "ffn_down" and layer < num_layers // 8:
             return "Q2_K"
-        return base
+        return "Q5_K" if role == "attn_output" and eight_experts else base
+    if role in ("attn_v", "attn_k") and eight_experts:
+        return "Q8_0"  # llama.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
     if role == "attn_v":
         return _attn_v_type(mix, base, layer, num_layers, gqa, has_imatrix)
     if role in ("attn_q", "attn_k"):
         return "IQ2_S" if mix == "iq3_xxs" else base
     if role == "ffn_down":
+        if mix == "iq3_m" and eight_experts and use_more_bits(layer, num_layers):
+            return "Q4_K"
         return _ffn_down_type(mix, base, layer, num_layers, has_imatrix)
+    if role == "attn_output" and eight_experts:
+        return "Q5_K" if mix in EIGHT_EXPERT_OUTPUT_Q5_K else base
     if role == "attn_output":
         return {"q2_k": "Q3_K", "iq3_xxs": "IQ3_S", "q3_k_m": "Q4_K", "q3_k_l": "Q5_K", "iq3_m": "Q4_K"}.get(
             mix, base
         )
     return base
+
+
+#: The mixes whose attn_output takes Q5_K in an 8-expert model (the ones `--type` offers).
+EIGHT_EXPERT_OUTPUT_Q5_K = ("q2_k", "iq3_xxs", "q3_k_s", "q3_k_m", "iq4_nl", "q4_k_s", "q4_k_m", "iq3_s", "iq3_m",
+                            "iq4_xs")  # fmt: skip
+
+
+def tensor_category(tensor_name: str) -> str:
+    """llama.cpp's class of a layer's matrix, by name as it matches them: attn_v for attn_v and the fused attn_qkv,
+    ffn_down / ffn_gate / ffn_up for the plain and the experts' (`ffn_down_exps`) projections, else the role."""
+    role = tensor_name.split(".")[2]
+    if role == "attn_qkv":
+        return "attn_v"
+    return next((name for name in ("ffn_up", "ffn_gate", "ffn_down") if role.startswith(name)), role)
 
 
 def _attn_v_type(mix: str, base: str, layer: int, num_layers: int, gqa: int, has_imatrix: bool) -> str:

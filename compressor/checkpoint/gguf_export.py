@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compressor.checkpoint import gguf_families as fam
 from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, needs_imatrix, quantize_with_llama_cpp
 from compressor.checkpoint.gguf_types import (
     GGUF_TYPES,
@@ -41,12 +42,10 @@ from compressor.modeling.adapters import geometry_from_config, get_adapter
 from compressor.modeling.families import FAMILIES
 from compressor.runtime.errors import UserError
 
-# model_type → llama.cpp architecture when all layers share their shapes, and whether Q/K rows must be
-# permuted (llama.cpp's `llama`/`deci` rotate interleaved pairs; transformers rotates halves; `qwen2` uses
-# the halves layout itself, as transformers does).
+# model_type → llama.cpp architecture when all layers share their shapes; Q/K rows are permuted for those whose
+# rope rotates interleaved pairs (`gguf_families.PERMUTED_ROPE`; transformers rotates halves, as `qwen2` does).
 UNIFORM_ARCHITECTURE = {name: family.llama_cpp for name, family in FAMILIES.items() if family.llama_cpp}
 PER_LAYER_ARCHITECTURE = "deci"
-PERMUTED_ROPE = {"llama", "deci"}
 
 
 @dataclass
@@ -107,13 +106,16 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
                     f"layer {index} {name} is {type(module).__name__} (not a plain projection): llama.cpp "
                     "runs whole heads only: compress with --native (or leave the attention out of --targets)"
                 )
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        if adapter.family.experts:  # experts kept whole: their width (experts x hidden x width)
+            widths.append(int(adapter.mlp(index).experts.down_proj.shape[-1]))
+        for name in () if adapter.family.experts else ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(adapter.find_projection(index, name), nn.Linear):
                 raise UserError(
                     f"layer {index} {name} is not a plain projection: llama.cpp runs narrower MLPs only: "
                     "compress with --native (or leave the MLP out of --targets)"
                 )
-        widths.append(adapter.projection(index, "down_proj").in_features)
+        if not adapter.family.experts:
+            widths.append(adapter.projection(index, "down_proj").in_features)
         heads.append(adapter.projection(index, "q_proj").out_features // head_dim)
         kv_heads.append(adapter.projection(index, "k_proj").out_features // head_dim)
     return widths, heads, kv_heads
@@ -121,12 +123,16 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
 
 def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv_heads: list[int]) -> str:
     """llama.cpp's own architecture for the family when every layer has the same shapes, else `deci`."""
+    if model_type in fam.NOT_EXACT:
+        raise UserError(f"model_type '{model_type}': GGUF export refused: {fam.NOT_EXACT[model_type]}")
     if model_type not in UNIFORM_ARCHITECTURE:
         raise UserError(
             f"model_type '{model_type}': GGUF export is not implemented for it (it is for "
             f"{', '.join(UNIFORM_ARCHITECTURE)}): its tensor names and norms need their own llama.cpp mapping"
         )
     uniform = len(set(widths)) == 1 and len(set(heads)) == 1 and len(set(kv_heads)) == 1
+    if not uniform and fam.per_layer_refusal(model_type):
+        raise UserError(fam.per_layer_refusal(model_type))
     return UNIFORM_ARCHITECTURE[model_type] if uniform else PER_LAYER_ARCHITECTURE
 
 
@@ -141,10 +147,10 @@ def permute_for_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def llama3_rope_factors(config) -> np.ndarray | None:
     """The per-frequency factors llama.cpp reads from `rope_freqs.weight` for Llama 3's rope scaling; None for
     the default rope. Any other scaling is a one-line error (its GGUF keys are not written here)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = fam.rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return None
+    if rope_type in (None, "default") or config.model_type not in ("llama", "mistral"):
+        return None  # (other families' scalings: `gguf_families`)
     if rope_type != "llama3":
         raise UserError(f"rope scaling '{rope_type}': GGUF export writes the default rope and Llama 3's only")
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
@@ -215,6 +221,7 @@ def write_gguf(
     out = check_gguf_output(out, overwrite)
     adapter = get_adapter(model)
     config = adapter.config
+    fam.check_exportable(config, adapter.num_layers, budgeted=choose_types is not None)
     widths, heads, kv_heads = layer_shapes(model)
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
     tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
@@ -224,11 +231,14 @@ def write_gguf(
     )
     check_some_matrix_fits(model, tensor_type)
     has_output = not bool(getattr(config, "tie_word_embeddings", False))
-    mix_context = {"gqa": heads[0] // max(kv_heads[0], 1), "has_imatrix": importance is not None}
+    experts = _experts(config) if adapter.family.experts else None
+    mix_context = {"gqa": heads[0] // max(kv_heads[0], 1), "has_imatrix": importance is not None,
+                   "n_expert": experts[0] if experts else 1}  # fmt: skip
     by_llama_cpp = tensor_type in K_QUANT_MIXES or importance is not None
 
     def add_fields(writer) -> None:
         _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name)
+        fam.write_family_fields(writer, config, architecture, experts)
         for field_ in tokenizer_fields:
             _copy_field(writer, field_)
         for key, value in (extra_fields or {}).items():
@@ -280,7 +290,7 @@ def _write_file(out: Path, architecture, add_fields, tensors, type_of, importanc
             wanted, stored = type_of(tensor_name, array)
             weights = None if importance is None else importance.get(module_path)
             _store(writer, tensor_name, array, stored, by_llama_cpp=by_llama_cpp, importance=weights)
-            if array.ndim == 2:
+            if array.ndim >= 2:
                 types[tensor_name] = stored
             if stored != wanted:
                 fallbacks[tensor_name] = stored
@@ -343,12 +353,17 @@ def _write_header(writer, config, architecture, widths, heads, kv_heads, file_ty
     head_dim = geometry_from_config(config).head_dim
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    params = getattr(config, "rope_parameters", None) or {}
-    writer.add_rope_freq_base(float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_rope_dimension_count(fam.rope_dimensions(config, head_dim))
+    writer.add_rope_freq_base(fam.rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+
+
+def _experts(config) -> tuple[int, int]:
+    """(experts per layer, experts per token) of a mixture of experts."""
+    count = getattr(config, "num_local_experts", None) or config.num_experts
+    return int(count), int(config.num_experts_per_tok)
 
 
 def _copy_field(writer, field_) -> None:
@@ -371,24 +386,27 @@ def _gguf_tensors(
     adapter = get_adapter(model)
     arch = gguf.MODEL_ARCH[architecture.upper()]
     names = gguf.get_tensor_name_map(arch, len(adapter.layers))
-    state = model.state_dict()
     tied = bool(getattr(adapter.config, "tie_word_embeddings", False))
     if rope_factors is not None:
         yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors, ""
-    for key, tensor in state.items():
-        if key == "lm_head.weight" and tied:
+    yield from fam.rope_tensors(adapter.config, geometry_from_config(adapter.config).head_dim)
+    for base, suffix, array, source in fam.family_state(model.state_dict(), adapter.model_type):
+        if f"{base}.{suffix}" == "lm_head.weight" and tied:
             continue  # llama.cpp reads the embedding when the file has no output matrix
-        if key.endswith("rotary_emb.inv_freq"):
+        if suffix == "inv_freq":
             continue
-        base, _, suffix = key.rpartition(".")
+        if suffix in fam.EXPERT_TENSORS:
+            yield fam.expert_tensor_name(suffix, _layer_index(base)), array, source
+            continue
         gguf_name = names.get_name(base)
         if gguf_name is None:
-            raise UserError(f"tensor {key}: no llama.cpp name for it in the {architecture} architecture")
-        array = tensor.detach().to(torch.float32).cpu().numpy()
-        if architecture in PERMUTED_ROPE and base.endswith(("q_proj", "k_proj")):
+            raise UserError(
+                f"tensor {base}.{suffix}: no llama.cpp name for it in the {architecture} architecture"
+            )
+        if architecture in fam.PERMUTED_ROPE and base.endswith(("q_proj", "k_proj")):
             counts = heads if base.endswith("q_proj") else kv_heads
             array = permute_for_rope(array, counts[_layer_index(base)])
-        yield f"{gguf_name}.{suffix}", array, base
+        yield f"{gguf_name}.{suffix}", array, source
 
 
 def _layer_index(module_path: str) -> int:
@@ -419,4 +437,8 @@ def _store(
     else:
         qtype = gguf.GGMLQuantizationType[type_name]
         weights = None if importance is None else np.asarray(importance, dtype=np.float32)
-        writer.add_tensor(tensor_name, quantize_with_llama_cpp(array, type_name, weights), raw_dtype=qtype)
+        rows = array.reshape(
+            -1, array.shape[-1]
+        )  # experts (3-D): every expert's rows, as llama.cpp quantizes
+        blocks = quantize_with_llama_cpp(rows, type_name, weights)
+        writer.add_tensor(tensor_name, blocks.reshape(*array.shape[:-1], -1), raw_dtype=qtype)

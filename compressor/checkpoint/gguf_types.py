@@ -132,7 +132,7 @@ def matrix_types(
 ):
     """(the type `--type` asks of this tensor, the type it is stored in): 1-D tensors are f32 always; a matrix
     whose rows do not fill whole blocks falls back (f16, or llama.cpp's fallback in a llama.cpp mix)."""
-    if array.ndim == 1:
+    if array.ndim == 1 or ".ffn_gate_inp." in tensor_name:  # llama.cpp never quantizes an MoE's router
         return "F32", "F32"
     row_length = array.shape[-1]
     if tensor_type in K_QUANT_MIXES:

@@ -79,20 +79,23 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "Llama", "LlamaConfig", "LlamaForCausalLM", llama_cpp="llama", deci=True),
         Family("mistral", "Mistral", "MistralConfig", "MistralForCausalLM", llama_cpp="llama", deci=True),
         Family("qwen2", "Qwen2", "Qwen2Config", "Qwen2ForCausalLM", llama_cpp="qwen2", qkv_bias=True),
-        Family("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm="per_head"),
+        Family("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm="per_head", llama_cpp="qwen3"),
         Family("gemma", "Gemma", "GemmaConfig", "GemmaForCausalLM"),
         Family("gemma2", "Gemma 2", "Gemma2Config", "Gemma2ForCausalLM"),
         Family("gemma3_text", "Gemma 3", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm="per_head"),
-        Family("smollm3", "SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM"),
-        Family("olmo2", "OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", qk_norm="across_heads"),
+        Family("smollm3", "SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", llama_cpp="smollm3"),
+        Family(
+            "olmo2", "OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", qk_norm="across_heads", llama_cpp="olmo2"
+        ),
         Family(
             "phi3",
             "Phi-3",
             "Phi3Config",
             "Phi3ForCausalLM",
             fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+            llama_cpp="phi3",
         ),  # fmt: skip
-        Family("mixtral", "Mixtral", "MixtralConfig", "MixtralForCausalLM", experts=True),
+        Family("mixtral", "Mixtral", "MixtralConfig", "MixtralForCausalLM", experts=True, llama_cpp="llama"),
         Family(
             "qwen3_moe",
             "Qwen3-MoE",
@@ -100,10 +103,14 @@ FAMILIES: dict[str, Family] = {
             "Qwen3MoeForCausalLM",
             qk_norm="per_head",
             experts=True,
+            llama_cpp="qwen3moe",
         ),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+#: The parameters of an MoE's `experts` module (transformers stacks every expert's weights): gate and up fused
+#: (experts x 2·width x hidden, gate rows first), and down (experts x hidden x width).
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 def family_of(model_type: str | None) -> Family | None:

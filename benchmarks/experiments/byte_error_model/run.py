@@ -1,0 +1,140 @@
+"""Is `export --size`'s error model right? Predicted against measured rise of the loss, on the VALIDATION split.
+
+The byte budget predicts each (matrix, type)'s rise of the mean next-token loss as ½ · output sensitivity ·
+importance-weighted rounding error (`compressor/checkpoint/byte_budget.py`). Here, on the bundled model:
+
+1. single-tensor changes: a deterministic sample of (matrix, type) pairs (every `--every`-th matrix, its candidate
+   types that change it in turn), each matrix replaced by its ggml-decoded quantization alone, the rest kept at fp32;
+2. whole plans: every matrix as the budget's plan at the given `--sizes` (each type as written in the file);
+
+each scored in transformers on the first `--max-tokens` validation tokens against the original on the same
+windows (the decoded weights are the file's; llama.cpp's own rounding of the activations is not in it). Reports
+the rank correlation (Spearman) of predicted and measured rises, and their ratio.
+
+    python -m benchmarks.experiments.byte_error_model.run --out benchmarks/results/choices/byte-error-model-validation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.suite.common import command_line, log, write_json
+from compressor.api.export import importance_calibration, measure_for_export
+from compressor.api.model_loading import load_model, resolve_model
+from compressor.api.session import evaluation_token_windows
+from compressor.calibration.sources import load_documents
+from compressor.checkpoint.byte_budget import BudgetChooser, allocate, parse_size
+from compressor.checkpoint.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
+from compressor.recipes.schema import EvaluationSettings
+
+MODEL = "smollm2-135m"
+
+
+def decoded(weight: torch.Tensor, type_name: str, importance: torch.Tensor | None) -> torch.Tensor:
+    array = weight.detach().float().numpy()
+    vector = None if importance is None else importance.numpy().astype(np.float32)
+    if type_name == "F16":
+        return torch.from_numpy(array.astype(np.float16).astype(np.float32))
+    blocks = quantize_with_llama_cpp(array, type_name, vector)
+    return torch.from_numpy(dequantize_with_llama_cpp(blocks, type_name, array.shape))
+
+
+@torch.no_grad()
+def mean_nll(model, windows: torch.Tensor) -> float:
+    total, count = 0.0, 0
+    for window in windows:
+        logits = model(input_ids=window[None], use_cache=False).logits[0, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
+        count += len(window) - 1
+    return total / count
+
+
+def matrices_of(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """GGUF-like name → (module path, weight) of every matrix `export` writes (the tied head once)."""
+    out = {}
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.ndim == 2 and path != "lm_head":
+            out[path] = (path, weight)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=12, help="every N-th matrix in the single-change sample")
+    parser.add_argument("--sizes", default="105454112,93510176,88201760", help="whole plans' budgets")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/choices/byte-error-model-validation.json")
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    source = resolve_model(MODEL)
+    loaded = load_model(source, device="cpu", dtype="float32", progress=False)
+    model = loaded.model
+    calibration = importance_calibration(source, source)
+    text = load_documents(calibration.source, split="calibration")
+    importance, _ = measure_for_export(loaded, calibration, text, True, progress=False)
+    chooser = BudgetChooser(model, importance, 0, progress=False)
+    evaluation = source.recipe.evaluation.model_copy(
+        update={"split": "validation", "max_tokens": args.max_tokens}
+    )
+    windows, text_name = evaluation_token_windows(loaded.tokenizer, EvaluationSettings(**evaluation.model_dump()),
+                                                  load_documents(evaluation.source, split="validation"))  # fmt: skip
+    base = mean_nll(model, windows)
+    log(f"original: {base:.5f} nats on {windows.numel()} validation tokens ({text_name})")
+    matrices = matrices_of(model)
+    options = {
+        path: chooser.options(weight.detach().float().numpy(), path) for path, (_, weight) in matrices.items()
+    }
+    singles = []
+    for index, path in enumerate(list(matrices)[:: args.every]):
+        # the types that change the matrix: the packaged weights are dequantized Q4_K/Q5_0 values, which some
+        # types (Q4_1, Q5_1, ...) store exactly: their (0, 0) points would only tie the ranks
+        opts = [o for o in options[path] if o.type_name not in ("F16", "Q8_0") and o.predicted > 1e-7]
+        if not opts:
+            continue
+        option = opts[index % len(opts)]
+        weight = matrices[path][1]
+        kept = weight.data.clone()
+        weight.data.copy_(decoded(kept, option.type_name, importance.weights.get(path)))
+        measured = mean_nll(model, windows) - base
+        weight.data.copy_(kept)
+        singles.append(
+            {"matrix": path, "type": option.type_name, "predicted": option.predicted, "measured": measured}
+        )
+        log(f"{path} {option.type_name}: predicted {option.predicted:.5f}, measured {measured:.5f}")
+    plans = []
+    for size in args.sizes.split(","):
+        budget = parse_size(size)
+        plan = allocate(options, 0, budget - 1_000_000)  # the matrices' bytes alone, a file's metadata aside
+        originals = {path: matrices[path][1].data.clone() for path in matrices}
+        for path, type_name in plan.types.items():
+            matrices[path][1].data.copy_(decoded(originals[path], type_name, importance.weights.get(path)))
+        measured = mean_nll(model, windows) - base
+        for path in matrices:
+            matrices[path][1].data.copy_(originals[path])
+        plans.append({"budget": budget, "predicted": plan.predicted, "measured": measured,
+                      "type_counts": plan.to_dict()["type_counts"]})  # fmt: skip
+        log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured:.5f}")
+    from scipy.stats import spearmanr
+
+    predicted = np.array([s["predicted"] for s in singles])
+    measured = np.array([s["measured"] for s in singles])
+    rho = spearmanr(predicted, measured)
+    write_json(args.out, {
+        "command": command_line("benchmarks.experiments.byte_error_model.run", argv),
+        "model": MODEL, "split": "validation", "tokens": int(windows.numel()), "text": text_name,
+        "original_nll": base, "singles": singles, "plans": plans,
+        "spearman_singles": float(rho.statistic), "spearman_p": float(rho.pvalue),
+        "measured_over_predicted_median": float(np.median(measured / np.maximum(predicted, 1e-12))),
+    })  # fmt: skip
+    log(f"Spearman {rho.statistic:.3f} over {len(singles)} single changes; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
