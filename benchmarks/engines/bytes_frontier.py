@@ -20,6 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from benchmarks.report.bytes import frontier_table, gain_table
 from benchmarks.report.markdown import interval, number
 from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
@@ -116,8 +117,7 @@ def score_ladder(model: str, files: dict, max_tokens: int) -> tuple[dict, list[d
         "tokens": reference.tokens, "original_transformers_ppl": reference.ppl,
         "original_transformers_ppl_ci95": reference.ppl_ci95,
     }  # fmt: skip
-    order = list(K_QUANT_MIXES)
-    ladder = [frontier[t] for t in sorted(frontier, key=lambda t: order.index(t) if t in order else -1)]
+    ladder = sorted(frontier.values(), key=lambda row: -row["baseline_bytes"])
     return {"protocol": protocol, "imatrix_gain": gains, "frontier": ladder}, rows
 
 
@@ -146,31 +146,14 @@ def render(results: dict) -> str:
             "`--size` at each file's bytes (the importance-weighted mix's) against that mix, paired on the same "
             "windows (ours − llama.cpp's mix; inside the interval, a tie):",
             "",
-            "| budget of | llama.cpp mix MiB | ppl | `--size` MiB | ppl | ours − mix [95%] | reading |",
-            "|---|---:|---:|---:|---:|---|---|",
+            *frontier_table(results),
         ]
-        for row in results["frontier"]:
-            reading = "ours better" if row["diff_hi"] < 0 else "ours worse" if row["diff_lo"] > 0 else "tie"
-            lines.append(
-                f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} | {number(row['baseline_ppl'])} | "
-                f"{row['ours_bytes'] / 2**20:.2f} | {number(row['ours_ppl'])} | {row['diff']:+.3f} "
-                f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | {reading} |"
-            )
     lines += [
         "",
         "Paired on the same windows, perplexity without the importance weights minus with them:",
         "",
     ]
-    lines += ["| type | plain − imatrix [95%] | reading |", "|---|---|---|"]
-    for tensor_type, gain in sorted(
-        results["imatrix_gain"].items(),
-        key=lambda kv: list(K_QUANT_MIXES).index(kv[0]) if kv[0] in K_QUANT_MIXES else -1,
-    ):
-        lo, hi = gain["ci95"]
-        reading = "imatrix better" if lo > 0 else "imatrix worse" if hi < 0 else "tie"
-        lines.append(
-            f"| {tensor_type} | {gain['plain_minus_imatrix']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {reading} |"
-        )
+    lines += gain_table(results)
     return "\n".join(lines) + "\n"
 
 

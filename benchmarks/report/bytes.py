@@ -9,38 +9,61 @@ import json
 from benchmarks.report.plots import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
-_ORDER = ["q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_0", "q4_k_m", "q4_k_s", "q4_0", "iq4_xs", "iq4_nl", "q3_k_l",
-          "q3_k_m", "q3_k_s", "iq3_m", "iq3_s", "iq3_xxs", "q2_k", "iq2_xs", "iq2_xxs"]  # fmt: skip
 
 
-def _reading(lo: float, hi: float, better: str, worse: str) -> str:
+def reading(lo: float, hi: float, better: str, worse: str) -> str:
+    """What a paired interval of ours − theirs says: `better` below 0, `worse` above, else a tie."""
     return better if hi < 0 else worse if lo > 0 else "tie"
+
+
+def by_budget(data: dict) -> list[dict]:
+    """The frontier's rows, largest budget first."""
+    return sorted(data["frontier"], key=lambda row: -row["baseline_bytes"])
+
+
+def frontier_table(data: dict) -> list[str]:
+    """`export --size` against llama.cpp's mix of the same bytes, one row per budget (this page and the results
+    page `bytes_frontier` writes)."""
+    lines = [
+        "| budget | llama.cpp's mix (with the importance weights) | `export --size` | ours − mix [95%] | reading |",
+        "|---|---|---|---|---|",
+    ]
+    for row in by_budget(data):
+        lines.append(
+            f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} MiB, {row['baseline_ppl']:.2f} | "
+            f"{row['ours_bytes'] / 2**20:.2f} MiB, {row['ours_ppl']:.2f} | {row['diff']:+.3f} "
+            f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | "
+            f"{reading(row['diff_lo'], row['diff_hi'], 'ours better', 'ours worse')} |"
+        )
+    return lines
+
+
+def gain_table(data: dict) -> list[str]:
+    """Each mix without minus with the importance weights, paired, largest file first."""
+    size = {row["type"]: row["bytes"] for row in data["rows"] if row["imatrix"] == "calibration"}
+    lines = ["| mix | without − with the importance weights [95%] | reading |", "|---|---|---|"]
+    for mix, gain in sorted(data["imatrix_gain"].items(), key=lambda kv: -size[kv[0]]):
+        lo, hi = gain["ci95"]
+        lines.append(
+            f"| {mix} | {gain['plain_minus_imatrix']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+            f"{reading(-hi, -lo, 'the weights help', 'the weights hurt')} |"
+        )
+    return lines
 
 
 def _frontier(name: str, data: dict) -> list[str]:
     p = data["protocol"]
-    lines = [
+    return [
         f"**{data['model']}** (`{data['command']}`): every file run by llama.cpp on the first {p['tokens']:,} "
         f"predicted tokens of the test split ({p['windows']} windows of {p['seq_len']}), paired on the same "
         f"windows; the original at f16 scores {next(r['ppl'] for r in data['rows'] if r['type'] == 'f16'):.2f}. "
         f"Importance weights: {data['imatrix']}. Every file: [{name}.md](benchmarks/results/{name}.md).",
         "",
-        "| budget | llama.cpp's mix (with the importance weights) | `export --size` | ours − mix [95%] | reading |",
-        "|---|---|---|---|---|",
+        *frontier_table(data),
+        "",
+        *gain_table(data),
+        "",
     ]
-    for row in data["frontier"]:
-        lines.append(
-            f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} MiB, {row['baseline_ppl']:.2f} | "
-            f"{row['ours_bytes'] / 2**20:.2f} MiB, {row['ours_ppl']:.2f} | {row['diff']:+.3f} "
-            f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | "
-            f"{_reading(row['diff_lo'], row['diff_hi'], 'ours better', 'ours worse')} |"
-        )
-    lines += ["", "| mix | without − with the importance weights [95%] | reading |", "|---|---|---|"]
-    for mix, gain in sorted(data["imatrix_gain"].items(), key=lambda kv: _ORDER.index(kv[0])):
-        lo, hi = gain["ci95"]
-        reading = _reading(-hi, -lo, "the weights help", "the weights hurt")
-        lines.append(f"| {mix} | {gain['plain_minus_imatrix']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {reading} |")
-    return [*lines, ""]
 
 
 def _error_model() -> list[str]:

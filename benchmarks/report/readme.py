@@ -25,6 +25,7 @@ import json
 import re
 from pathlib import Path
 
+from benchmarks.report.bytes import by_budget, reading
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
 from benchmarks.report.support import support_matrix
 
@@ -148,12 +149,12 @@ def bytes_table(results_dir: Path = RESULTS_DIR) -> str:
         "`export --size`: MiB, perplexity | ours − mix [95%] |",
         "|---|---|---|---|",
     ]
-    for row in data["frontier"]:
-        reading = "**better**" if row["diff_hi"] < 0 else "worse" if row["diff_lo"] > 0 else "tie"
+    for row in by_budget(data):
+        verdict = reading(row["diff_lo"], row["diff_hi"], "**better**", "worse")
         lines.append(
             f"| {row['type']}: {row['baseline_bytes'] / 2**20:.1f} MiB | {row['baseline_ppl']:.2f} | "
             f"{row['ours_bytes'] / 2**20:.1f}, {row['ours_ppl']:.2f} | {row['diff']:+.2f} "
-            f"[{row['diff_lo']:+.2f}, {row['diff_hi']:+.2f}] {reading} |"
+            f"[{row['diff_lo']:+.2f}, {row['diff_hi']:+.2f}] {verdict} |"
         )
     gains = data["imatrix_gain"]
     gain = ", ".join(

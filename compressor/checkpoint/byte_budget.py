@@ -19,16 +19,18 @@ the upgrades that buy the most predicted loss per byte).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from compressor.checkpoint.ggml_quantize import (
+    NEEDS_IMATRIX,
     dequantize_with_llama_cpp,
     ggml_block,
     quantize_with_llama_cpp,
     row_bytes,
 )
+from compressor.checkpoint.gguf_types import type_counts
 from compressor.runtime.errors import UserError
 
 #: The types a matrix may take, as llama.cpp runs them on every backend: k-quants and i-quants for rows of 256s,
@@ -55,25 +57,19 @@ class BytePlan:
     predicted: float
     budget: int
     fixed_bytes: int
-    options: dict[str, list[Option]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
-        counts: dict[str, int] = {}
-        for type_name in self.types.values():
-            counts[type_name] = counts.get(type_name, 0) + 1
         return {
             "budget": self.budget,
             "bytes": self.bytes,
             "predicted_loss_rise": self.predicted,
-            "type_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "type_counts": type_counts(self.types),
             "types": dict(self.types),
         }
 
 
 def candidate_types(row_length: int, has_importance: bool) -> list[str]:
     """The candidate types whose blocks a row of `row_length` fills (IQ types that need an imatrix only with one)."""
-    from compressor.checkpoint.ggml_quantize import NEEDS_IMATRIX
-
     return [
         t for t in CANDIDATE_TYPES
         if row_length % ggml_block(t) == 0 and (has_importance or t not in NEEDS_IMATRIX)
@@ -153,6 +149,16 @@ def lookup_error(
     return total
 
 
+def check_fits(smallest: int, budget: int) -> None:
+    """A one-line error when the smallest file the model can make (every matrix in its smallest type) exceeds the
+    budget, naming that size."""
+    if smallest > budget:
+        raise UserError(
+            f"--size {budget:,} bytes: the smallest file this model can make is {smallest:,} bytes "
+            f"({smallest / 2**20:.1f} MiB, every matrix in its smallest type): ask for at least that"
+        )
+
+
 def rows_bytes(array: np.ndarray, has_importance: bool) -> int:
     """The bytes of `array` in the smallest of its candidate types."""
     rows, row_length = array.shape
@@ -180,12 +186,7 @@ def allocate(
     upgrades that buy the most predicted loss per byte."""
     padded = {name: [Option(o.type_name, -(-o.bytes // pad) * pad, o.predicted) for o in _hull(opts)]
               for name, opts in options.items()}  # fmt: skip
-    smallest = fixed_bytes + sum(opts[0].bytes for opts in padded.values())
-    if smallest > budget:
-        raise UserError(
-            f"--size {budget:,} bytes: the smallest file this model can make is {smallest:,} bytes "
-            f"({smallest / 2**20:.1f} MiB, every matrix in its smallest type): ask for at least that"
-        )
+    check_fits(fixed_bytes + sum(opts[0].bytes for opts in padded.values()), budget)
     free = budget - fixed_bytes
     unit = pad * max(1, -(-free // (pad * max_units)))
     capacity = free // unit
@@ -229,7 +230,6 @@ def allocate(
         predicted=sum(o.predicted for o in choice.values()),
         budget=budget,
         fixed_bytes=fixed_bytes,
-        options=options,
     )
 
 
@@ -287,14 +287,14 @@ class BudgetChooser:
         return matrix_options(array, vector, head_gradient, lookup)
 
     def __call__(self, matrices: list[tuple[str, np.ndarray, str]], fixed_bytes: int) -> dict[str, str]:
+        from compressor.checkpoint.gguf_export import padded
         from compressor.runtime.progress import progress_bar
 
         smallest = fixed_bytes + sum(  # refused before any rounding is measured
-            -(-rows_bytes(array, self.importance.weights.get(path) is not None) // 32) * 32
+            padded(rows_bytes(array, self.importance.weights.get(path) is not None))
             for _, array, path in matrices
         )
-        if smallest > self.budget:
-            allocate({}, smallest, self.budget)  # its one-line error, naming the smallest file
+        check_fits(smallest, self.budget)
         options = {}
         with progress_bar("Rounding errors per type", total=len(matrices), enabled=self.progress) as bar:
             for tensor_name, array, module_path in matrices:
