@@ -7,10 +7,30 @@ import pytest
 import torch
 from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
 
-from compressor.checkpoint.byte_budget import BudgetChooser, Option, allocate, parse_size, rounding_errors
+from compressor.checkpoint.byte_budget import (
+    BudgetChooser,
+    Option,
+    allocate,
+    parse_budget,
+    parse_size,
+    rounding_errors,
+)
 from compressor.checkpoint.gguf_export import write_gguf
 from compressor.checkpoint.gguf_types import describe_gguf, type_counts
 from compressor.runtime.errors import UserError
+
+
+def test_a_budget_is_bytes_or_llama_cpps_bits_per_weight():
+    assert parse_budget(None, None) is None
+    assert parse_budget("90MiB", None).bytes_for(10**9) == 90 * 2**20  # bytes whatever the model
+    assert parse_budget(123, None).bytes_for(7) == 123
+    by_bits = parse_budget(None, 4.5)
+    assert by_bits.flag == "--bits-per-weight" and by_bits.bytes_for(134_515_008) == 75_664_692  # 4.5 × n / 8
+    with pytest.raises(UserError, match="--bits-per-weight and --size both set the file's bytes: keep one"):
+        parse_budget("90MiB", 4.5)
+    for bad in (0.5, 33.0):
+        with pytest.raises(UserError, match="must lie between 1 and 32"):
+            parse_budget(None, bad)
 
 
 def test_sizes_parse_in_both_unit_systems():

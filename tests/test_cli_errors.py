@@ -329,6 +329,37 @@ CASES = [
         "a GGUF file's name ends in .gguf",
     ),
     (
+        "a byte budget given twice",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--size",
+            "90MiB",
+            "--bits-per-weight",
+            "5",
+        ],
+        "--bits-per-weight and --size both set the file's bytes: keep one",
+    ),
+    (
+        "bits per weight with a --type",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--bits-per-weight",
+            "5",
+            "--type",
+            "q4_k_m",
+        ],
+        "--bits-per-weight chooses every matrix's type: drop --type q4_k_m",
+    ),
+    (
+        "bits per weight out of range",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--bits-per-weight", "0.5"],
+        "--bits-per-weight 0.5: must lie between 1 and 32",
+    ),
+    (
         "a size that is not one",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "ninety"],
         "--size ninety: not a size",

@@ -17,6 +17,7 @@ smollm2-135m [--types q8_0,q6_k,...] [--max-tokens 16384] [--calib-samples 64]` 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -65,8 +66,10 @@ def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples:
     return files
 
 
-def score_ladder(model: str, files: dict, max_tokens: int) -> tuple[dict, list[dict]]:
-    """Every file in llama.cpp on the capped test windows, against the original in transformers, in one pass."""
+def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) -> tuple[dict, list[dict]]:
+    """Every file in llama.cpp on the capped test windows, against the original in transformers: `per_pass` files
+    at a time (0: all in one pass), the original run again in each pass (deterministic: the same windows' scores),
+    so that a large model's files need not all be held at once."""
     source = resolve_model(model)
     evaluation = EvaluationSettings(
         **{
@@ -78,17 +81,24 @@ def score_ladder(model: str, files: dict, max_tokens: int) -> tuple[dict, list[d
     original = load_model(source, device="cpu", dtype="float32", progress=False)
     documents = load_documents(evaluation.source, split="test")
     windows, text_name = evaluation_token_windows(original.tokenizer, evaluation, documents)
-    engines = {
-        key: load_with_llama_cpp(resolve_model(row["out"]), evaluation.seq_len, False)
-        for key, row in files.items()
-    }
-    log(
-        f"scoring {len(engines)} files on {windows.shape[0]} windows of {windows.shape[1]} tokens ({text_name})"
-    )
-    reference, scored = evaluate_against(
-        original.model, {f"{t}|{i}": e.model for (t, i), e in engines.items()}, windows, progress=True,
-        description="llama.cpp files vs the original",
-    )  # fmt: skip
+    keys = list(files)
+    per_pass = per_pass or len(keys)
+    scored = {}
+    for first in range(0, len(keys), per_pass):
+        engines = {
+            key: load_with_llama_cpp(resolve_model(files[key]["out"]), evaluation.seq_len, False)
+            for key in keys[first : first + per_pass]
+        }
+        log(f"scoring {len(engines)} of {len(keys)} files on {windows.shape[0]} windows of {windows.shape[1]} "
+            f"tokens ({text_name})")  # fmt: skip
+        reference, part = evaluate_against(
+            original.model, {f"{t}|{i}": e.model for (t, i), e in engines.items()}, windows, progress=True,
+            description="llama.cpp files vs the original",
+        )  # fmt: skip
+        scored |= part
+        for engine in engines.values():
+            engine.model.server.close()
+        del engines
     rows, per_window = [], {}
     for (tensor_type, imatrix), written in files.items():
         result, faith = scored[f"{tensor_type}|{imatrix}"]
@@ -164,13 +174,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--calib-samples", type=int, default=None)
     parser.add_argument(
+        "--files-per-pass", type=int, default=0, help="llama.cpp files held at once while scoring (0: all)"
+    )
+    parser.add_argument(
+        "--summarize", type=Path, default=None, help="only copy this results file's figures into results.json"
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="results file (default: results/bytes-MODEL.json)"
     )
     args = parser.parse_args(argv)
+    if args.summarize:
+        summarize(json.loads(args.summarize.read_text()), RESULTS / "results.json")
+        return
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
         files = export_ladder(args.model, types, Path(work), args.calib_samples)
-        scored, rows = score_ladder(args.model, files, args.max_tokens)
+        scored, rows = score_ladder(args.model, files, args.max_tokens, args.files_per_pass)
     imatrix = next((row["imatrix"] for row in files.values() if row["imatrix"] != "none"), "none")
     results = {
         "command": command_line("benchmarks.engines.bytes_frontier", argv),
@@ -183,7 +202,29 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or RESULTS / f"bytes-{args.model}.json"
     write_json(out, results)
     out.with_suffix(".md").write_text(render(results))
+    summarize(results, RESULTS / "results.json")
     log(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+#: results.json's name for each model's figures.
+SUMMARY_NAMES = {"smollm2-135m": "bundled", "qwen2.5-coder-1.5b": "1p5b"}
+FRONTIER_FIELDS = ("type", "baseline_bytes", "baseline_ppl", "ours_bytes", "ours_ppl", "diff_lo", "diff_hi")
+
+
+def summarize(results: dict, summary: Path) -> None:
+    """Copy a run's frontier and importance-matrix gains into results.json, beside the other benchmarks' figures:
+    `bytes_frontier_<model>` (rows of FRONTIER_FIELDS; diff = ours − the importance-weighted mix, its 95%
+    interval) and `imatrix_gain_<type>_<model>` (plain − importance-weighted, paired, with its interval)."""
+    name = SUMMARY_NAMES.get(results["model"])
+    if name is None or not summary.is_file():
+        return
+    figures = {
+        f"bytes_frontier_{name}": [{k: row[k] for k in FRONTIER_FIELDS} for row in results["frontier"]]
+    }
+    for tensor_type, gain in results["imatrix_gain"].items():
+        figures[f"imatrix_gain_{tensor_type}_{name}"] = gain
+    write_json(summary, json.loads(summary.read_text()) | figures)
+    log(f"copied {', '.join(figures)} into {summary}")
 
 
 if __name__ == "__main__":

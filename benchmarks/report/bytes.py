@@ -84,9 +84,25 @@ def _error_model() -> list[str]:
         f"`{miss['matrix']}` in {miss['type']}, predicted {miss['predicted']:.4f}, measured {miss['measured']:.4f} "
         "nats. Whole plans (nats per token): "
         + plans
-        + ". Not yet an error model to trust: its fix is open.",
+        + ". "
+        + _predictors(data)
+        + "Not yet an error model to trust: its fix is open.",
         "",
     ]
+
+
+def _predictors(data: dict) -> str:
+    """The alternatives to the importance statistic tried on the same single changes, where the run has them."""
+    tried = data.get("predictors")
+    if not tried:
+        return ""
+    named = "; ".join(f"{name} {fit['spearman']:.2f}" for name, fit in tried.items())
+    return (
+        "Two fixes tried on the same points (`benchmarks/experiments/byte_error_model/predictors.py`), Spearman: "
+        f"{named}: neither the first position left out of the inputs' mean squares nor each token's gradient "
+        "weighing its inputs ranks the changes better. Most single changes move the loss by less than its "
+        "first-order noise on these tokens. "
+    )
 
 
 def bytes_section() -> list[str]:
@@ -102,7 +118,8 @@ def bytes_section() -> list[str]:
         "`export --size` at the bytes of each mix with them: every matrix's type chosen by the loss-aware "
         "allocation, nothing removed. Diff: ours − the mix of the same bytes; an interval holding 0 is a tie.",
         "",
-        "The bundled model's packaged weights are dequantized Q4_K/Q5_0 values: Q4_1 and Q4_K store them exactly, "
+        "The 1.5B model's packaged weights are dequantized Q4_K_M values: its q4_k_m budget is the mix's home "
+        "ground, the budgets below it the test. The bundled model's packaged weights are dequantized Q4_K/Q5_0 values: Q4_1 and Q4_K store them exactly, "
         "and the allocation finds that grid (its budget files are almost all Q4_1; above 94 MiB it buys nothing "
         "more and writes the same file), while llama.cpp's mixes, on rows 576 wide, fall back to 32-value types "
         "that do not fit it. These rows measure what the fixed mixes lose on such a model, not what `--size` "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
+from compressor.checkpoint.byte_budget import ByteBudget, parse_budget
 from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, write_gguf
 from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
 from compressor.recipes.schema import CalibrationSettings
@@ -45,6 +46,7 @@ def export(
     imatrix: str | None = None,
     calib_samples: int | None = None,
     size: int | str | None = None,
+    bits_per_weight: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ExportResult:
@@ -58,15 +60,17 @@ def export(
 
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
     loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
-    calibration), instead of a `tensor_type` mix."""
+    calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
+    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     if format == "gguf" and layout != "padded":
         raise UserError(
             f"--layout {layout} applies to --format hf (a GGUF's layout follows the shapes): drop it"
         )
-    if size is not None and format != "gguf":
-        raise UserError("--size sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
+    wanted = parse_budget(size, bits_per_weight)
+    if wanted is not None and format != "gguf":
+        raise UserError(f"{wanted.flag} sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
     source = resolve_model(model)
     if format == "hf":
         if source.kind != "compressed":
@@ -77,7 +81,7 @@ def export(
             "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
             "compressed_params": result.compressed_params, "dense_params": result.dense_params,
         })  # fmt: skip
-    tensor_type, budget, use_importance = check_quantization(tensor_type, imatrix, size, calib_samples)
+    tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples)
     out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
     original = original_source(source)
     check_hub_model(source)
@@ -89,6 +93,7 @@ def export(
         calibration = importance_calibration(source, original, calib_samples)
         calib_text = load_documents(calibration.source, split="calibration")
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
+    budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     measured, imatrix_note, chooser = None, "", None
     if use_importance:
         measured, imatrix_note = measure_for_export(
@@ -111,21 +116,20 @@ def export(
 
 
 def check_quantization(
-    tensor_type: str | None, imatrix: str | None, size: int | str | None, calib_samples: int | None
-) -> tuple[str, int | None, bool]:
-    """(the --type written, the byte budget or None, whether importance weights are measured), or a one-line
-    error for options that do not go together. With `size` every matrix's type is the budget's: f16 is the
-    type `write_gguf` is handed, its `choose_types` decides."""
-    budget = None
-    if size is not None:
-        from compressor.checkpoint.byte_budget import parse_size
+    tensor_type: str | None, imatrix: str | None, wanted: ByteBudget | None, calib_samples: int | None
+) -> tuple[str, bool]:
+    """(the --type written, whether importance weights are measured), or a one-line error for options that do
+    not go together. With a byte budget every matrix's type is the budget's: f16 is the type `write_gguf` is
+    handed, its `choose_types` decides."""
+    if wanted is not None:
         from compressor.checkpoint.ggml_quantize import check_quantizer
 
-        budget = parse_size(size) if isinstance(size, str) else int(size)
         if tensor_type is not None:
-            raise UserError(f"--size chooses every matrix's type: drop --type {tensor_type}")
+            raise UserError(f"{wanted.flag} chooses every matrix's type: drop --type {tensor_type}")
         if imatrix == "none":
-            raise UserError("--size weighs each type's rounding by the calibration: drop --imatrix none")
+            raise UserError(
+                f"{wanted.flag} weighs each type's rounding by the calibration: drop --imatrix none"
+            )
         check_quantizer()
         tensor_type, use_importance = "f16", True
     else:
@@ -135,7 +139,7 @@ def check_quantization(
         raise UserError(
             "--calib-samples sets the importance weights' windows: it needs --imatrix calibration"
         )
-    return tensor_type, budget, use_importance
+    return tensor_type, use_importance
 
 
 def measure_for_export(

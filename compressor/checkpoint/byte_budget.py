@@ -103,7 +103,7 @@ SAMPLE_ROWS = 512
 LOOKUP_ROWS = 2048
 
 
-def _spaced(indices: np.ndarray, count: int) -> np.ndarray:
+def evenly_spaced(indices: np.ndarray, count: int) -> np.ndarray:
     if len(indices) <= count:
         return indices
     return indices[np.linspace(0, len(indices) - 1, count).round().astype(np.int64)]
@@ -121,7 +121,7 @@ def matrix_options(
     row's token share) when the matrix is also the embedding. Errors are measured on `sample_rows` evenly spaced
     rows, scaled to the whole matrix (and on the lookup's rows by `lookup_error`)."""
     rows, row_length = array.shape
-    uniform = _spaced(np.arange(rows), sample_rows)
+    uniform = evenly_spaced(np.arange(rows), sample_rows)
     options = []
     for type_name in candidate_types(row_length, importance is not None):
         rise = 0.0
@@ -144,7 +144,7 @@ def lookup_error(
     _, errors = rounding_errors(array[frequent], type_name, importance)
     total = float(errors @ share[frequent].astype(np.float64))
     if len(others):
-        _, sample = rounding_errors(array[_spaced(others, sample_rows)], type_name, importance)
+        _, sample = rounding_errors(array[evenly_spaced(others, sample_rows)], type_name, importance)
         total += float(sample.mean()) * float(share[others].sum())
     return total
 
@@ -231,6 +231,38 @@ def allocate(
         budget=budget,
         fixed_bytes=fixed_bytes,
     )
+
+
+@dataclass(frozen=True)
+class ByteBudget:
+    """What the user asked the file to fit: bytes (`--size`), or llama.cpp's bits per weight (`--bits-per-weight`),
+    which become bytes once the model's parameters are counted."""
+
+    size: int | None = None
+    bits_per_weight: float | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--size" if self.size is not None else "--bits-per-weight"
+
+    def bytes_for(self, parameters: int) -> int:
+        """The budget in bytes for a model of `parameters` weights (the file's metadata and tokenizer included)."""
+        return self.size if self.size is not None else int(self.bits_per_weight * parameters / 8)
+
+
+def parse_budget(size: int | str | None, bits_per_weight: float | None) -> ByteBudget | None:
+    """`--size` or `--bits-per-weight` (not both) as a budget; None when neither is given; else a one-line error."""
+    if bits_per_weight is None:
+        return (
+            None
+            if size is None
+            else ByteBudget(size=parse_size(size) if isinstance(size, str) else int(size))
+        )
+    if size is not None:
+        raise UserError("--bits-per-weight and --size both set the file's bytes: keep one")
+    if not 1.0 <= bits_per_weight <= 32.0:
+        raise UserError(f"--bits-per-weight {bits_per_weight:g}: must lie between 1 and 32 (16 is f16)")
+    return ByteBudget(bits_per_weight=float(bits_per_weight))
 
 
 def parse_size(text: str) -> int:

@@ -65,6 +65,15 @@ def export_command(
             "allocation over the calibration's importance weights and sensitivities, instead of a --type mix.",
         ),
     ] = None,
+    bits_per_weight: Annotated[
+        float | None,
+        typer.Option(
+            "--bits-per-weight",
+            metavar="B",
+            help="--size as llama.cpp's bits per weight: at most B × the model's parameters / 8 bytes "
+            "(e.g. 4.5).",
+        ),
+    ] = None,
     imatrix: Annotated[
         str | None,
         typer.Option(
@@ -116,7 +125,8 @@ def export_command(
 
     result = export(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
-        imatrix=imatrix, calib_samples=calib_samples, size=size, overwrite=overwrite, progress=not as_json,
+        imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight, overwrite=overwrite,
+        progress=not as_json,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))
@@ -131,7 +141,8 @@ def export_command(
     )
     if info.get("budget") is not None:
         console.print(
-            f"Within --size {info['budget']:,} bytes: {info['bytes']:,} written; predicted rise of the "
+            f"Within {info['budget']:,} bytes ({8 * info['bytes'] / info['parameters']:.2f} bits per weight "
+            f"written): {info['bytes']:,} written; predicted rise of the "
             f"calibration loss {info['predicted_loss_rise']:.4f} nats per token."
         )
     counts = info.get("type_counts") or {}

@@ -22,12 +22,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.experiments.byte_error_model.predictors import alternative_statistics
 from benchmarks.suite.common import command_line, log, write_json
 from compressor.api.export import importance_calibration, measure_for_export
 from compressor.api.model_loading import load_model, resolve_model
-from compressor.api.session import evaluation_token_windows
+from compressor.api.session import calibration_token_windows, evaluation_token_windows
 from compressor.calibration.sources import load_documents
-from compressor.checkpoint.byte_budget import BudgetChooser, allocate, parse_size
+from compressor.checkpoint.byte_budget import (
+    SAMPLE_ROWS,
+    BudgetChooser,
+    allocate,
+    evenly_spaced,
+    parse_size,
+    rounding_errors,
+)
 from compressor.checkpoint.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
 from compressor.recipes.schema import EvaluationSettings
 
@@ -51,6 +59,34 @@ def mean_nll(model, windows: torch.Tensor) -> float:
         total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
         count += len(window) - 1
     return total / count
+
+
+PREDICTORS = ("default", "skip_first", "gradient_weighted")
+
+
+def alternative_rises(
+    path: str, array: np.ndarray, type_name: str, default: float, importance, alternatives: dict, head: str
+) -> dict[str, float]:
+    """The predicted rise of `path` stored as `type_name` under each of PREDICTORS: the byte budget's own
+    (`default`), and with its matrix term's statistic replaced by each alternative's (the embedding's lookup term
+    kept; a tied embedding's matrix term is the head's)."""
+    source = head if path not in alternatives["skip_first"] else path
+    vector = importance.weights.get(path)
+    if vector is None or source not in alternatives["skip_first"]:
+        return dict.fromkeys(PREDICTORS, default)
+    uniform = evenly_spaced(np.arange(array.shape[0]), SAMPLE_ROWS)
+    columns, _ = rounding_errors(array[uniform], type_name, vector.numpy().astype(np.float32))
+    scale = 0.5 * array.shape[0] / len(uniform)
+    gradient = importance.gradients.get(source, 0.0)
+    own = scale * gradient * float(columns @ vector.double().numpy())
+    rises = {"default": default}
+    rises["skip_first"] = (
+        default - own + scale * gradient * float(columns @ alternatives["skip_first"][source].numpy())
+    )
+    rises["gradient_weighted"] = (
+        default - own + scale * float(columns @ alternatives["gradient_weighted"][source].numpy())
+    )
+    return rises
 
 
 def matrices_of(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
@@ -79,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     calibration = importance_calibration(source, source)
     text = load_documents(calibration.source, split="calibration")
     importance, _ = measure_for_export(loaded, calibration, text, True, progress=False)
+    from compressor.checkpoint.byte_budget import GRADIENT_WINDOWS
+
+    calib_windows = calibration_token_windows(loaded.tokenizer, calibration, text)
+    alternatives = alternative_statistics(model, calib_windows, GRADIENT_WINDOWS)
+    head = "lm_head"
     chooser = BudgetChooser(model, importance, 0, progress=False)
     evaluation = source.recipe.evaluation.model_copy(
         update={"split": "validation", "max_tokens": args.max_tokens}
@@ -104,9 +145,11 @@ def main(argv: list[str] | None = None) -> None:
         weight.data.copy_(decoded(kept, option.type_name, importance.weights.get(path)))
         measured = mean_nll(model, windows) - base
         weight.data.copy_(kept)
-        singles.append(
-            {"matrix": path, "type": option.type_name, "predicted": option.predicted, "measured": measured}
+        rises = alternative_rises(
+            path, kept.numpy(), option.type_name, option.predicted, importance, alternatives, head
         )
+        singles.append({"matrix": path, "type": option.type_name, "predicted": option.predicted,
+                        "predicted_by": rises, "measured": measured})  # fmt: skip
         log(f"{path} {option.type_name}: predicted {option.predicted:.5f}, measured {measured:.5f}")
     plans = []
     for size in args.sizes.split(","):
@@ -116,9 +159,14 @@ def main(argv: list[str] | None = None) -> None:
         for path, type_name in plan.types.items():
             matrices[path][1].data.copy_(decoded(originals[path], type_name, importance.weights.get(path)))
         measured = mean_nll(model, windows) - base
+        by = dict.fromkeys(PREDICTORS, 0.0)
         for path in matrices:
             matrices[path][1].data.copy_(originals[path])
-        plans.append({"budget": budget, "predicted": plan.predicted, "measured": measured,
+            chosen = next(o for o in options[path] if o.type_name == plan.types[path])
+            rises = alternative_rises(path, originals[path].numpy(), chosen.type_name, chosen.predicted, importance,
+                                      alternatives, head)  # fmt: skip
+            by = {k: by[k] + rises[k] for k in PREDICTORS}
+        plans.append({"budget": budget, "predicted": plan.predicted, "predicted_by": by, "measured": measured,
                       "type_counts": plan.to_dict()["type_counts"]})  # fmt: skip
         log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured:.5f}")
     from scipy.stats import spearmanr
@@ -126,12 +174,22 @@ def main(argv: list[str] | None = None) -> None:
     predicted = np.array([s["predicted"] for s in singles])
     measured = np.array([s["measured"] for s in singles])
     rho = spearmanr(predicted, measured)
+    by_predictor = {}
+    for name in PREDICTORS:
+        guess = np.array([s["predicted_by"][name] for s in singles])
+        fit = spearmanr(guess, measured)
+        by_predictor[name] = {
+            "spearman": float(fit.statistic), "spearman_p": float(fit.pvalue),
+            "measured_over_predicted_median": float(np.median(measured / np.maximum(guess, 1e-12))),
+        }  # fmt: skip
+        log(f"{name}: Spearman {fit.statistic:.3f}")
     write_json(args.out, {
         "command": command_line("benchmarks.experiments.byte_error_model.run", argv),
         "model": MODEL, "split": "validation", "tokens": int(windows.numel()), "text": text_name,
         "original_nll": base, "singles": singles, "plans": plans,
         "spearman_singles": float(rho.statistic), "spearman_p": float(rho.pvalue),
         "measured_over_predicted_median": float(np.median(measured / np.maximum(predicted, 1e-12))),
+        "predictors": by_predictor,
     })  # fmt: skip
     log(f"Spearman {rho.statistic:.3f} over {len(singles)} single changes; wrote {args.out}")
 
