@@ -16,6 +16,17 @@ def reading(lo: float, hi: float, better: str, worse: str) -> str:
     return better if hi < 0 else worse if lo > 0 else "tie"
 
 
+#: What each model's packaged weights do to its frontier, said beside its figures.
+CAVEATS = {
+    "qwen2.5-coder-1.5b": "Its packaged weights are dequantized Q4_K_M values: the q4_k_m budget is the mix's home "
+    "ground, the budgets below it are the test. Structure is not in these files (types only).",
+    "smollm2-135m": "**Read with care:** the packaged weights are dequantized Q4_K/Q5_0 values, which Q4_1 and Q4_K "
+    "store exactly, and the allocation finds that grid (its files are almost all Q4_1), while llama.cpp's mixes, "
+    "on rows 576 wide, fall back to 32-value types that do not fit it. So this says what llama.cpp's fixed mixes "
+    "lose on this model, not what `--size` gains on a model trained in 16 bits.",
+}
+
+
 def by_budget(data: dict) -> list[dict]:
     """The frontier's rows, largest budget first."""
     return sorted(data["frontier"], key=lambda row: -row["baseline_bytes"])
@@ -57,7 +68,8 @@ def _frontier(name: str, data: dict) -> list[str]:
         f"**{data['model']}** (`{data['command']}`): every file run by llama.cpp on the first {p['tokens']:,} "
         f"predicted tokens of the test split ({p['windows']} windows of {p['seq_len']}), paired on the same "
         f"windows; the original at f16 scores {next(r['ppl'] for r in data['rows'] if r['type'] == 'f16'):.2f}. "
-        f"Importance weights: {data['imatrix']}. Every file: [{name}.md](benchmarks/results/{name}.md).",
+        f"Importance weights: {data['imatrix']}. {CAVEATS[data['model']]} Every file: "
+        f"[{name}.md](benchmarks/results/{name}.md).",
         "",
         *frontier_table(data),
         "",
@@ -117,13 +129,6 @@ def bytes_section() -> list[str]:
         "each without and with the tool's importance weights (the imatrix, from the recipe's calibration), and "
         "`export --size` at the bytes of each mix with them: every matrix's type chosen by the loss-aware "
         "allocation, nothing removed. Diff: ours − the mix of the same bytes; an interval holding 0 is a tie.",
-        "",
-        "The 1.5B model's packaged weights are dequantized Q4_K_M values: its q4_k_m budget is the mix's home "
-        "ground, the budgets below it the test. The bundled model's packaged weights are dequantized Q4_K/Q5_0 values: Q4_1 and Q4_K store them exactly, "
-        "and the allocation finds that grid (its budget files are almost all Q4_1; above 94 MiB it buys nothing "
-        "more and writes the same file), while llama.cpp's mixes, on rows 576 wide, fall back to 32-value types "
-        "that do not fit it. These rows measure what the fixed mixes lose on such a model, not what `--size` "
-        "gains on one trained in 16 bits.",
         "",
         *body,
         *_error_model(),

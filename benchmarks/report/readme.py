@@ -25,7 +25,7 @@ import json
 import re
 from pathlib import Path
 
-from benchmarks.report.bytes import by_budget, reading
+from benchmarks.report.bytes import CAVEATS, by_budget, reading
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
 from benchmarks.report.support import support_matrix
 
@@ -182,17 +182,6 @@ def _bytes_rows(data: dict, name: str, title: str) -> str:
         + f" Every row: [benchmarks/results/bytes-{name}.md](benchmarks/results/bytes-{name}.md).",
     ]
     return "\n".join(lines)
-
-
-#: What each model's packaged weights do to its frontier, said beside its figures.
-CAVEATS = {
-    "qwen2.5-coder-1.5b": "Its packaged weights are dequantized Q4_K_M values: the q4_k_m budget is the mix's home "
-    "ground, the budgets below it are the test. Structure is not in these files (types only).",
-    "smollm2-135m": "**Read with care:** the packaged weights are dequantized Q4_K/Q5_0 values, which Q4_1 and Q4_K "
-    "store exactly, and the allocation finds that grid (its files are almost all Q4_1), while llama.cpp's mixes, "
-    "on rows 576 wide, fall back to 32-value types that do not fit it. So this says what llama.cpp's fixed mixes "
-    "lose on this model, not what `--size` gains on a model trained in 16 bits.",
-}
 
 
 def _whole_model_decode(results: dict) -> str:

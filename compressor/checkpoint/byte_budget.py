@@ -253,11 +253,9 @@ class ByteBudget:
 def parse_budget(size: int | str | None, bits_per_weight: float | None) -> ByteBudget | None:
     """`--size` or `--bits-per-weight` (not both) as a budget; None when neither is given; else a one-line error."""
     if bits_per_weight is None:
-        return (
-            None
-            if size is None
-            else ByteBudget(size=parse_size(size) if isinstance(size, str) else int(size))
-        )
+        if size is None:
+            return None
+        return ByteBudget(size=parse_size(size) if isinstance(size, str) else int(size))
     if size is not None:
         raise UserError("--bits-per-weight and --size both set the file's bytes: keep one")
     if not 1.0 <= bits_per_weight <= 32.0:

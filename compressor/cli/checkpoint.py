@@ -141,8 +141,8 @@ def export_command(
     )
     if info.get("budget") is not None:
         console.print(
-            f"Within {info['budget']:,} bytes ({8 * info['bytes'] / info['parameters']:.2f} bits per weight "
-            f"written): {info['bytes']:,} written; predicted rise of the "
+            f"Within {info['budget']:,} bytes: {info['bytes']:,} written "
+            f"({8 * info['bytes'] / info['parameters']:.2f} bits per weight); predicted rise of the "
             f"calibration loss {info['predicted_loss_rise']:.4f} nats per token."
         )
     counts = info.get("type_counts") or {}

@@ -29,6 +29,7 @@ from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.session import calibration_token_windows, evaluation_token_windows
 from compressor.calibration.sources import load_documents
 from compressor.checkpoint.byte_budget import (
+    GRADIENT_WINDOWS,
     SAMPLE_ROWS,
     BudgetChooser,
     allocate,
@@ -115,8 +116,6 @@ def main(argv: list[str] | None = None) -> None:
     calibration = importance_calibration(source, source)
     text = load_documents(calibration.source, split="calibration")
     importance, _ = measure_for_export(loaded, calibration, text, True, progress=False)
-    from compressor.checkpoint.byte_budget import GRADIENT_WINDOWS
-
     calib_windows = calibration_token_windows(loaded.tokenizer, calibration, text)
     alternatives = alternative_statistics(model, calib_windows, GRADIENT_WINDOWS)
     head = "lm_head"
