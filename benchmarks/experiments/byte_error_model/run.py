@@ -90,6 +90,47 @@ def alternative_rises(
     return rises
 
 
+def fit_predictors(singles: list[dict], measured: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per predictor: the rank correlation of its predicted rises with the measured ones, and their median ratio."""
+    from scipy.stats import spearmanr
+
+    fits = {}
+    for name in PREDICTORS:
+        guess = np.array([s["predicted_by"][name] for s in singles])
+        fit = spearmanr(guess, measured)
+        fits[name] = {
+            "spearman": float(fit.statistic), "spearman_p": float(fit.pvalue),
+            "measured_over_predicted_median": float(np.median(measured / np.maximum(guess, 1e-12))),
+        }  # fmt: skip
+        log(f"{name}: Spearman {fit.statistic:.3f}")
+    return fits
+
+
+def measure_plans(
+    sizes: str, options, matrices, importance, alternatives, head: str, model, windows, base: float
+):
+    """Every matrix as the budget's plan at each of `sizes`: predicted (by each of PREDICTORS) and measured rise."""
+    plans = []
+    for size in sizes.split(","):
+        budget = parse_size(size)
+        plan = allocate(options, 0, budget - 1_000_000)  # the matrices' bytes alone, a file's metadata aside
+        originals = {path: matrices[path][1].data.clone() for path in matrices}
+        for path, type_name in plan.types.items():
+            matrices[path][1].data.copy_(decoded(originals[path], type_name, importance.weights.get(path)))
+        measured = mean_nll(model, windows) - base
+        by = dict.fromkeys(PREDICTORS, 0.0)
+        for path in matrices:
+            matrices[path][1].data.copy_(originals[path])
+            chosen = next(o for o in options[path] if o.type_name == plan.types[path])
+            rises = alternative_rises(path, originals[path].numpy(), chosen.type_name, chosen.predicted, importance,
+                                      alternatives, head)  # fmt: skip
+            by = {k: by[k] + rises[k] for k in PREDICTORS}
+        plans.append({"budget": budget, "predicted": plan.predicted, "predicted_by": by, "measured": measured,
+                      "type_counts": plan.to_dict()["type_counts"]})  # fmt: skip
+        log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured:.5f}")
+    return plans
+
+
 def matrices_of(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """GGUF-like name → (module path, weight) of every matrix `export` writes (the tied head once)."""
     out = {}
@@ -150,38 +191,13 @@ def main(argv: list[str] | None = None) -> None:
         singles.append({"matrix": path, "type": option.type_name, "predicted": option.predicted,
                         "predicted_by": rises, "measured": measured})  # fmt: skip
         log(f"{path} {option.type_name}: predicted {option.predicted:.5f}, measured {measured:.5f}")
-    plans = []
-    for size in args.sizes.split(","):
-        budget = parse_size(size)
-        plan = allocate(options, 0, budget - 1_000_000)  # the matrices' bytes alone, a file's metadata aside
-        originals = {path: matrices[path][1].data.clone() for path in matrices}
-        for path, type_name in plan.types.items():
-            matrices[path][1].data.copy_(decoded(originals[path], type_name, importance.weights.get(path)))
-        measured = mean_nll(model, windows) - base
-        by = dict.fromkeys(PREDICTORS, 0.0)
-        for path in matrices:
-            matrices[path][1].data.copy_(originals[path])
-            chosen = next(o for o in options[path] if o.type_name == plan.types[path])
-            rises = alternative_rises(path, originals[path].numpy(), chosen.type_name, chosen.predicted, importance,
-                                      alternatives, head)  # fmt: skip
-            by = {k: by[k] + rises[k] for k in PREDICTORS}
-        plans.append({"budget": budget, "predicted": plan.predicted, "predicted_by": by, "measured": measured,
-                      "type_counts": plan.to_dict()["type_counts"]})  # fmt: skip
-        log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured:.5f}")
+    plans = measure_plans(args.sizes, options, matrices, importance, alternatives, head, model, windows, base)
     from scipy.stats import spearmanr
 
     predicted = np.array([s["predicted"] for s in singles])
     measured = np.array([s["measured"] for s in singles])
     rho = spearmanr(predicted, measured)
-    by_predictor = {}
-    for name in PREDICTORS:
-        guess = np.array([s["predicted_by"][name] for s in singles])
-        fit = spearmanr(guess, measured)
-        by_predictor[name] = {
-            "spearman": float(fit.statistic), "spearman_p": float(fit.pvalue),
-            "measured_over_predicted_median": float(np.median(measured / np.maximum(guess, 1e-12))),
-        }  # fmt: skip
-        log(f"{name}: Spearman {fit.statistic:.3f}")
+    by_predictor = fit_predictors(singles, measured)
     write_json(args.out, {
         "command": command_line("benchmarks.experiments.byte_error_model.run", argv),
         "model": MODEL, "split": "validation", "tokens": int(windows.numel()), "text": text_name,
