@@ -189,8 +189,6 @@ def test_native_sets_the_engine_forms_of_what_is_targeted():
         resolve_run_settings(CompressOptions(native=True, attention="factors"), None)
     with pytest.raises(UserError, match="--native: --method svd-llm writes factored projections"):
         resolve_run_settings(CompressOptions(native=True, method="svd-llm"), None)
-    with pytest.raises(UserError, match="--native is not available with --layerwise"):
-        CompressOptions(native=True, layerwise=True)
 
 
 def test_per_layer_heads_run_in_llama_cpp(tmp_path):

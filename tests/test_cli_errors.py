@@ -393,6 +393,36 @@ CASES = [
         "--type iq2_xs needs importance weights",
     ),
     (
+        "a byte budget and a ratio",
+        lambda t, mp: ["smollm2-135m", "--size", "80MiB", "--ratio", "0.3"],
+        "--size and --ratio both set how much is removed: keep one",
+    ),
+    (
+        "a byte budget written to a file that is not a GGUF",
+        lambda t, mp: ["smollm2-135m", "--size", "80MiB", "--out", str(t / "m.bin")],
+        "a GGUF file's name ends in .gguf",
+    ),
+    (
+        "a byte budget with a form it chooses itself",
+        lambda t, mp: ["smollm2-135m", "--size", "80MiB", "--method", "flap"],
+        "--size chooses the engine-native forms and their sizes itself: drop --method",
+    ),
+    (
+        "a byte budget below the smallest file the model can make",
+        lambda t, mp: ["smollm2-135m", "--size", "10MiB", "--out", str(t / "m.gguf")],
+        "the smallest file this model can make is more than 46,407,168 bytes",
+    ),
+    (
+        "a byte budget for a family llama.cpp does not run exactly",
+        lambda t, mp: [_family_dir(t, "gemma"), "--size", "10MiB", "--out", str(t / "m.gguf")],
+        "--size writes a GGUF",
+    ),
+    (
+        "a byte budget for a model without a GGUF to copy the tokenizer from",
+        lambda t, mp: [_tiny_model_dir(t), "--bits-per-weight", "4", "--out", str(t / "m.gguf")],
+        "pass the model as its .gguf file",
+    ),
+    (
         "a dry run cannot choose G and B",
         lambda t, mp: ["smollm2-135m", "--dry-run", "--sharing", "atoms", "--auto-groups"],
         "cannot plan with --auto-groups",

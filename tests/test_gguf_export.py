@@ -13,13 +13,8 @@ from conftest import byte_tokenizer, random_windows, tiny_model
 from torch import nn
 
 from compressor.api.pipeline import compress_model
-from compressor.checkpoint.gguf_export import (
-    choose_architecture,
-    layer_shapes,
-    llama3_rope_factors,
-    permute_for_rope,
-    write_gguf,
-)
+from compressor.checkpoint.gguf_export import choose_architecture, layer_shapes, write_gguf
+from compressor.checkpoint.gguf_families import llama3_rope_factors, permute_for_rope
 from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
 from compressor.modeling.adapters import get_adapter
 from compressor.modeling.remote_code.masa_modules import LowRankLinear

@@ -80,6 +80,8 @@ def _both_ways(
         ("llama", {}),  # the default: k/v input bases over runs of 4 layers, loss-aware allocation
         ("llama", {"sharing": "atoms", "allocation": "global-relative"}),
         ("llama", {"sharing": "none", "targets": "attn,mlp"}),
+        # --native: whole query heads and narrower MLPs in multiples of 32
+        ("llama", {"sharing": "none", "targets": "attn,mlp", "attention": "heads", "width_multiple": 32}),
         ("qwen2", {"method": "svd-llm"}),  # q/k/v biases, read from the original files
         ("mistral", {"method": "basis-sharing"}),
         ("gemma", {"method": "shared-mean", "groups": 2}),
@@ -192,24 +194,16 @@ def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
     assert faith2.top1_agreement == faith.top1_agreement
 
 
-def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys):
+@pytest.mark.parametrize("form", [[], ["--native", "--targets", "attn,mlp", "--ratio-of", "model"]])
+def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys, form):
+    """The default form, and `--native` (whole query heads, narrower MLPs in multiples of 32)."""
     from compressor.cli import main
 
     model = str(tiny_model_dir(tmp_path / "tiny"))
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
-    common = [
-        model,
-        "--ratio",
-        "0.3",
-        "--calib",
-        str(text),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "32",
-        "--no-eval",
-    ]
+    common = [model, "--ratio", "0.3", "--calib", str(text), "--calib-samples", "4", "--seq-len", "32",
+              "--no-eval", *form]  # fmt: skip
     main([*common, "--out", str(tmp_path / "in-memory"), "--json", "--no-stats-cache"])
     capsys.readouterr()
     offload = tmp_path / "offload"

@@ -66,39 +66,49 @@ def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples:
     return files
 
 
-def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) -> tuple[dict, list[dict]]:
-    """Every file in llama.cpp on the capped test windows, against the original in transformers: `per_pass` files
-    at a time (0: all in one pass), the original run again in each pass (deterministic: the same windows' scores),
-    so that a large model's files need not all be held at once."""
+def score_files(
+    model: str, paths: dict[str, str], max_tokens: int, per_pass: int = 0, split: str = "test"
+) -> tuple[object, dict]:
+    """Every GGUF of `paths` (name → file) in llama.cpp on the first `max_tokens` of `split`, against the original
+    in transformers: (the original's result, name → (result, faithfulness)). `per_pass` files at a time (0: all in
+    one pass), the original run again in each pass (deterministic: the same windows' scores), so that a large
+    model's files need not all be held at once."""
     source = resolve_model(model)
     evaluation = EvaluationSettings(
         **{
             **(source.recipe.evaluation.model_dump() if source.recipe else {}),
-            "split": "test",
+            "split": split,
             "max_tokens": max_tokens,
         }
     )
     original = load_model(source, device="cpu", dtype="float32", progress=False)
-    documents = load_documents(evaluation.source, split="test")
+    documents = load_documents(evaluation.source, split=split)
     windows, text_name = evaluation_token_windows(original.tokenizer, evaluation, documents)
-    keys = list(files)
+    keys = list(paths)
     per_pass = per_pass or len(keys)
     scored = {}
     for first in range(0, len(keys), per_pass):
-        engines = {
-            key: load_with_llama_cpp(resolve_model(files[key]["out"]), evaluation.seq_len, False)
-            for key in keys[first : first + per_pass]
-        }
+        engines = {key: load_with_llama_cpp(resolve_model(paths[key]), evaluation.seq_len, False)
+                   for key in keys[first : first + per_pass]}  # fmt: skip
         log(f"scoring {len(engines)} of {len(keys)} files on {windows.shape[0]} windows of {windows.shape[1]} "
             f"tokens ({text_name})")  # fmt: skip
         reference, part = evaluate_against(
-            original.model, {f"{t}|{i}": e.model for (t, i), e in engines.items()}, windows, progress=True,
+            original.model, {key: e.model for key, e in engines.items()}, windows, progress=True,
             description="llama.cpp files vs the original",
         )  # fmt: skip
         scored |= part
         for engine in engines.values():
             engine.model.server.close()
         del engines
+    reference.text = text_name
+    return reference, scored
+
+
+def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) -> tuple[dict, list[dict]]:
+    """Every file of the ladder on the capped test windows (`score_files`), with the paired differences."""
+    paths = {f"{t}|{i}": written["out"] for (t, i), written in files.items()}
+    reference, scored = score_files(model, paths, max_tokens, per_pass)
+    text_name = reference.text
     rows, per_window = [], {}
     for (tensor_type, imatrix), written in files.items():
         result, faith = scored[f"{tensor_type}|{imatrix}"]
@@ -123,7 +133,7 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
             "predicted_loss_rise": files[(tensor_type, "size")].get("predicted_loss_rise"),
         }  # fmt: skip
     protocol = {
-        "text": text_name, "split": "test", "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+        "text": text_name, "split": "test", "windows": reference.windows, "seq_len": reference.seq_len,
         "tokens": reference.tokens, "original_transformers_ppl": reference.ppl,
         "original_transformers_ppl_ci95": reference.ppl_ci95,
     }  # fmt: skip

@@ -49,6 +49,7 @@ def export(
     bits_per_weight: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    record: dict[str, str] | None = None,
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
     checked before any weight is read.
@@ -61,7 +62,8 @@ def export(
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
     loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
     calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
-    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included."""
+    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `record`: more
+    string fields for the file (`compress --size` records its structure's allocation)."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     if format == "gguf" and layout != "padded":
@@ -105,7 +107,7 @@ def export(
         chooser = BudgetChooser(loaded.model, measured, budget, progress)
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
-        extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else ""},
+        extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})},
         importance=None if measured is None else measured.weights, imatrix_note=imatrix_note, choose_types=chooser,
     )  # fmt: skip
     details = written.as_dict()

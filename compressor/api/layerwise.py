@@ -144,7 +144,7 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
         )
     outcome = compress_model(
         om.model, om.adapter, stats, run.compression, ratio, progress, windows=calib_windows,
-        offloaded=om, spill_dir=spill,
+        offloaded=om, spill_dir=spill, size=options.byte_target,
     )  # fmt: skip
     seconds.update(outcome.seconds)
     quality = {}

@@ -44,11 +44,13 @@ def compress_model(
     windows: torch.Tensor | None = None,
     offloaded: OffloadedModel | None = None,
     spill_dir: Path | None = None,
+    size=None,
 ) -> CompressionOutcome:
     """Replace the targeted projections of `model` in place; return the exact plan and a report.
 
     With `offloaded` (`--layerwise`: `model` is `offloaded.model`, its layers on disk), the original weights are
-    read from disk, and each finished layer is written to `spill_dir` (`outcome.compressed`)."""
+    read from disk, and each finished layer is written to `spill_dir` (`outcome.compressed`). With `size` (a
+    `methods.masa.byte_structure.SizeTarget`), the method chooses the structure under a file's bytes instead."""
     method = get_method(settings.method)
     check_ratio(ratio)
     settings = method.effective_settings(settings)
@@ -68,6 +70,7 @@ def compress_model(
     else:
         compressed = CompressedLayers(spill_dir / "compressed", offloaded, projections)
         ctx = OffloadedContext(*args, offloaded=offloaded, compressed=compressed)
+    ctx.size = size
     ctx.report["effective_settings"] = settings.model_dump()
     if loss_weighted:
         ctx.seconds["sensitivity"] = stats.sensitivity.seconds

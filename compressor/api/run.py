@@ -255,8 +255,9 @@ def compress(
         stats, key, run.compression, adapter, with_mlp
     )
     outcome = compress_model(
-        loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows
-    )
+        loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows,
+        size=options.byte_target,
+    )  # fmt: skip
     if key is not None and stats.sensitivity is not None and not cached_sensitivity:
         save_sensitivity(stats.sensitivity, key)
     seconds.update(outcome.seconds)

@@ -30,11 +30,15 @@ CALIBRATION_OPTIONS = {
 EVALUATION_OPTIONS = {"eval_text": "source", "eval_split": "split", "eval_seq_len": "seq_len"}
 
 
+#: `--ratio` when none is given: a fifth of the targets' parameters.
+DEFAULT_RATIO = 0.2
+
+
 @dataclass
 class CompressOptions:
     """Everything a compression run (and its `--dry-run` / `plan`) can be told; None means "the recipe's value"."""
 
-    ratio: float = 0.2
+    ratio: float = DEFAULT_RATIO
     ratio_of: str = "targets"  # targets: the ratio counts the targeted projections; model: every parameter
     # compression settings (CompressionSettings' fields)
     method: str | None = None
@@ -83,10 +87,11 @@ class CompressOptions:
     # Only the forms engines run (llama.cpp's GGUF layouts): whole heads, narrower MLPs in multiples of 32 (the
     # granularity chosen on the validation split: benchmarks/results/engines.md).
     native: bool = False
-
-    def __post_init__(self) -> None:
-        if self.native and self.layerwise:
-            raise UserError("--native is not available with --layerwise yet: drop one of them")
+    # A GGUF of at most this many bytes (`850MiB`, `1.2GB`) or bits per weight: `compress_to_size` (api/size.py)
+    size: str | None = None
+    bits_per_weight: float | None = None
+    # Set by `compress_to_size`, not an option: the byte budget the method allocates the structure under
+    byte_target: object | None = None
 
     @classmethod
     def from_values(cls, values: dict) -> CompressOptions:

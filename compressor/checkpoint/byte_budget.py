@@ -19,7 +19,7 @@ the upgrades that buy the most predicted loss per byte).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -76,13 +76,12 @@ def candidate_types(row_length: int, has_importance: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def rounding_errors(
+def squared_rounding(
     array: np.ndarray, type_name: str, importance: np.ndarray | None, chunk_rows: int = 4096
-) -> tuple[np.ndarray, np.ndarray]:
-    """(per column i ‖ΔW_{:,i}‖², per row r ‖ΔW_{r,:}‖²) of `array` stored in `type_name`: quantized by ggml with
-    `importance` and decoded, a chunk of rows at a time (ggml quantizes rows independently), summed in fp64."""
-    columns = np.zeros(array.shape[1], dtype=np.float64)
-    rows = np.empty(array.shape[0], dtype=np.float64)
+) -> np.ndarray:
+    """(ΔW)², in fp64, of `array` stored in `type_name`: quantized by ggml with `importance` and decoded, a chunk
+    of rows at a time (ggml quantizes rows independently)."""
+    squared = np.empty(array.shape, dtype=np.float64)
     for first in range(0, array.shape[0], chunk_rows):
         part = np.ascontiguousarray(array[first : first + chunk_rows], dtype=np.float32)
         if type_name == "F16":
@@ -90,10 +89,16 @@ def rounding_errors(
         else:
             blocks = quantize_with_llama_cpp(part, type_name, importance)
             decoded = dequantize_with_llama_cpp(blocks, type_name, part.shape)
-        squared = np.square((decoded - part).astype(np.float64))
-        columns += squared.sum(0)
-        rows[first : first + len(part)] = squared.sum(1)
-    return columns, rows
+        squared[first : first + len(part)] = np.square((decoded - part).astype(np.float64))
+    return squared
+
+
+def rounding_errors(
+    array: np.ndarray, type_name: str, importance: np.ndarray | None, chunk_rows: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per column i ‖ΔW_{:,i}‖², per row r ‖ΔW_{r,:}‖²) of `array` stored in `type_name` (`squared_rounding`)."""
+    squared = squared_rounding(array, type_name, importance, chunk_rows)
+    return squared.sum(0), squared.sum(1)
 
 
 #: Rows of each matrix quantized to measure a type's rounding error (evenly spaced; ggml rounds rows independently,
@@ -109,6 +114,37 @@ def evenly_spaced(indices: np.ndarray, count: int) -> np.ndarray:
     return indices[np.linspace(0, len(indices) - 1, count).round().astype(np.int64)]
 
 
+@dataclass(frozen=True)
+class MatrixErrors:
+    """One matrix's rounding error in each candidate type, measured on `rows` (evenly spaced): per sampled row its
+    importance-weighted error Σ_i R_ii ΔW_ri², per column ‖ΔW_{:,i}‖² scaled from the sample to every row. What a
+    part of the matrix (some rows kept, or some columns) would lose follows from them (`methods/masa/byte_structure`)."""
+
+    rows: np.ndarray
+    total_rows: int
+    by_row: dict[str, np.ndarray]
+    by_column: dict[str, np.ndarray]
+
+    def weighted(self, type_name: str) -> float:
+        """Σ_i R_ii ‖ΔW_{:,i}‖² over the whole matrix (the sample scaled to every row)."""
+        return float(self.by_row[type_name].sum()) * self.total_rows / len(self.rows)
+
+
+def sampled_errors(
+    array: np.ndarray, importance: np.ndarray, sample_rows: int = SAMPLE_ROWS, types: list[str] | None = None
+) -> MatrixErrors:
+    """Each candidate type's (`types`, default: every type the rows fit) rounding error of `array`, measured on
+    `sample_rows` evenly spaced rows with the importance weights `importance`."""
+    rows = evenly_spaced(np.arange(array.shape[0]), sample_rows)
+    weights = importance.astype(np.float64)
+    by_row, by_column = {}, {}
+    for type_name in types if types is not None else candidate_types(array.shape[1], True):
+        squared = squared_rounding(array[rows], type_name, importance)
+        by_row[type_name] = squared @ weights
+        by_column[type_name] = squared.sum(0) * array.shape[0] / len(rows)
+    return MatrixErrors(rows, array.shape[0], by_row, by_column)
+
+
 def matrix_options(
     array: np.ndarray,
     importance: np.ndarray | None,
@@ -121,13 +157,13 @@ def matrix_options(
     row's token share) when the matrix is also the embedding. Errors are measured on `sample_rows` evenly spaced
     rows, scaled to the whole matrix (and on the lookup's rows by `lookup_error`)."""
     rows, row_length = array.shape
-    uniform = evenly_spaced(np.arange(rows), sample_rows)
+    types = candidate_types(row_length, importance is not None)
+    errors = None
+    if gradient and importance is not None:
+        errors = sampled_errors(array, importance.astype(np.float32), sample_rows, types)
     options = []
-    for type_name in candidate_types(row_length, importance is not None):
-        rise = 0.0
-        if gradient and importance is not None:
-            columns, _ = rounding_errors(array[uniform], type_name, importance)
-            rise += 0.5 * gradient * rows / len(uniform) * float(columns @ importance.astype(np.float64))
+    for type_name in types:
+        rise = 0.0 if errors is None else 0.5 * gradient * errors.weighted(type_name)
         if lookup is not None:
             rise += 0.5 * lookup[0] * lookup_error(array, type_name, importance, lookup[1], sample_rows)
         options.append(Option(type_name, rows * row_bytes(type_name, row_length), rise))
@@ -165,9 +201,9 @@ def rows_bytes(array: np.ndarray, has_importance: bool) -> int:
     return min(rows * row_bytes(t, row_length) for t in candidate_types(row_length, has_importance))
 
 
-def _hull(options: list[Option]) -> list[Option]:
+def _hull(options: list) -> list:
     """The options no other beats on both bytes and predicted rise, by increasing bytes."""
-    frontier: list[Option] = []
+    frontier: list = []
     for option in sorted(options, key=lambda o: (o.bytes, o.predicted)):
         if not frontier or option.predicted < frontier[-1].predicted:
             frontier.append(option)
@@ -178,59 +214,68 @@ def allocate(
     options: dict[str, list[Option]], fixed_bytes: int, budget: int, pad: int = 32, max_units: int = 250_000
 ) -> BytePlan:
     """Each matrix's type, minimizing the summed predicted rise with Σ padded bytes + `fixed_bytes` ≤ `budget`;
-    a one-line error naming the smallest file when even the smallest types do not fit.
+    a one-line error naming the smallest file when even the smallest types do not fit (`choose`)."""
+    padded = {
+        name: [replace(o, bytes=-(-o.bytes // pad) * pad) for o in opts] for name, opts in options.items()
+    }
+    choice = choose(padded, fixed_bytes, budget, pad, max_units)
+    return BytePlan(
+        types={name: o.type_name for name, o in choice.items()},
+        bytes=fixed_bytes + sum(o.bytes for o in choice.values()),
+        predicted=sum(o.predicted for o in choice.values()),
+        budget=budget,
+        fixed_bytes=fixed_bytes,
+    )
+
+
+def choose(
+    options: dict[str, list], fixed_bytes: int, budget: int, pad: int = 32, max_units: int = 250_000
+) -> dict:
+    """One option per unit (anything with `bytes`, already padded, and `predicted`), minimizing Σ predicted with
+    Σ bytes + `fixed_bytes` ≤ `budget`: a multiple-choice knapsack.
 
     Exact dynamic programming over the bytes left, in units of `pad` bytes (a file's alignment) or, for a budget of
-    more than `max_units` of them, of the multiple of `pad` that keeps it at `max_units` (each matrix's bytes
+    more than `max_units` of them, of the multiple of `pad` that keeps it at `max_units` (each option's bytes
     rounded up to the unit, so the file still fits); the bytes the rounding leaves are then spent on the single
     upgrades that buy the most predicted loss per byte."""
-    padded = {name: [Option(o.type_name, -(-o.bytes // pad) * pad, o.predicted) for o in _hull(opts)]
-              for name, opts in options.items()}  # fmt: skip
-    check_fits(fixed_bytes + sum(opts[0].bytes for opts in padded.values()), budget)
+    hulls = {name: _hull(opts) for name, opts in options.items()}
+    check_fits(fixed_bytes + sum(opts[0].bytes for opts in hulls.values()), budget)
     free = budget - fixed_bytes
     unit = pad * max(1, -(-free // (pad * max_units)))
     capacity = free // unit
-    names = list(padded)
-    best = np.zeros(capacity + 1)  # best[c]: least summed rise of the matrices so far within c units
-    picks = np.empty((len(names), capacity + 1), dtype=np.int16)
+    names = list(hulls)
+    best = np.zeros(capacity + 1)  # best[c]: least summed rise of the units so far within c units of bytes
+    picks = np.zeros((len(names), capacity + 1), dtype=np.int32)
     for index, name in enumerate(names):
-        candidates = np.full((len(padded[name]), capacity + 1), np.inf)
-        for k, option in enumerate(padded[name]):
+        new = np.full(capacity + 1, np.inf)
+        for k, option in enumerate(hulls[name]):
             units = -(-option.bytes // unit)
-            if units <= capacity:
-                candidates[k, units:] = best[: capacity + 1 - units] + option.predicted
-        picks[index] = candidates.argmin(0)
-        best = candidates.min(0)
-    choice: dict[str, Option] = {}
+            if units > capacity:
+                break  # the hull is by increasing bytes
+            candidate = best[: capacity + 1 - units] + option.predicted
+            better = candidate < new[units:]
+            new[units:][better] = candidate[better]
+            picks[index, units:][better] = k
+        best = new
+    choice: dict = {}
     left = capacity
     for index in range(len(names) - 1, -1, -1):
-        option = padded[names[index]][picks[index, left]]
+        option = hulls[names[index]][picks[index, left]]
         choice[names[index]] = option
         left -= -(-option.bytes // unit)
     choice = {name: choice[name] for name in names}
-
-    def total(chosen: dict[str, Option]) -> int:
-        return fixed_bytes + sum(o.bytes for o in chosen.values())
-
-    spare = budget - total(choice)
+    spare = budget - fixed_bytes - sum(o.bytes for o in choice.values())
     while True:  # the bytes the units' rounding left: the upgrades that fit, best gain per byte first
         upgrade_found = None
-        for name, opts in padded.items():
+        for name, opts in hulls.items():
             for upgrade in opts[opts.index(choice[name]) + 1 :]:
                 cost, gain = upgrade.bytes - choice[name].bytes, choice[name].predicted - upgrade.predicted
                 if cost <= spare and gain > 0 and (upgrade_found is None or gain / cost > upgrade_found[0]):
                     upgrade_found = (gain / cost, name, upgrade, cost)
         if upgrade_found is None:
-            break
+            return choice
         _, name, upgrade, cost = upgrade_found
         choice[name], spare = upgrade, spare - cost
-    return BytePlan(
-        types={name: o.type_name for name, o in choice.items()},
-        bytes=total(choice),
-        predicted=sum(o.predicted for o in choice.values()),
-        budget=budget,
-        fixed_bytes=fixed_bytes,
-    )
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ llama.cpp's quantizer with its vector, as `llama-quantize --imatrix` quantizes i
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -136,45 +135,6 @@ def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv
     return UNIFORM_ARCHITECTURE[model_type] if uniform else PER_LAYER_ARCHITECTURE
 
 
-def permute_for_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """Reorder the rows of a Q or K projection (or its bias) from transformers' rotate-half layout to llama.cpp's
-    interleaved pairs: within each head, row i of the first half and row i of the second half become
-    neighbours (the same permutation as llama.cpp's converter)."""
-    shape = weight.shape
-    return weight.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def llama3_rope_factors(config) -> np.ndarray | None:
-    """The per-frequency factors llama.cpp reads from `rope_freqs.weight` for Llama 3's rope scaling; None for
-    the default rope. Any other scaling is a one-line error (its GGUF keys are not written here)."""
-    params = fam.rope_parameters(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default") or config.model_type not in ("llama", "mistral"):
-        return None  # (other families' scalings: `gguf_families`)
-    if rope_type != "llama3":
-        raise UserError(f"rope scaling '{rope_type}': GGUF export writes the default rope and Llama 3's only")
-    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    dim = geometry_from_config(config).head_dim
-    factor = float(params.get("factor", 8.0))
-    low_freq_factor = float(params.get("low_freq_factor", 1.0))
-    high_freq_factor = float(params.get("high_freq_factor", 4.0))
-    old_context = int(params.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_freq_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(factors, dtype=np.float32)
-
-
 def read_tokenizer_fields(gguf_path: Path) -> list:
     """The `tokenizer.*` fields of a GGUF file (vocabulary, merges, special tokens, chat template)."""
     import gguf
@@ -225,7 +185,7 @@ def write_gguf(
     widths, heads, kv_heads = layer_shapes(model)
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
     tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
-    rope_factors = llama3_rope_factors(config)
+    rope_factors = fam.llama3_rope_factors(config)
     file_type = (
         K_QUANT_MIXES[tensor_type].file_type if tensor_type in K_QUANT_MIXES else GGUF_TYPES[tensor_type][1]
     )
@@ -236,25 +196,21 @@ def write_gguf(
                    "n_expert": experts[0] if experts else 1}  # fmt: skip
     by_llama_cpp = tensor_type in K_QUANT_MIXES or importance is not None
 
-    def add_fields(writer) -> None:
-        _write_header(writer, config, architecture, widths, heads, kv_heads, file_type, name)
-        fam.write_family_fields(writer, config, architecture, experts)
-        for field_ in tokenizer_fields:
-            _copy_field(writer, field_)
-        for key, value in (extra_fields or {}).items():
-            writer.add_string(key, value)
-        if importance is not None:
-            writer.add_string("quantize.imatrix.dataset", imatrix_note or "masa-compress calibration")
-            writer.add_int32("quantize.imatrix.entries_count", len(importance))
+    def field_writer():  # the file type as it stands when called
+        return _field_writer(
+            config, architecture, (widths, heads, kv_heads), file_type, name, tokenizer_fields, extra_fields,
+            experts, None if importance is None else (len(importance), imatrix_note),
+        )  # fmt: skip
 
     tensors = list(_gguf_tensors(model, architecture, heads, kv_heads, rope_factors))
     chosen: dict[str, str] = {}
     if choose_types is not None:  # the budget's types replace the --type mix (`export` passes f16)
         chosen = choose_types(
-            [t for t in tensors if t[1].ndim == 2], fixed_bytes(add_fields, architecture, tensors)
+            [t for t in tensors if t[1].ndim == 2], fixed_bytes(field_writer(), architecture, tensors)
         )
         file_type = dominant_file_type(chosen, tensors)
         by_llama_cpp = True
+    add_fields = field_writer()
 
     def type_of(tensor_name: str, array: np.ndarray) -> tuple[str, str]:
         if tensor_name in chosen:
@@ -270,6 +226,47 @@ def write_gguf(
         imatrix=(imatrix_note or "calibration") if importance is not None else "none",
         mlp_widths=widths, heads=heads, kv_heads=kv_heads,
     )  # fmt: skip
+
+
+def _field_writer(
+    config, architecture, shapes, file_type, name, tokenizer_fields, extra_fields, experts, imatrix
+):
+    """The function that adds a file's key-values to a writer: header, family fields, tokenizer, `extra_fields`
+    and, with `imatrix` (entries, where they came from), the importance weights' record."""
+
+    def add_fields(writer) -> None:
+        _write_header(writer, config, architecture, *shapes, file_type, name)
+        fam.write_family_fields(writer, config, architecture, experts)
+        for field_ in tokenizer_fields:
+            _copy_field(writer, field_)
+        for key, value in (extra_fields or {}).items():
+            writer.add_string(key, value)
+        if imatrix is not None:
+            writer.add_string("quantize.imatrix.dataset", imatrix[1] or "masa-compress calibration")
+            writer.add_int32("quantize.imatrix.entries_count", imatrix[0])
+
+    return add_fields
+
+
+def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", extra_fields=None) -> int:
+    """The bytes of the GGUF `write_gguf` would write for `model` that no matrix's type changes (metadata,
+    tokenizer, 1-D tensors, as its shapes are now): what a byte budget leaves to the matrices. No matrix is
+    copied: their shapes are enough."""
+    adapter = get_adapter(model)
+    config = adapter.config
+    widths, heads, kv_heads = layer_shapes(model)
+    architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
+    experts = _experts(config) if adapter.family.experts else None
+    add_fields = _field_writer(
+            config, architecture, (widths, heads, kv_heads), "MOSTLY_F16", name, read_tokenizer_fields(tokenizer_gguf),
+        extra_fields, experts, (1, ""),
+    )  # fmt: skip
+    rope_factors = fam.llama3_rope_factors(config)
+    tensors = [  # a matrix's shape is all the metadata reads of it
+        (tensor_name, array if array.ndim < 2 else np.broadcast_to(np.float32(0), array.shape), path)
+        for tensor_name, array, path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors)
+    ]
+    return fixed_bytes(add_fields, architecture, tensors)
 
 
 def _write_file(out: Path, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor):
@@ -405,7 +402,7 @@ def _gguf_tensors(
             )
         if architecture in fam.PERMUTED_ROPE and base.endswith(("q_proj", "k_proj")):
             counts = heads if base.endswith("q_proj") else kv_heads
-            array = permute_for_rope(array, counts[_layer_index(base)])
+            array = fam.permute_for_rope(array, counts[_layer_index(base)])
         yield f"{gguf_name}.{suffix}", array, source
 
 

@@ -9,7 +9,7 @@ The transforms, each checked by llama.cpp's log-probabilities on a tiny model (`
   (`attn_qkv`: q, k, v rows; `ffn_up`: gate rows then up rows, which llama.cpp's swiglu splits in halves).
 - A mixture of experts' `gate_up_proj` (experts x 2·width x hidden) becomes `ffn_gate_exps` and `ffn_up_exps`
   (experts x width x hidden each), its `down_proj` `ffn_down_exps`; the router is `ffn_gate_inp`.
-- The rope rows are permuted where llama.cpp rotates interleaved pairs (`gguf_export.permute_for_rope`).
+- The rope rows are permuted where llama.cpp rotates interleaved pairs (`permute_for_rope`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from compressor.modeling.adapters import geometry_from_config
 from compressor.modeling.families import EXPERT_PARAMETERS, family_of
 from compressor.runtime.errors import UserError
 
@@ -262,3 +263,42 @@ def expert_tensor_name(suffix: str, layer: int) -> str:
     import gguf
 
     return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, EXPERT_TENSORS[suffix])].format(bid=layer) + ".weight"
+
+
+def permute_for_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder the rows of a Q or K projection (or its bias) from transformers' rotate-half layout to llama.cpp's
+    interleaved pairs: within each head, row i of the first half and row i of the second half become
+    neighbours (the same permutation as llama.cpp's converter)."""
+    shape = weight.shape
+    return weight.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def llama3_rope_factors(config) -> np.ndarray | None:
+    """The per-frequency factors llama.cpp reads from `rope_freqs.weight` for Llama 3's rope scaling; None for
+    the default rope. Any other scaling is a one-line error (its GGUF keys are not written here)."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default") or config.model_type not in ("llama", "mistral"):
+        return None  # (other families' scalings: `write_family_fields`)
+    if rope_type != "llama3":
+        raise UserError(f"rope scaling '{rope_type}': GGUF export writes the default rope and Llama 3's only")
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    dim = geometry_from_config(config).head_dim
+    factor = float(params.get("factor", 8.0))
+    low_freq_factor = float(params.get("low_freq_factor", 1.0))
+    high_freq_factor = float(params.get("high_freq_factor", 4.0))
+    old_context = int(params.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)

@@ -3,6 +3,8 @@ of `ggml_quantize.py`), when importance weights apply (`--imatrix`), and each ma
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from torch import nn
 
@@ -169,6 +171,11 @@ def describe_gguf(path) -> dict:
         if tensor_name.startswith("blk."):
             _, layer, role = tensor_name.split(".")[:3]
             by_layer.setdefault(int(layer), {})[role] = type_name
+    for tensor in reader.tensors:  # the layer's shapes: its MLP's width, its query heads (ggml: ne0 = a row)
+        if tensor.name.startswith("blk.") and tensor.name.split(".")[2] in ("ffn_up", "attn_q"):
+            layer, role = int(tensor.name.split(".")[1]), tensor.name.split(".")[2]
+            key = "mlp_width" if role == "ffn_up" else "q_rows"
+            by_layer.setdefault(layer, {})[key] = int(tensor.shape[1])
     file_type = field("general.file_type")
     return {
         "path": str(path.resolve()),
@@ -180,6 +187,7 @@ def describe_gguf(path) -> dict:
             sum(int(np.prod(t.shape)) for t in reader.tensors if not t.name.startswith("rope_freqs"))
         ),
         "imatrix": field("quantize.imatrix.dataset") or "none",
+        "structure": json.loads(field("masa_compress.structure") or "null"),
         "type_counts": type_counts(types),
         "other_matrices": {k: v for k, v in types.items() if not k.startswith("blk.")},
         "layers": [{"layer": layer, **by_layer[layer]} for layer in sorted(by_layer)],

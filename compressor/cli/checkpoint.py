@@ -237,12 +237,24 @@ def _show_gguf(path: str, as_json: bool) -> None:
         f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB; importance weights: {info['imatrix']}"
     )
     console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
-    roles = sorted({role for row in info["layers"] for role in row if role != "layer"})
-    table = Table(title="GGML type per layer")
+    structure = info.get("structure")
+    if structure:
+        console.print(
+            f"Structure chosen with the types (compress --size): {structure.get('note')}; "
+            f"{structure.get('removed_parameters', 0):,} parameters removed; predicted loss rise "
+            f"{structure.get('predicted_loss_rise', 0):.4f} nats (structure {structure.get('structure_loss_rise', 0):.4f})"
+        )
+    roles = sorted(
+        {role for row in info["layers"] for role in row if role not in ("layer", "mlp_width", "q_rows")}
+    )
+    shapes = [k for k in ("mlp_width", "q_rows") if any(k in row for row in info["layers"])]
+    roles = shapes + roles
+    table = Table(title="GGML type per layer (and each layer's MLP width, q_proj rows)")
     for column in ("layer", *roles):
-        table.add_column(column, justify="right" if column == "layer" else "left")
+        header = {"mlp_width": "width", "q_rows": "q rows"}.get(column, column)
+        table.add_column(header, justify="right" if column in ("layer", *shapes) else "left")
     for row in info["layers"]:
-        table.add_row(str(row["layer"]), *(row.get(role, "") for role in roles))
+        table.add_row(str(row["layer"]), *(str(row.get(role, "")) for role in roles))
     console.print(table)
 
 

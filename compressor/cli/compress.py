@@ -11,9 +11,10 @@ from rich.table import Table
 
 import compressor.cli.options as o
 from compressor.api import compress
-from compressor.api.run_options import CompressOptions
+from compressor.api.run_options import DEFAULT_RATIO, CompressOptions
 from compressor.cli.help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli.inspect import show_plan
+from compressor.cli.size import compress_to_size_command
 from compressor.math.accounting import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type
 
@@ -22,7 +23,7 @@ console = Console()
 
 def compress_command(
     model: o.Model,
-    ratio: o.Ratio = 0.2,
+    ratio: o.Ratio = None,
     ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
     targets: o.Targets = None,
@@ -107,6 +108,8 @@ def compress_command(
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     batch_size: o.BatchSize = 1,
+    size: o.Size = None,
+    bits_per_weight: o.BitsPerWeight = None,
     layerwise: Annotated[
         bool,
         typer.Option(
@@ -127,10 +130,14 @@ def compress_command(
 ) -> None:
     """Compress MODEL and write a checkpoint (the main job).
 
-    Removes --ratio of the targeted parameters and reports perplexity before and after. Example:
-    `masa-compress smollm2-135m --ratio 0.2` (offline, ~5 min on 2 CPU cores).
+    Removes --ratio of the targets (or fits a GGUF in --size), reports perplexity before and after.
+    `masa-compress smollm2-135m`: ~5 min on 2 CPU cores.
     """
+    ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
     options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
+    if size is not None or bits_per_weight is not None:
+        compress_to_size_command(model, options, ratio_given, dry_run, as_json, device, dtype, quiet)
+        return
     if dry_run:
         show_plan(model, options, layout=None, as_json=as_json)
         return

@@ -19,7 +19,7 @@ from compressor.api.inspection import (
     write_inspect_outputs,
 )
 from compressor.api.preview import plan_compression
-from compressor.api.run_options import CompressOptions
+from compressor.api.run_options import DEFAULT_RATIO, CompressOptions
 from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
 from compressor.report import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 from compressor.runtime.errors import UserError
@@ -151,7 +151,7 @@ def _parse_layout(text: str | None) -> list[int] | None:
 
 def plan_command(
     model: o.Model,
-    ratio: o.Ratio = 0.2,
+    ratio: o.Ratio = None,
     ratio_of: o.RatioOf = "targets",
     method: o.Method = None,
     targets: o.Targets = None,
@@ -175,6 +175,8 @@ def plan_command(
     atoms: o.Atoms = None,
     singletons: o.Singletons = None,
     layout: o.Layout = None,
+    size: o.Size = None,
+    bits_per_weight: o.BitsPerWeight = None,
     as_json: o.Json = False,
 ) -> None:
     """What a run would store, counted exactly: no weights needed.
@@ -182,6 +184,12 @@ def plan_command(
     Each number is marked final, exact for assumed groups, or a bound the calibration decides. It reads only the
     model's config (a hub model's from its recipe: offline). Exits with status 1 when the request does not fit.
     """
+    ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
+    if size is not None or bits_per_weight is not None:
+        from compressor.cli.size import show_size_plan
+
+        show_size_plan(model, CompressOptions.from_values(locals()), ratio_given, as_json)
+        return
     show_plan(model, CompressOptions.from_values(locals()), _parse_layout(layout), as_json)
 
 

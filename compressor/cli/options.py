@@ -48,19 +48,38 @@ Model = Annotated[
     ),
 ]
 Ratio = Annotated[
-    float,
+    Opt[float],
     typer.Option(
         "--ratio",
         "-r",
         metavar="R",
         rich_help_panel=RUN,
-        help="Fraction of the targets to remove.",
+        help="Fraction of the targets to remove (default: 0.2).",
+        show_default=False,
+    ),
+]
+Size = Annotated[
+    Opt[str],
+    typer.Option(
+        "--size",
+        metavar="SIZE",
+        rich_help_panel=RUN,
+        help="A GGUF within SIZE bytes (90MiB), instead of --ratio.",
+    ),
+]
+BitsPerWeight = Annotated[
+    Opt[float],
+    typer.Option(
+        "--bits-per-weight",
+        metavar="B",
+        rich_help_panel=RUN,
+        help="--size as llama.cpp's bits per weight.",
     ),
 ]
 RatioOf = Annotated[
     str,
     typer.Option(
-        "--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model: what --ratio counts."
+        "--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."
     ),
 ]
 Method = Annotated[
@@ -155,7 +174,7 @@ Native = Annotated[
     typer.Option(
         "--native",
         rich_help_panel=MLP,
-        help="Engines' forms only: whole query heads, MLP neurons in 32s.",
+        help="Engine forms only: whole heads, MLPs in 32s.",
     ),
 ]
 Mlp = Annotated[

@@ -110,6 +110,8 @@ class MethodContext:
     progress: bool
     shape: ModelShape
     windows: torch.Tensor | None = None  # calibration token windows (sequential statistics only)
+    # A byte budget (`methods.masa.byte_structure.SizeTarget`): widths and types in one allocation under it
+    size: object | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     # Whitening factors of the current layer only (the stages go layer by layer, so memory stays flat with

@@ -43,6 +43,7 @@ from compressor.math.whitening import (
 from compressor.methods.allocation_policies import GlobalAllocator, allocator_for
 from compressor.methods.base import MethodContext, ModelShape, numerical_context
 from compressor.methods.masa import attention_heads
+from compressor.methods.masa.byte_structure import allocate_to_size
 from compressor.methods.masa.choice import Shared, choose_shared
 from compressor.methods.masa.mlp import install_neurons, neuron_tails, tails_for_allocation
 from compressor.methods.masa.stages import install_projection, residual_tail
@@ -251,6 +252,8 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
     own.update(tails_for_allocation(neurons))
     heads = attention_heads.head_tails(ctx, list(range(shape.num_layers))) if head_types else {}
     own.update(attention_heads.tails_for_allocation(heads))
+    if ctx.size is not None:  # a byte budget: the structure and the types in one allocation
+        return _apply_size(ctx, offered, neurons, heads, start, neuron_before)
     allocator = allocator_for(settings.allocation, settings.dense_when_cheaper)
     assert isinstance(allocator, GlobalAllocator)  # check_basis_settings refuses the paper's
 
@@ -276,10 +279,27 @@ def apply_basis_form(ctx: MethodContext) -> CompressionPlan:
     plan.check_budget()
     ctx.report["sharing"] = sharing_report(plan, tails, ctx.output_energy, ctx.error_weight)
     install_all(ctx, plan, neurons, heads)
+    _time_factors(ctx, start, neuron_before)
+    return plan
+
+
+def _time_factors(ctx: MethodContext, start: float, neuron_before: float) -> None:
     # The neuron orders were timed under their own name (`neuron_selection`): not counted twice.
     ctx.seconds["residual_svd"] = (
         time.perf_counter() - start - (ctx.seconds.get("neuron_selection", 0.0) - neuron_before)
     )
+
+
+def _apply_size(ctx: MethodContext, offered: Shared, neurons, heads, start: float, neuron_before: float):
+    """`ctx.size`: every MLP's width and attention's heads chosen with every matrix's type under the file's
+    bytes (`byte_structure`), then installed as the parameter allocation's would be."""
+    plan = basis_layout(ctx.shape, ctx.settings, ctx.ratio, offered)
+    if offered or any(pp.mode not in ("neurons", "heads", "dense") for pp in plan.projections):
+        raise ValueError("a byte budget chooses engine-native forms only: --native, --sharing none")
+    ctx.report["byte_budget"] = allocate_to_size(ctx, plan, neurons, heads)
+    plan.check_budget()
+    install_all(ctx, plan, neurons, heads)
+    _time_factors(ctx, start, neuron_before)
     return plan
 
 

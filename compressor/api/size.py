@@ -1,0 +1,297 @@
+"""`compress --size`: a GGUF of at most SIZE bytes whose structure (each MLP's width, each attention's query
+heads) and every matrix's quantization type come from one loss-aware allocation (`methods/masa/byte_structure.py`).
+
+1. Checks before any weight is read: the budget, the output (OUT.gguf), options that a byte budget decides itself
+   (`--ratio`, `--method`, the forms), the family's llama.cpp architecture, a GGUF to copy the tokenizer from.
+2. The original's importance weights and output sensitivities on the recipe's calibration (cached: the same that
+   `export --imatrix calibration` measures), and the file's bytes that no type changes (metadata, tokenizer).
+3. `compress` in the engine-native forms with that byte budget (`--layerwise` where only it fits): the method
+   chooses the widths and head counts with the types; the checkpoint goes to a temporary folder beside OUT.
+4. `export --size` of that checkpoint (of the original when the allocation removed nothing): each matrix's type is
+   allocated again on the weights as written, under the exact bytes, so the file is at most SIZE.
+5. Unless told not to, the file is scored in llama.cpp against the original.
+
+Families whose llama.cpp architecture takes one MLP width and head count for every layer (all but Llama, Mistral
+and Qwen2: `gguf_families.PER_LAYER_FAMILIES`) keep their structure: the file is `export --size`'s types alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from compressor.api.export import (
+    SOURCE_KEY,
+    export,
+    importance_calibration,
+    measure_for_export,
+    tokenizer_gguf_of,
+)
+from compressor.api.model_loading import load_model, resolve_model
+from compressor.api.preview import read_model_config
+from compressor.api.run_options import NATIVE_FORMS, CompressOptions, EvalSettings
+from compressor.checkpoint.byte_budget import check_fits, parse_budget
+from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
+from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
+from compressor.methods.masa.byte_structure import (
+    STRUCTURE_FLOOR,
+    STRUCTURE_WEIGHT,
+    SizeTarget,
+    smallest_matrices,
+)
+from compressor.runtime.errors import UserError
+from compressor.runtime.hub import check_hub_model
+from compressor.runtime.progress import note
+
+#: The forms a byte budget chooses itself: options that would set them are refused with `--size`.
+DECIDED = {"method": "--method", "sharing": "--sharing", "attention": "--attention", "mlp": "--mlp",
+           "allocation": "--allocation", "uniform_mlp": "--uniform-mlp"}  # fmt: skip
+
+
+@dataclass
+class SizeRun:
+    """What `compress_to_size` wrote and measured (`summary`: the CLI's table and `--json`)."""
+
+    summary: dict
+
+
+def check_size_options(options: CompressOptions, ratio_given: bool) -> None:
+    """One line for each option a byte budget decides itself, before anything is read."""
+    flag = "--size" if options.size is not None else "--bits-per-weight"
+    if ratio_given:
+        raise UserError(
+            f"{flag} and --ratio both set how much is removed: keep one ({flag} sets the file's bytes)"
+        )
+    for name, option in DECIDED.items():
+        if getattr(options, name) is not None:
+            raise UserError(f"{flag} chooses the engine-native forms and their sizes itself: drop {option}")
+    if options.ratio_of != "targets":
+        raise UserError(f"{flag} counts bytes, not a share of the parameters: drop --ratio-of")
+
+
+def structure_targets(model_type: str, options: CompressOptions) -> tuple[str | None, str]:
+    """What the allocation may narrow (`--targets` form, None: nothing) and why, for the family and options."""
+    if per_layer_refusal(model_type):
+        return (
+            None,
+            f"{model_type}: its llama.cpp architecture takes one MLP width for all layers: types only",
+        )
+    targets = options.targets or "attn,mlp"
+    return targets, {"attn": "query heads", "mlp": "MLP widths"}.get(targets, "MLP widths and query heads")
+
+
+def default_out(model: str, flag_value: str) -> str:
+    stem = Path(model.rstrip("/")).name.removesuffix(".gguf") or "model"
+    return f"out/{stem}-{flag_value}.gguf"
+
+
+@dataclass
+class _Prepared:
+    """What the structure's allocation and the export share: the budget, the file's fixed bytes, the original's
+    importance weights and the calibration they were measured on."""
+
+    budget: int
+    fixed: int
+    measured: object
+    calibration: object
+    calib_text: object
+
+
+def compress_to_size(
+    model: str,
+    options: CompressOptions,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+    structure_weight: float = STRUCTURE_WEIGHT,
+) -> SizeRun:
+    """Write MODEL as a GGUF of at most `options.size` bytes (or `bits_per_weight`), structure and types chosen
+    together; score it in llama.cpp against the original unless `options.evaluate` is off. `structure_weight`: κ,
+    the weight of the structure's predicted rise (the default was chosen on validation; experiments vary it)."""
+    start = time.perf_counter()
+    wanted = parse_budget(options.size, options.bits_per_weight)
+    if wanted is None:
+        raise ValueError("compress_to_size needs options.size or options.bits_per_weight")
+    label = str(options.size or f"{options.bits_per_weight:g}bpw").replace(" ", "")
+    out = check_gguf_output(options.out or default_out(model, label), options.overwrite)
+    source, config, targets, structure_note = check_source(model, options, wanted)
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    prepared = measure_original(source, config, targets, wanted, options, device, progress)
+    seconds["importance"] = time.perf_counter() - t
+    structure: dict = {"targets": targets, "note": structure_note}
+    work = out.parent / f".{out.stem}.structure-{os.getpid()}"
+    try:
+        exported_from = model
+        if targets is not None:
+            target = SizeTarget(prepared.budget, prepared.fixed, prepared.measured, structure_weight)
+            summary = _structure(model, options, targets, target, work, device, dtype, progress)
+            structure |= summary["report"]["byte_budget"]
+            structure["removed_parameters"] = summary["model_params_before"] - summary["model_params_after"]
+            structure.pop("forecast_types", None)
+            seconds |= {f"structure_{k}": v for k, v in summary["seconds"].items()}
+            exported_from = str(work) if structure["removed_parameters"] else model
+        t = time.perf_counter()
+        written = export(
+            exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples,
+            overwrite=options.overwrite, progress=progress, record={"masa_compress.structure": _record(structure)},
+        ).details  # fmt: skip
+        seconds["export"] = time.perf_counter() - t
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    note(f"[green]Wrote[/] {out}", progress)
+    summary = {
+        "model": source.describe(), "out": str(out), "budget": prepared.budget, "budget_flag": wanted.flag,
+        "bytes": written["bytes"], "parameters": written["parameters"],
+        "bits_per_weight": 8 * written["bytes"] / written["parameters"], "architecture": written["architecture"],
+        "type_counts": written["type_counts"], "predicted_loss_rise": written.get("predicted_loss_rise"),
+        "structure": structure, "mlp_widths": written["mlp_widths"], "heads": written["heads"],
+        "importance": {"windows": prepared.calibration.samples, "text": prepared.calib_text.name},
+    }  # fmt: skip
+    if options.evaluate:
+        t = time.perf_counter()
+        summary["quality"] = _score(out, options, device, dtype, progress)
+        seconds["eval"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - start
+    summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    return SizeRun(summary)
+
+
+def check_source(model: str, options: CompressOptions, wanted):
+    """(source, config, what the allocation may narrow, why), or a one-line error before any weight is read: a
+    family llama.cpp does not run here, a source without a GGUF tokenizer, a budget below the matrices' least."""
+    source = resolve_model(model)
+    check_hub_model(source)
+    config = read_model_config(source)[0]
+    model_type = config.model_type
+    if model_type in NOT_EXACT or model_type not in UNIFORM_ARCHITECTURE:
+        raise UserError(
+            f"model_type '{model_type}': {NOT_EXACT.get(model_type) or 'llama.cpp has no architecture for it here'}"
+            f": --size writes a GGUF (families with one: {', '.join(UNIFORM_ARCHITECTURE)})"
+        )
+    targets, structure_note = structure_targets(model_type, options)
+    if source.kind not in ("bundled", "gguf"):
+        raise UserError(
+            f"{source.describe()}: --size writes a GGUF and copies the tokenizer from the model's own GGUF, which "
+            "a Hugging Face folder has not: pass the model as its .gguf file"
+        )
+    check_least_bytes(config, targets, wanted)
+    return source, config, targets, structure_note
+
+
+def measure_original(source, config, targets, wanted, options, device, progress) -> _Prepared:
+    """The budget in bytes, the file's fixed bytes (the smallest file checked against them before any
+    calibration), and the original's importance weights with their output sensitivities (cached)."""
+    from compressor.calibration.sources import load_documents
+
+    calibration = importance_calibration(source, source, options.calib_samples)
+    calib_text = load_documents(calibration.source, split="calibration")
+    loaded = load_model(source, device=device, dtype="float32", progress=progress)
+    budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
+    tokenizer = tokenizer_gguf_of(source, None)
+    fixed = planned_fixed_bytes(loaded.model, tokenizer, source.describe(), {SOURCE_KEY: source.spec})
+    check_fits(fixed + smallest_from_config(config, targets), budget)
+    measured, _ = measure_for_export(loaded, calibration, calib_text, True, progress)
+    return _Prepared(budget, fixed, measured, calibration, calib_text)
+
+
+def _structure(model, options, targets, target, work, device, dtype, progress) -> dict:
+    """`compress` in the engine-native forms under the byte budget, its checkpoint written to `work`: its summary."""
+    from compressor.api.run import compress
+
+    run_options = replace(
+        options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global", out=str(work),
+        overwrite=True, evaluate=False, save=True, size=None, bits_per_weight=None, byte_target=target,
+    )  # fmt: skip
+    return compress(model, run_options, device=device, dtype=dtype, progress=progress).summary
+
+
+def smallest_from_config(config, targets: str | None) -> int:
+    """`byte_structure.smallest_matrices` from a model's config (no weights read)."""
+    from compressor.modeling.adapters import geometry_from_config
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return smallest_matrices(
+        geometry_from_config(config), config.num_hidden_layers, config.vocab_size, tied, targets,
+        NATIVE_FORMS["width_multiple"],
+    )  # fmt: skip
+
+
+def check_least_bytes(config, targets: str | None, wanted) -> None:
+    """A one-line error, before any weight is read, when the matrices alone in their smallest types exceed the
+    budget (the exact check, metadata and tokenizer counted, follows once the model is loaded)."""
+    from compressor.api.preview import model_parameter_count
+
+    least = smallest_from_config(config, targets)
+    budget = wanted.bytes_for(model_parameter_count(config))
+    if least > budget:
+        raise UserError(
+            f"{wanted.flag} {budget:,} bytes: the smallest file this model can make is more than {least:,} bytes "
+            f"({least / 2**20:.1f} MiB: every matrix in its smallest type, before the metadata and tokenizer): "
+            "ask for more"
+        )
+
+
+def _record(structure: dict) -> str:
+    """What the GGUF records of its structure's allocation (`show FILE.gguf` prints it)."""
+    keys = ("targets", "note", "removed_parameters", "predicted_loss_rise", "structure_loss_rise",
+            "quantization_loss_rise", "structure_weight")  # fmt: skip
+    return json.dumps({k: structure[k] for k in keys if k in structure})
+
+
+def _score(out: Path, options: CompressOptions, device: str, dtype: str, progress: bool) -> dict:
+    """The file in llama.cpp against the original in transformers, on the evaluation the options name."""
+    from compressor.api.run import evaluate
+
+    settings = EvalSettings(
+        text=options.eval_text, split=options.eval_split, seq_len=options.eval_seq_len,
+        max_tokens=options.eval_max_tokens or None, engine="llama.cpp",
+    )  # fmt: skip
+    return evaluate(str(out), settings, device=device, dtype=dtype, progress=progress).to_dict()
+
+
+def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -> dict:
+    """What `compress --size` would do, from the config alone (no weights, no calibration): the budget in bytes and
+    bits per weight, what the allocation may narrow (the widths and head counts it chooses from), and the memory
+    the run needs. The widths and types themselves follow from the calibration."""
+    from compressor.api.memory_check import memory_estimate
+    from compressor.api.preview import model_parameter_count
+    from compressor.api.session import resolve_run
+    from compressor.methods.masa.byte_structure import candidate_widths
+    from compressor.runtime.device import resolve_device
+
+    check_size_options(options, ratio_given)
+    wanted = parse_budget(options.size, options.bits_per_weight)
+    source = resolve_model(model)
+    config = read_model_config(source)[0]
+    model_type = config.model_type
+    if model_type in NOT_EXACT or model_type not in UNIFORM_ARCHITECTURE:
+        raise UserError(
+            f"model_type '{model_type}': --size writes a GGUF, and llama.cpp has no architecture for it here"
+        )
+    targets, note_ = structure_targets(model_type, options)
+    parameters = model_parameter_count(config)
+    budget = wanted.bytes_for(parameters)
+    result = {
+        "model": source.describe(), "parameters": parameters, "budget": budget, "budget_flag": wanted.flag,
+        "bits_per_weight": 8 * budget / parameters, "f16_bytes": 2 * parameters, "structure": note_,
+        "candidates": {}, "memory": None, "smallest_matrices": smallest_from_config(config, targets),
+        "after_calibration": "each MLP's width, each attention's heads and every matrix's type",
+    }  # fmt: skip
+    if targets is not None:
+        run_options = replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True,
+                              allocation="global", size=None, bits_per_weight=None)  # fmt: skip
+        run = resolve_run(model, run_options)
+        heads = config.num_attention_heads // config.num_key_value_heads
+        result["candidates"] = {
+            "mlp_widths": candidate_widths(config.intermediate_size, run.compression.width_multiple or 1)
+            if "mlp" in targets else [],
+            "heads_per_kv_group": list(range(heads, -(-heads // 2) - 1, -1)) if "attn" in targets else [],
+        }  # fmt: skip
+        gpu = resolve_device("auto").type == "cuda"
+        result["memory"] = memory_estimate(config, run, run_options, gpu=gpu)
+    return result

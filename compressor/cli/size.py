@@ -1,0 +1,93 @@
+"""`compress --size` / `--bits-per-weight` and `plan --size`: a GGUF within a byte budget (`api/size.py`)."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from compressor.api.run_options import CompressOptions
+
+console = Console()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def compress_to_size_command(model, options, ratio_given, dry_run, as_json, device, dtype, quiet) -> None:
+    """`--size` / `--bits-per-weight`: a GGUF within the bytes (`api.size`), or its plan with `--dry-run`."""
+    from compressor.api.size import check_size_options, compress_to_size
+
+    check_size_options(options, ratio_given)
+    if dry_run:
+        show_size_plan(model, options, ratio_given, as_json)
+        return
+    run = compress_to_size(model, options, device=device, dtype=dtype, progress=not (quiet or as_json))
+    if as_json:
+        print(json.dumps(run.summary))
+        return
+    print_size_summary(run.summary)
+
+
+def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_json: bool) -> None:
+    """`plan --size` / `compress --size --dry-run`: the budget and what the allocation chooses from."""
+    from compressor.api.size import plan_size
+
+    plan = plan_size(model, options, ratio_given)
+    if as_json:
+        print(json.dumps(plan))
+        return
+    console.print(
+        f"[bold]{plan['model']}[/]: {plan['parameters']:,} parameters; {plan['budget_flag']} → a GGUF of at most "
+        f"{plan['budget']:,} bytes ({_mib(plan['budget'])}, {plan['bits_per_weight']:.2f} bits per weight; "
+        f"f16: {_mib(plan['f16_bytes'])})"
+    )
+    console.print(f"[bold]Structure[/]: {plan['structure']}")
+    console.print(
+        f"  every matrix in its smallest type, each unit at its narrowest: {_mib(plan['smallest_matrices'])} "
+        "(the file adds its metadata and tokenizer)"
+    )
+    for name, values in plan["candidates"].items():
+        if values:
+            console.print(f"  {name.replace('_', ' ')} offered per layer: {', '.join(map(str, values))}")
+    memory = plan.get("memory")
+    if memory:
+        free = memory["available_bytes"]
+        console.print(
+            f"[bold]Memory[/] at the peak: {memory['in_memory_bytes'] / 2**30:.2f} GiB in memory, "
+            f"{memory['layerwise_bytes'] / 2**30:.2f} GiB with --layerwise"
+            + (f"; {free / 2**30:.1f} GiB available now" if free else "")
+        )
+    console.print(f"[dim]Chosen after calibration: {plan['after_calibration']}.[/]")
+
+
+def print_size_summary(summary: dict) -> None:
+    """What `compress --size` wrote: bytes against the budget, the structure, the types, the quality."""
+    structure = summary["structure"]
+    table = Table(title=f"masa-compress · {summary['model']} · {summary['budget_flag']}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("file", summary["out"])
+    table.add_row("bytes (budget)", f"{summary['bytes']:,} ({summary['budget']:,}): {_mib(summary['bytes'])}")
+    table.add_row("bits per weight", f"{summary['bits_per_weight']:.3f} ({summary['architecture']})")
+    table.add_row("matrices by type", ", ".join(f"{n} {t}" for t, n in summary["type_counts"].items()))
+    table.add_row("structure", structure["note"])
+    if structure.get("targets"):
+        widths = summary["mlp_widths"]
+        table.add_row("parameters removed", f"{structure.get('removed_parameters', 0):,}")
+        table.add_row("MLP widths", f"{min(widths)}–{max(widths)}" if widths else "—")
+        table.add_row("query heads", f"{min(summary['heads'])}–{max(summary['heads'])}")
+    quality = summary.get("quality")
+    if quality:
+        table.add_row("perplexity: original → file", f"{quality['ppl_original']:.3f} → {quality['ppl']:.3f}")
+        table.add_row(
+            "KL from the original · top-1",
+            f"{quality['kl_to_original']:.4f} · {quality['top1_agreement']:.2%}",
+        )
+    console.print(table)
+    if quality:
+        console.print(
+            f"[dim]{quality['tokens']:,} predicted tokens ({quality['split']} split), the file run by llama.cpp[/]"
+        )

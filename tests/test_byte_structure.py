@@ -1,0 +1,139 @@
+"""Structure and quantization types in one byte budget (`methods/masa/byte_structure.py`, `compress --size`)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_windows
+from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
+
+from compressor.api.pipeline import compress_model
+from compressor.checkpoint.byte_budget import BudgetChooser, rows_bytes
+from compressor.checkpoint.gguf_export import padded, planned_fixed_bytes, write_gguf
+from compressor.methods.masa.byte_structure import (
+    SizeTarget,
+    candidate_widths,
+    combine,
+    smallest_matrices,
+)
+from compressor.modeling.adapters import get_adapter
+from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.capture import collect_statistics
+
+NATIVE = CompressionSettings(method="masa", targets="attn,mlp", attention="heads", mlp="neurons",
+                             width_multiple=32, sharing="none", allocation="global")  # fmt: skip
+
+
+def test_widths_offered_run_from_the_full_width_down_to_half_in_even_steps():
+    assert candidate_widths(512, 32) == [512, 480, 448, 416, 384, 352, 320, 288, 256]
+    widths = candidate_widths(
+        8960, 32
+    )  # the 1.5B model's MLP: steps of 256, so k-quants fit down_proj's rows
+    assert widths[0] == 8960 and widths[-1] >= 4480 and len(widths) <= 24
+    assert {w % 256 for w in widths} == {0} and np.all(np.diff(widths) == -256)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_combined_options_are_the_pareto_set_of_every_combination(seed):
+    """One option of each matrix, summed: exactly the combinations no other beats on both bytes and rise."""
+    rng = np.random.default_rng(seed)
+    parts = [[(int(b), float(r), (f"m{i}t{k}",)) for k, (b, r) in enumerate(zip(rng.integers(1, 30, 5) * 32,
+              rng.random(5), strict=True))] for i in range(3)]  # fmt: skip
+    every = [
+        (sum(o[0] for o in c), sum(o[1] for o in c), sum((o[2] for o in c), ()))
+        for c in itertools.product(*parts)
+    ]
+    undominated = {(b, round(r, 12)) for b, r, _ in every
+                   if not any(b2 <= b and r2 < r or b2 < b and r2 <= r for b2, r2, _ in every)}  # fmt: skip
+    found = combine(parts)
+    assert {(b, round(r, 12)) for b, r, _ in found} == undominated
+    for b, r, types in found:  # each is a real combination: its types' bytes and rises add up
+        assert any(t == types and b == b2 and abs(r - r2) < 1e-12 for b2, r2, t in every)
+
+
+def test_the_smallest_file_from_shapes_is_every_matrix_in_its_smallest_type():
+    """Nothing narrowed: Σ of each matrix's smallest candidate type, as the export's own check counts it; narrowed:
+    smaller still."""
+    model = k_quant_model(num_hidden_layers=2)
+    adapter = get_adapter(model)
+    matrices = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = sum(padded(rows_bytes(w.detach().numpy(), True)) for w in matrices)
+    least = smallest_matrices(adapter.geometry, 2, VOCAB, True, None, 32)
+    assert least == expected
+    assert smallest_matrices(adapter.geometry, 2, VOCAB, True, "attn,mlp", 32) < least
+
+
+@pytest.fixture(scope="module")
+def calibrated(tokenizer_gguf):  # noqa: F811
+    from compressor.statistics.importance import measure_importance
+
+    model = k_quant_model(num_hidden_layers=3)
+    windows = random_windows(8, 64, vocab=VOCAB)
+    stats = collect_statistics(model, get_adapter(model), windows, progress=False, mlp=True)
+    importance = measure_importance(model, windows, progress=False, gradient_windows=4)
+    importance.key = "test"  # the rounding errors are measured once for every budget below
+    return model, windows, stats, importance, planned_fixed_bytes(model, tokenizer_gguf)
+
+
+def compress_to(calibrated, budget: int, weight: float = 1.0):
+    model, windows, stats, importance, fixed = calibrated
+    copied = copy.deepcopy(model)
+    outcome = compress_model(copied, get_adapter(copied), stats, NATIVE, 0.5, progress=False, windows=windows,
+                             size=SizeTarget(budget, fixed, importance, weight))  # fmt: skip
+    return copied, outcome
+
+
+def test_an_ample_budget_removes_nothing_and_keeps_every_weight(calibrated):
+    """'Remove nothing' is always a candidate: with bytes to spare every unit stays whole (its predicted structure
+    rise exactly 0), every matrix f16, every weight untouched."""
+    original = calibrated[0]
+    f16 = 2 * sum(p.numel() for p in original.parameters())
+    model, outcome = compress_to(calibrated, 3 * f16)
+    report = outcome.report["byte_budget"]
+    assert report["structure_loss_rise"] == 0.0 and set(report["forecast_types"].values()) == {"F16"}
+    assert set(report["mlp_widths"]) == {512} and set(report["heads_per_kv_group"]) == {2}
+    assert outcome.plan.achieved_ratio() == 0.0
+    for (name, a), b in zip(original.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_tight_budget_narrows_and_its_file_fits_and_runs(calibrated, tokenizer_gguf, tmp_path):  # noqa: F811
+    """Just above the smallest file: the allocation narrows some MLPs or heads, its forecast fits the budget, and
+    the export of what it built (types allocated again on the weights as written) fits it too and runs in
+    llama.cpp with per-layer shapes (`deci`)."""
+    pytest.importorskip("xllamacpp")
+    from compressor.statistics.importance import measure_importance
+
+    original, windows, _, _, fixed = calibrated
+    geometry = get_adapter(original).geometry
+    least = fixed + smallest_matrices(geometry, 3, VOCAB, True, None, 32)  # the smallest file of types alone
+    model, outcome = compress_to(calibrated, least)
+    report = outcome.report["byte_budget"]
+    assert report["predicted_bytes"] <= least
+    assert min(report["mlp_widths"]) < 512 or min(report["heads_per_kv_group"]) < 2
+    assert report["structure_loss_rise"] > 0 and outcome.plan.achieved_ratio() > 0
+    importance = measure_importance(model, windows, progress=False, gradient_windows=4)
+    chooser = BudgetChooser(model, importance, least, progress=False)
+    written = write_gguf(model, tokenizer_gguf, tmp_path / "tight.gguf", importance=importance.weights,
+                         choose_types=chooser)  # fmt: skip
+    assert written.bytes <= least and written.architecture == "deci"
+    assert written.mlp_widths == [w for w in report["mlp_widths"]]
+    assert torch.isfinite(llama_cpp_log_probs(written.path, windows[:1, :32])).all()
+
+
+def test_more_bytes_buy_a_lower_predicted_rise_and_a_heavy_structure_weight_keeps_it(calibrated):
+    """Predicted rise falls as the budget grows; the same budget and inputs give the same plan; with the
+    structure's rise weighed far above rounding's, nothing is removed where types alone fit."""
+    original, _, _, _, fixed = calibrated
+    least = fixed + smallest_matrices(get_adapter(original).geometry, 3, VOCAB, True, None, 32)
+    rises = [compress_to(calibrated, int(least * f))[1].report["byte_budget"]["predicted_loss_rise"]
+             for f in (0.95, 1.1, 1.5)]  # fmt: skip
+    assert rises[0] > rises[1] > rises[2]
+    first, again = (compress_to(calibrated, least)[1].report["byte_budget"] for _ in range(2))
+    assert first == again
+    heavy = compress_to(calibrated, int(least * 1.1), weight=1e6)[1].report["byte_budget"]
+    assert heavy["structure_loss_rise"] == 0.0
