@@ -21,26 +21,35 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.report.bytes import frontier_table, gain_table
+from benchmarks.report.bytes import below_table, frontier_table, gain_table
 from benchmarks.report.markdown import interval, number
 from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
 from compressor.api.model_loading import load_model, load_with_llama_cpp, resolve_model
+from compressor.api.run_options import CompressOptions
 from compressor.api.session import evaluation_token_windows
+from compressor.api.size import compress_to_size
 from compressor.calibration.sources import load_documents
+from compressor.checkpoint.byte_budget import parse_size
 from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, NEEDS_IMATRIX
 from compressor.checkpoint.gguf_types import BELOW_8_BITS
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against
 from compressor.recipes.schema import EvaluationSettings
+from compressor.runtime.errors import UserError
 
 RESULTS = Path("benchmarks/results")
 TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
 MAX_TOKENS = 8192
 
 
-def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples: int | None) -> dict:
-    """(type, imatrix) → what `export` wrote: f16, and each type without and (below 8 bits) with the imatrix."""
+def export_ladder(
+    model: str, types: tuple[str, ...], work: Path, calib_samples: int | None, below: tuple[str, ...] = (),
+    structure: bool = True, layerwise: bool = False,
+) -> dict:  # fmt: skip
+    """(budget, kind) → what was written: f16, each type without and (below 8 bits) with the imatrix; at each
+    mix's bytes with the imatrix `export --size` (kind `size`: types only) and `compress --size` (kind
+    `structure`: widths, heads and types); at each size of `below` (under the ladder) those two alone."""
     files = {}
     for tensor_type in ("f16", *types):
         choices = ("none", "calibration") if tensor_type in BELOW_8_BITS else (None,)
@@ -53,17 +62,48 @@ def export_ladder(model: str, types: tuple[str, ...], work: Path, calib_samples:
                 calib_samples=calib_samples if imatrix == "calibration" else None, overwrite=True, progress=False,
             )  # fmt: skip
             files[(tensor_type, imatrix or "none")] = written.to_dict()
-    for tensor_type in types:
-        if (tensor_type, "calibration") not in files:
-            continue
-        size = files[(tensor_type, "calibration")]["bytes"]
-        log(f"export {model} --size {size:,} (the size of its {tensor_type} with the importance weights)")
-        written = export(
-            model, work / f"size-{tensor_type}.gguf", size=size, calib_samples=calib_samples, overwrite=True,
-            progress=False,
-        )  # fmt: skip
-        files[(tensor_type, "size")] = written.to_dict()
+    budgets = {t: files[(t, "calibration")]["bytes"] for t in types if (t, "calibration") in files}
+    budgets |= {size: parse_size(size) for size in below}
+    for name, size in budgets.items():
+        log(f"export {model} --size {size:,} ({name})")
+        try:
+            written = export(model, work / f"size-{name}.gguf", size=size, calib_samples=calib_samples,
+                             overwrite=True, progress=False)  # fmt: skip
+            files[(name, "size")] = written.to_dict()
+        except UserError as err:  # below the smallest file of types alone: only structure reaches it
+            files[(name, "size")] = {"refused": str(err), "bytes": size}
+        if structure:
+            log(f"compress {model} --size {size:,} ({name}: structure and types)")
+            options = CompressOptions(size=str(size), out=str(work / f"structure-{name}.gguf"), evaluate=False,
+                                      overwrite=True, calib_samples=calib_samples, layerwise=layerwise)  # fmt: skip
+            summary = compress_to_size(model, options, progress=False).summary
+            files[(name, "structure")] = {
+                "out": summary["out"], "bytes": summary["bytes"], "type_counts": summary["type_counts"],
+                "fallbacks": {}, "predicted_loss_rise": summary["predicted_loss_rise"],
+                "removed_parameters": summary["structure"].get("removed_parameters", 0),
+                "structure_loss_rise": summary["structure"].get("structure_loss_rise", 0.0),
+                "mlp_widths": summary["mlp_widths"], "heads": summary["heads"], "seconds": summary["seconds"],
+            }  # fmt: skip
     return files
+
+
+def time_ladder(model: str, files: dict, repeats: int) -> dict:
+    """Decode and prefill tokens/s in llama.cpp (1 and 2 threads, the median of `repeats`) of llama.cpp's mix with
+    the importance weights and the tool's `--size` file at each budget, the files of one budget timed in turns."""
+    from benchmarks.engines.llama_cpp import PROMPT_TOKENS, _prompt_text, measure_speeds
+
+    tokenizer = load_model(resolve_model(model), device="cpu", dtype="float32", progress=False).tokenizer
+    prompt = tokenizer(_prompt_text(), add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
+    budgets = {
+        t for t, i in files if i == "calibration" and ((t, "structure") in files or (t, "size") in files)
+    }
+    paths = {}
+    for name in budgets:
+        ours = (name, "structure") if (name, "structure") in files else (name, "size")
+        paths[("mix", name)] = files[(name, "calibration")]["out"]
+        paths[("ours", name)] = files[ours]["out"]
+    speeds = measure_speeds(paths, prompt, repeats)
+    return {name: {kind: speeds[(kind, name)] for kind in ("mix", "ours")} for name in budgets}
 
 
 def score_files(
@@ -106,68 +146,108 @@ def score_files(
 
 def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) -> tuple[dict, list[dict]]:
     """Every file of the ladder on the capped test windows (`score_files`), with the paired differences."""
-    paths = {f"{t}|{i}": written["out"] for (t, i), written in files.items()}
+    paths = {f"{t}|{i}": written["out"] for (t, i), written in files.items() if "out" in written}
     reference, scored = score_files(model, paths, max_tokens, per_pass)
-    text_name = reference.text
     rows, per_window = [], {}
     for (tensor_type, imatrix), written in files.items():
+        if "out" not in written:
+            rows.append(
+                {
+                    "type": tensor_type,
+                    "imatrix": imatrix,
+                    "bytes": written["bytes"],
+                    "refused": written["refused"],
+                }
+            )
+            continue
         result, faith = scored[f"{tensor_type}|{imatrix}"]
         per_window[(tensor_type, imatrix)] = result
         rows.append({
             "type": tensor_type, "imatrix": imatrix, "bytes": written["bytes"], "ppl": result.ppl,
             "ppl_ci95": result.ppl_ci95, "kl": faith.kl_to_original, "top1": faith.top1_agreement,
             "type_counts": written["type_counts"], "fallbacks": len(written["fallbacks"]),
+            **{k: written[k] for k in ("removed_parameters", "mlp_widths", "heads") if k in written},
         })  # fmt: skip
-    gains, frontier = {}, {}
+
+    def paired(a, b) -> tuple[float, float, float]:
+        difference = paired_difference(
+            per_window[a].window_nll, per_window[b].window_nll, per_window[a].window_tokens
+        )
+        return difference.value, *difference.ci95
+
+    gains, frontier, below = {}, {}, []
     for tensor_type in {t for t, i in files if i == "calibration" and (t, "none") in files}:
-        plain, weighted = per_window[(tensor_type, "none")], per_window[(tensor_type, "calibration")]
-        difference = paired_difference(plain.window_nll, weighted.window_nll, plain.window_tokens)
-        gains[tensor_type] = {"plain_minus_imatrix": difference.value, "ci95": list(difference.ci95)}
-    for tensor_type in {t for t, i in files if i == "size"}:
-        baseline, ours = per_window[(tensor_type, "calibration")], per_window[(tensor_type, "size")]
-        difference = paired_difference(ours.window_nll, baseline.window_nll, ours.window_tokens)
-        frontier[tensor_type] = {
-            "type": tensor_type, "baseline_bytes": files[(tensor_type, "calibration")]["bytes"],
-            "baseline_ppl": baseline.ppl, "ours_bytes": files[(tensor_type, "size")]["bytes"], "ours_ppl": ours.ppl,
-            "diff": difference.value, "diff_lo": difference.ci95[0], "diff_hi": difference.ci95[1],
-            "predicted_loss_rise": files[(tensor_type, "size")].get("predicted_loss_rise"),
+        value, lo, hi = paired((tensor_type, "none"), (tensor_type, "calibration"))
+        gains[tensor_type] = {"plain_minus_imatrix": value, "ci95": [lo, hi]}
+    for name in {t for t, i in files if i in ("size", "structure")}:
+        ours = (name, "structure") if (name, "structure") in per_window else (name, "size")
+        row = {"type": name, "ours": ours[1], "ours_bytes": files[ours]["bytes"], "ours_ppl": per_window[ours].ppl,
+               "removed_parameters": files[ours].get("removed_parameters", 0),
+               "predicted_loss_rise": files[ours].get("predicted_loss_rise")}  # fmt: skip
+        if (name, "size") in per_window and ours != (name, "size"):
+            row["types_only_ppl"] = per_window[(name, "size")].ppl
+            value, lo, hi = paired(ours, (name, "size"))
+            row |= {"minus_types_only": value, "minus_types_only_ci95": [lo, hi]}
+        if (name, "calibration") not in per_window:  # under the ladder: no mix of these bytes
+            below.append(
+                row | {"budget": files[(name, "size")]["bytes"] if (name, "size") in files else None}
+            )
+            continue
+        value, lo, hi = paired(ours, (name, "calibration"))
+        frontier[name] = row | {
+            "baseline_bytes": files[(name, "calibration")]["bytes"], "baseline_ppl": per_window[(name, "calibration")].ppl,
+            "diff": value, "diff_lo": lo, "diff_hi": hi,
         }  # fmt: skip
     protocol = {
-        "text": text_name, "split": "test", "windows": reference.windows, "seq_len": reference.seq_len,
+        "text": reference.text, "split": "test", "windows": reference.windows, "seq_len": reference.seq_len,
         "tokens": reference.tokens, "original_transformers_ppl": reference.ppl,
         "original_transformers_ppl_ci95": reference.ppl_ci95,
     }  # fmt: skip
     ladder = sorted(frontier.values(), key=lambda row: -row["baseline_bytes"])
-    return {"protocol": protocol, "imatrix_gain": gains, "frontier": ladder}, rows
+    below = sorted(below, key=lambda row: -row["ours_bytes"])
+    return {"protocol": protocol, "imatrix_gain": gains, "frontier": ladder, "below_ladder": below}, rows
+
+
+#: How the results page names each kind of file.
+KINDS = {"none": "llama.cpp's mix", "calibration": "llama.cpp's mix + importance weights",
+         "size": "`export --size` (types only)", "structure": "`compress --size` (structure and types)"}  # fmt: skip
 
 
 def render(results: dict) -> str:
     p = results["protocol"]
     lines = [
-        f"# {results['model']} in bytes: llama.cpp's mixes with and without importance weights",
+        f"# {results['model']} in bytes: llama.cpp's mixes, `export --size` and `compress --size`",
         "",
         f"`{results['command']}`. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
         f"the test split ({p['windows']} windows of {p['seq_len']}; {p['text']}); KL and top-1 against the "
         f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
         f"{results['imatrix']}.",
         "",
-        "| type | imatrix | MiB | perplexity [95%] | KL | top-1 | matrices by type |",
-        "|---|---|---:|---|---:|---:|---|",
+        "| budget | file | MiB | parameters removed | perplexity [95%] | KL | top-1 | matrices by type |",
+        "|---|---|---:|---:|---|---:|---:|---|",
     ]
     for row in sorted(results["rows"], key=lambda r: (-r["bytes"], r["imatrix"])):
+        if "refused" in row:
+            lines.append(f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | | refused: "
+                         "below the smallest file of types alone | | | |")  # fmt: skip
+            continue
         mix = ", ".join(f"{n} {t}" for t, n in row["type_counts"].items())
         lines.append(
-            f"| {row['type']} | {row['imatrix']} | {row['bytes'] / 2**20:.1f} | {number(row['ppl'])}"
-            f"{interval(row['ppl_ci95'])} | {row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
+            f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | "
+            f"{row.get('removed_parameters', 0):,} | {number(row['ppl'])}{interval(row['ppl_ci95'])} | "
+            f"{row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
         )
     if results.get("frontier"):
         lines += [
             "",
-            "`--size` at each file's bytes (the importance-weighted mix's) against that mix, paired on the same "
-            "windows (ours − llama.cpp's mix; inside the interval, a tie):",
+            "At each mix's bytes, the tool's `--size` file (`compress --size`: structure and types; `export --size` "
+            "where no structure was run) against that mix, paired on the same windows (ours − llama.cpp's mix; "
+            "inside the interval, a tie):",
             "",
             *frontier_table(results),
         ]
+    if results.get("below_ladder"):
+        lines += ["", "Under the ladder (no mix of these bytes):", "", *below_table(results)]
     lines += [
         "",
         "Paired on the same windows, perplexity without the importance weights minus with them:",
@@ -184,6 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--calib-samples", type=int, default=None)
     parser.add_argument(
+        "--below", default="", help="budgets under the ladder (e.g. 78MiB,72MiB): --size files only"
+    )
+    parser.add_argument("--no-structure", action="store_true", help="export --size only (no compress --size)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed generations per file (0: no timing)")
+    parser.add_argument(
+        "--layerwise", action="store_true", help="compress --size with --layerwise (large models)"
+    )
+    parser.add_argument(
         "--files-per-pass", type=int, default=0, help="llama.cpp files held at once while scoring (0: all)"
     )
     parser.add_argument(
@@ -198,9 +286,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
-        files = export_ladder(args.model, types, Path(work), args.calib_samples)
+        below = tuple(b.strip() for b in args.below.split(",") if b.strip())
+        files = export_ladder(
+            args.model, types, Path(work), args.calib_samples, below, not args.no_structure, args.layerwise
+        )
         scored, rows = score_ladder(args.model, files, args.max_tokens, args.files_per_pass)
-    imatrix = next((row["imatrix"] for row in files.values() if row["imatrix"] != "none"), "none")
+        speeds = time_ladder(args.model, files, args.repeats) if args.repeats else {}
+    for row in scored["frontier"]:
+        if row["type"] in speeds:
+            row["speeds"] = speeds[row["type"]]
+            mix, ours = speeds[row["type"]]["mix"], speeds[row["type"]]["ours"]
+            row["decode_ratio"] = ours["decode_tokens_per_second"] / mix["decode_tokens_per_second"]
+            row["decode_ratio_2t"] = ours["decode_tokens_per_second_2t"] / mix["decode_tokens_per_second_2t"]
+    imatrix = next((r.get("imatrix") for r in files.values() if r.get("imatrix", "none") != "none"), "none")
     results = {
         "command": command_line("benchmarks.engines.bytes_frontier", argv),
         "model": args.model,

@@ -46,6 +46,8 @@ RUNS = {
     "whole": (WHOLE, "model 20% smaller (default)", True),
     "whole-uniform": (WHOLE | {"uniform_mlp": True}, "model 20% smaller, --uniform-mlp", False),
     "whole-svd-llm": (WHOLE | {"method": "svd-llm"}, "model 20% smaller, SVD-LLM", False),
+    # The engine form: exported to an f16 GGUF and scored in llama.cpp itself (`in_llama_cpp`), not reloaded.
+    "whole-native": (WHOLE | {"native": True}, "model 20% smaller, --native", False),
 }
 #: The evaluation of every run and of every reloaded checkpoint: the recipe's (stated here so that the reloaded
 #: checkpoint is scored on the same windows whatever `eval`'s defaults become).
@@ -73,6 +75,9 @@ TARGETS = {
         1.1, "≤", "1.5B: the model 20% smaller (default, --uniform-mlp), the larger peak RSS / what `plan` printed"
     ),
     "large_neuron_selection_over_capture": (1.0, "≤", "1.5B: neuron selection time / calibration capture time"),
+    "large_native_llama_cpp_ppl_ratio": (
+        1.35, "≤", "1.5B: the model 20% smaller, --native, as an f16 GGUF in llama.cpp, perplexity / the original's"
+    ),
 }  # fmt: skip
 SUMMARY_KEYS = (*TARGETS, "large_peak_rss_gib", "large_planned_rss_gib")
 
@@ -133,9 +138,28 @@ def one_run(name: str, work: Path, keep: bool) -> dict:
         result["reloaded"] = run_module_measured(
             "compressor", ["eval", str(out), "--max-tokens", str(EVAL_MAX_TOKENS), "--json"], f"{what} reloaded"
         )  # fmt: skip
+    if values.get("native"):
+        result["llama_cpp"] = in_llama_cpp(out, what)
     if not keep:
         shutil.rmtree(out, ignore_errors=True)  # 6 GB each: the disk holds one or two at a time
     return result
+
+
+def in_llama_cpp(checkpoint: Path, what: str) -> dict:
+    """The checkpoint exported to an f16 GGUF and scored by llama.cpp on the same windows against the original in
+    transformers, each in a fresh process; the file removed afterwards."""
+    gguf = checkpoint.with_suffix(".gguf")
+    log(f"{what}: exported to f16 GGUF and scored in llama.cpp")
+    exported = run_module_measured(
+        "compressor", ["export", str(checkpoint), str(gguf), "--type", "f16", "--overwrite", "--json"], f"{what} export"
+    )  # fmt: skip
+    scored = run_module_measured(
+        "compressor",
+        ["eval", str(gguf), "--engine", "llama.cpp", "--max-tokens", str(EVAL_MAX_TOKENS), "--json"],
+        f"{what} in llama.cpp",
+    )  # fmt: skip
+    gguf.unlink(missing_ok=True)
+    return {"export": exported, "eval": scored}
 
 
 def _rise(run: dict) -> float:
@@ -162,6 +186,9 @@ def figures(runs: dict) -> dict:
         )
         seconds = whole["run"]["seconds"]
         out["large_neuron_selection_over_capture"] = seconds["neuron_selection"] / seconds["calibration"]
+    if "whole-native" in runs and "llama_cpp" in runs["whole-native"]:
+        scored = runs["whole-native"]["llama_cpp"]["eval"]
+        out["large_native_llama_cpp_ppl_ratio"] = scored["ppl"] / scored["ppl_original"]
     if {"whole", "whole-svd-llm"} <= set(runs):
         out["large_whole_model_ppl_over_svd_llm"] = (
             runs["whole"]["run"]["quality"]["ppl_after"]
@@ -211,6 +238,16 @@ def render(results: dict) -> str:
         stages = ", ".join(f"{k} {v:,.0f}" for k, v in r["run"]["seconds"].items())
         # A run that shared the machine (or read a cache) says so where its times are read.
         lines.append(f"- {r['what']}: {stages}" + (f" ({r['note']})" if r.get("note") else ""))
+    for r in (r for r in runs.values() if "llama_cpp" in r):
+        scored = r["llama_cpp"]["eval"]
+        lines += [
+            "",
+            f"{r['what']}, exported to an f16 GGUF ({r['llama_cpp']['export']['bytes'] / GIB:.2f} GiB, "
+            f"{r['llama_cpp']['export']['architecture']}) and run by llama.cpp on the same windows: perplexity "
+            f"{scored['ppl']:.3f}{interval(scored['ppl_ci95'])} against the original's {scored['ppl_original']:.3f} "
+            f"in transformers ({scored['ppl'] / scored['ppl_original']:.3f}x), KL {scored['kl_to_original']:.4f}, "
+            f"top-1 {100 * scored['top1_agreement']:.1f}%.",
+        ]
     reloads = [r for r in runs.values() if "reloaded" in r]
     if reloads:
         lines += ["", "Reloaded in a fresh process (`masa-compress eval CHECKPOINT`), same windows:", ""]

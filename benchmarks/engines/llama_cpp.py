@@ -89,13 +89,13 @@ def choose_multiple(checkpoints: dict[int, Path], max_tokens: int) -> dict:
     }
 
 
-def measure_speeds(paths: dict, prompt: list[int]) -> dict:
+def measure_speeds(paths: dict, prompt: list[int], repeats: int = REPEATS) -> dict:
     """Median decode and prefill tokens/s of each file at each of `THREADS` (`decode_tokens_per_second` etc.: 1
     thread; `..._2t`: 2 threads). The files of one type are timed in turns (original, smaller, ..., then again),
     so that a slow spell of the machine falls on all of them alike, not on one file's repeats."""
     from compressor.evaluation.llama_cpp import LlamaCppServer
 
-    speeds: dict = {key: {"repeats": REPEATS} for key in paths}
+    speeds: dict = {key: {"repeats": repeats} for key in paths}
     for tensor_type in sorted({t for _, t in paths}):
         group = [key for key in paths if key[1] == tensor_type]
         for threads in THREADS:
@@ -107,7 +107,7 @@ def measure_speeds(paths: dict, prompt: list[int]) -> dict:
             for server in servers.values():
                 server.complete(prompt, 8)  # warm-up: the first call pages the weights in
             timings: dict = {key: [] for key in group}
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 for key in group:
                     timings[key].append(servers[key].complete(prompt, NEW_TOKENS)["timings"])
             for server in servers.values():

@@ -19,7 +19,7 @@ def reading(lo: float, hi: float, better: str, worse: str) -> str:
 #: What each model's packaged weights do to its frontier, said beside its figures.
 CAVEATS = {
     "qwen2.5-coder-1.5b": "Its packaged weights are dequantized Q4_K_M values: the q4_k_m budget is the mix's home "
-    "ground, the budgets below it are the test. Structure is not in these files (types only).",
+    "ground, the budgets below it are the test.",
     "smollm2-135m": "**Read with care:** the packaged weights are dequantized Q4_K/Q5_0 values, which Q4_1 and Q4_K "
     "store exactly, and the allocation finds that grid (its files are almost all Q4_1), while llama.cpp's mixes, "
     "on rows 576 wide, fall back to 32-value types that do not fit it. So this says what llama.cpp's fixed mixes "
@@ -33,18 +33,49 @@ def by_budget(data: dict) -> list[dict]:
 
 
 def frontier_table(data: dict) -> list[str]:
-    """`export --size` against llama.cpp's mix of the same bytes, one row per budget (this page and the results
-    page `bytes_frontier` writes)."""
+    """The tool's `--size` file against llama.cpp's mix of the same bytes, one row per budget (this page and the
+    results page `bytes_frontier` writes); where structure was allocated too, its file against types alone."""
+    structure = any("minus_types_only" in row for row in data["frontier"])
+    timed = all("decode_ratio" in row for row in data["frontier"])
     lines = [
-        "| budget | llama.cpp's mix (with the importance weights) | `export --size` | ours − mix [95%] | reading |",
-        "|---|---|---|---|---|",
+        "| budget | llama.cpp's mix (with the importance weights) | `--size` | ours − mix [95%] | reading |"
+        + (" parameters removed | structure − types only [95%] |" if structure else "")
+        + (" decode, ours / mix (1 · 2 threads) |" if timed else ""),
+        "|---|---|---|---|---|" + ("---|---|" if structure else "") + ("---|" if timed else ""),
     ]
     for row in by_budget(data):
-        lines.append(
+        line = (
             f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} MiB, {row['baseline_ppl']:.2f} | "
             f"{row['ours_bytes'] / 2**20:.2f} MiB, {row['ours_ppl']:.2f} | {row['diff']:+.3f} "
             f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | "
             f"{reading(row['diff_lo'], row['diff_hi'], 'ours better', 'ours worse')} |"
+        )
+        if structure:
+            line += f" {row.get('removed_parameters', 0):,} | {_versus_types(row)} |"
+        if timed:
+            line += f" {row['decode_ratio']:.2f}x · {row['decode_ratio_2t']:.2f}x |"
+        lines.append(line)
+    return lines
+
+
+def _versus_types(row: dict) -> str:
+    if "minus_types_only" not in row:
+        return "nothing removed" if not row.get("removed_parameters") else ""
+    lo, hi = row["minus_types_only_ci95"]
+    return f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
+
+
+def below_table(data: dict) -> list[str]:
+    """Budgets under the ladder: `compress --size` against `export --size` (types alone) where both fit."""
+    lines = [
+        "| budget | `compress --size`: MiB, perplexity | parameters removed | types alone | structure − types only [95%] |",
+        "|---|---|---|---|---|",
+    ]
+    for row in data.get("below_ladder", []):
+        alone = f"{row['types_only_ppl']:.2f}" if "types_only_ppl" in row else "cannot reach these bytes"
+        lines.append(
+            f"| {row['type']} | {row['ours_bytes'] / 2**20:.2f}, {row['ours_ppl']:.2f} | "
+            f"{row.get('removed_parameters', 0):,} | {alone} | {_versus_types(row) or '—'} |"
         )
     return lines
 
@@ -117,6 +148,45 @@ def _predictors(data: dict) -> str:
     )
 
 
+def _structure_weight() -> list[str]:
+    """κ, the structure's weight in `compress --size`, on the validation split: each file against types alone."""
+    path = RESULTS / "choices" / "structure-weight-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**The structure's weight κ** (`{data['command']}`, validation split, {data['tokens']:,} tokens, llama.cpp; "
+        f"the original {data['original_ppl']:.2f} in transformers): at each size, `compress --size` with each κ "
+        "against `export --size` (types alone) of the same size, paired on the same windows; the predicted rise of "
+        "the loss (structure at κ = 1 plus rounding) against the measured one (nats per token).",
+        "",
+        "| size | κ | MiB | parameters removed | perplexity | − types alone [95%] | predicted · measured rise |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        kappa = "types alone" if row["weight"] is None else f"{row['weight']:g}"
+        if "refused" in row:
+            lines.append(f"| {row['size']} | {kappa} | | | below the smallest file of types alone | | |")
+            continue
+        versus = ""
+        if "minus_types_only" in row:
+            lo, hi = row["ci95"]
+            versus = (
+                f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
+            )
+        lines.append(
+            f"| {row['size']} | {kappa} | {row['bytes'] / 2**20:.2f} | {row['removed']:,} | {row['ppl']:.3f} | "
+            f"{versus} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
+        )
+    lines += [
+        "",
+        f"Over these files the predicted and measured rises have a rank correlation (Spearman) of "
+        f"{data['spearman_files']:.2f}.",
+        "",
+    ]
+    return lines
+
+
 def bytes_section() -> list[str]:
     files = sorted(RESULTS.glob("bytes-*.json"))
     if not files:
@@ -131,5 +201,6 @@ def bytes_section() -> list[str]:
         "allocation, nothing removed. Diff: ours − the mix of the same bytes; an interval holding 0 is a tie.",
         "",
         *body,
+        *_structure_weight(),
         *_error_model(),
     ]

@@ -155,9 +155,11 @@ def bytes_table(results_dir: Path = RESULTS_DIR) -> str:
 
 def _bytes_rows(data: dict, name: str, title: str) -> str:
     p = data["protocol"]
+    structure = any(row.get("ours") == "structure" for row in data["frontier"])
+    ours = "`compress --size`" if structure else "`export --size`"
     lines = [
         "| budget (the size of llama.cpp's mix) | llama.cpp's mix, same importance weights: perplexity | "
-        "`export --size`: MiB, perplexity | ours − mix [95%] |",
+        f"{ours}: MiB, perplexity | ours − mix [95%] |",
         "|---|---|---|---|",
     ]
     for row in by_budget(data):
@@ -177,11 +179,37 @@ def _bytes_rows(data: dict, name: str, title: str) -> str:
         "",
         f"{title} as GGUF files run by llama.cpp: perplexity on the first {p['tokens']:,} predicted tokens of the "
         f"test split ({p['windows']} windows of {p['seq_len']}), paired on the same windows; the original at f16: "
-        f"{f16:.2f}. The importance weights alone (llama.cpp's mix without them minus with them): {gain}. "
+        f"{f16:.2f}. {_structure_reading(data) if structure else 'Types only: no structure in these files.'} "
+        f"The importance weights alone (llama.cpp's mix without them minus with them): {gain}. "
         + CAVEATS[name]
         + f" Every row: [benchmarks/results/bytes-{name}.md](benchmarks/results/bytes-{name}.md).",
     ]
     return "\n".join(lines)
+
+
+def _structure_reading(data: dict) -> str:
+    """What the structure did in the frontier's files: where the allocation removed parameters, and what that did
+    against the types-only file of the same bytes (paired), on the ladder and under it."""
+    rows = [*by_budget(data), *data.get("below_ladder", [])]
+    removed = [r for r in rows if r.get("removed_parameters")]
+    if not removed:
+        return "The allocation removed no parameter at any of these budgets: each file is a per-matrix mix of types."
+    parts = []
+    for row in removed:
+        versus = ""
+        if "minus_types_only" in row:
+            lo, hi = row["minus_types_only_ci95"]
+            versus = (f", against types alone of the same bytes {row['minus_types_only']:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                      f"{reading(lo, hi, 'better', 'worse')}")  # fmt: skip
+        elif "ours_ppl" in row:
+            versus = f", perplexity {row['ours_ppl']:.2f} where types alone cannot reach these bytes"
+        parts.append(f"{row['type']}: {row['removed_parameters']:,} parameters removed{versus}")
+    kept = [r["type"] for r in rows if not r.get("removed_parameters")]
+    return (
+        "Where the allocation chose structure (narrower MLPs, fewer query heads) with the types: "
+        + "; ".join(parts)
+        + (f"; none at {', '.join(kept)}." if kept else ".")
+    )
 
 
 def _whole_model_decode(results: dict) -> str:
