@@ -137,3 +137,28 @@ def test_more_bytes_buy_a_lower_predicted_rise_and_a_heavy_structure_weight_keep
     assert first == again
     heavy = compress_to(calibrated, int(least * 1.1), weight=1e6)[1].report["byte_budget"]
     assert heavy["structure_loss_rise"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_bundled_compress_to_size_through_the_cli(tmp_path, capsys):
+    """The real path: `masa-compress smollm2-135m --size 76MiB` writes a GGUF within the budget whose structure
+    the allocation chose (below the bytes where types alone stop paying, it narrows), llama.cpp scores it against
+    the original, and `show` prints what was chosen. Bounds: see `BUNDLED_76MIB`."""
+    pytest.importorskip("xllamacpp")
+    import json
+
+    from compressor.cli import main
+
+    out = tmp_path / "m.gguf"
+    main(["smollm2-135m", "--size", "76MiB", "--out", str(out), "--calib-samples", "8", "--eval-max-tokens", "1024",
+          "--json"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["bytes"] <= 76 * 2**20 == summary["budget"] and out.stat().st_size == summary["bytes"]
+    assert summary["architecture"] == "deci" and summary["structure"]["removed_parameters"] > 0
+    quality = summary["quality"]
+    assert quality["tokens"] == 1022 and quality["ppl"] < BUNDLED_76MIB * quality["ppl_original"], quality
+    main(["show", str(out), "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["structure"]["removed_parameters"] == summary["structure"]["removed_parameters"]
+    assert [row["mlp_width"] for row in shown["layers"]] == summary["mlp_widths"]

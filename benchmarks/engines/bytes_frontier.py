@@ -45,11 +45,12 @@ MAX_TOKENS = 8192
 
 def export_ladder(
     model: str, types: tuple[str, ...], work: Path, calib_samples: int | None, below: tuple[str, ...] = (),
-    structure: bool = True, layerwise: bool = False,
+    structure: tuple[str, ...] | None = None, layerwise: bool = False,
 ) -> dict:  # fmt: skip
     """(budget, kind) → what was written: f16, each type without and (below 8 bits) with the imatrix; at each
     mix's bytes with the imatrix `export --size` (kind `size`: types only) and `compress --size` (kind
-    `structure`: widths, heads and types); at each size of `below` (under the ladder) those two alone."""
+    `structure`: widths, heads and types; only at the budgets `structure` names, None: every one); at each size
+    of `below` (under the ladder) those two alone."""
     files = {}
     for tensor_type in ("f16", *types):
         choices = ("none", "calibration") if tensor_type in BELOW_8_BITS else (None,)
@@ -72,7 +73,7 @@ def export_ladder(
             files[(name, "size")] = written.to_dict()
         except UserError as err:  # below the smallest file of types alone: only structure reaches it
             files[(name, "size")] = {"refused": str(err), "bytes": size}
-        if structure:
+        if structure is None or name in structure:
             log(f"compress {model} --size {size:,} ({name}: structure and types)")
             options = CompressOptions(size=str(size), out=str(work / f"structure-{name}.gguf"), evaluate=False,
                                       overwrite=True, calib_samples=calib_samples, layerwise=layerwise)  # fmt: skip
@@ -266,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--below", default="", help="budgets under the ladder (e.g. 78MiB,72MiB): --size files only"
     )
-    parser.add_argument("--no-structure", action="store_true", help="export --size only (no compress --size)")
+    parser.add_argument(
+        "--structure-at",
+        default=None,
+        help="the budgets (type or size names) compress --size runs at (default: all)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per file (0: no timing)")
     parser.add_argument(
         "--layerwise", action="store_true", help="compress --size with --layerwise (large models)"
@@ -287,8 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
         below = tuple(b.strip() for b in args.below.split(",") if b.strip())
+        structure_at = None if args.structure_at is None else tuple(args.structure_at.split(","))
         files = export_ladder(
-            args.model, types, Path(work), args.calib_samples, below, not args.no_structure, args.layerwise
+            args.model, types, Path(work), args.calib_samples, below, structure_at, args.layerwise
         )
         scored, rows = score_ladder(args.model, files, args.max_tokens, args.files_per_pass)
         speeds = time_ladder(args.model, files, args.repeats) if args.repeats else {}

@@ -193,12 +193,14 @@ def bytes_section() -> list[str]:
         return []
     body = [line for path in files for line in _frontier(path.stem, json.loads(path.read_text()))]
     return [
-        "## 7. In bytes: llama.cpp's mixes and `export --size`",
+        "## 7. In bytes: llama.cpp's mixes, `export --size` and `compress --size`",
         "",
         "The original as GGUF files: llama.cpp's own mixes (`export --type`, `llama-quantize`'s type per tensor), "
-        "each without and with the tool's importance weights (the imatrix, from the recipe's calibration), and "
-        "`export --size` at the bytes of each mix with them: every matrix's type chosen by the loss-aware "
-        "allocation, nothing removed. Diff: ours − the mix of the same bytes; an interval holding 0 is a tie.",
+        "each without and with the tool's importance weights (the imatrix, from the recipe's calibration); at the "
+        "bytes of each mix with them, `export --size` (every matrix's type chosen by the loss-aware allocation, "
+        "nothing removed) and, where the run has it, `compress --size` (each layer's MLP width and query heads "
+        "chosen with the types in the same allocation: docs/method.md, stage 6), the tool's `--size` file. Diff: "
+        "ours − the mix of the same bytes; an interval holding 0 is a tie.",
         "",
         *body,
         *_structure_weight(),

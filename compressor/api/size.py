@@ -119,6 +119,13 @@ def compress_to_size(
     label = str(options.size or f"{options.bits_per_weight:g}bpw").replace(" ", "")
     out = check_gguf_output(options.out or default_out(model, label), options.overwrite)
     source, config, targets, structure_note = check_source(model, options, wanted)
+    structure_options = None
+    if (
+        targets is not None
+    ):  # its memory checked, --layerwise chosen where only it fits, before any weight is read
+        structure_options = fitting(
+            model, config, structure_run(options, targets, out), device, dtype, progress
+        )
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     prepared = measure_original(source, config, targets, wanted, options, device, progress)
@@ -127,9 +134,10 @@ def compress_to_size(
     work = out.parent / f".{out.stem}.structure-{os.getpid()}"
     try:
         exported_from = model
-        if targets is not None:
+        if structure_options is not None:
             target = SizeTarget(prepared.budget, prepared.fixed, prepared.measured, structure_weight)
-            summary = _structure(model, options, targets, target, work, device, dtype, progress)
+            run_options = replace(structure_options, out=str(work), byte_target=target)
+            summary = _compress(model, run_options, device, dtype, progress)
             structure |= summary["report"]["byte_budget"]
             structure["removed_parameters"] = summary["model_params_before"] - summary["model_params_after"]
             structure.pop("forecast_types", None)
@@ -199,15 +207,36 @@ def measure_original(source, config, targets, wanted, options, device, progress)
     return _Prepared(budget, fixed, measured, calibration, calib_text)
 
 
-def _structure(model, options, targets, target, work, device, dtype, progress) -> dict:
-    """`compress` in the engine-native forms under the byte budget, its checkpoint written to `work`: its summary."""
+def structure_run(options: CompressOptions, targets: str, out: Path) -> CompressOptions:
+    """The `compress` run that builds the structure: the engine-native forms of `targets`, no evaluation (the GGUF
+    is scored instead), its checkpoint to a temporary folder beside `out` (set when it runs)."""
+    return replace(
+        options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global", evaluate=False,
+        save=True, overwrite=True, size=None, bits_per_weight=None, out=str(out.parent / ".structure"),
+    )  # fmt: skip
+
+
+def fitting(model: str, config, run_options: CompressOptions, device: str, dtype: str, progress: bool):
+    """`run_options` with `--layerwise` where the run fits only so (the 1.5B model's MLP statistics: about 34 GiB
+    in memory), said in a line; a one-line error where it fits neither way (`memory_check.check_memory`)."""
+    from compressor.api.memory_check import check_memory, run_memory
+    from compressor.api.session import resolve_run
+
+    estimate = run_memory(config, resolve_run(model, run_options), run_options, device, dtype)
+    available = estimate["available_bytes"]
+    if not run_options.layerwise and available is not None and estimate["in_memory_bytes"] > available:
+        if estimate["layerwise_bytes"] <= available:
+            note(f"[dim]the structure's statistics need about {estimate['in_memory_bytes'] / 2**30:.1f} GiB in memory: "
+                 "compressing layer by layer (--layerwise, the same checkpoint)[/]", progress)  # fmt: skip
+            return replace(run_options, layerwise=True)
+    check_memory(estimate)
+    return run_options
+
+
+def _compress(model, options, device, dtype, progress) -> dict:
     from compressor.api.run import compress
 
-    run_options = replace(
-        options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global", out=str(work),
-        overwrite=True, evaluate=False, save=True, size=None, bits_per_weight=None, byte_target=target,
-    )  # fmt: skip
-    return compress(model, run_options, device=device, dtype=dtype, progress=progress).summary
+    return compress(model, options, device=device, dtype=dtype, progress=progress).summary
 
 
 def smallest_from_config(config, targets: str | None) -> int:

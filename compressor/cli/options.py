@@ -78,9 +78,7 @@ BitsPerWeight = Annotated[
 ]
 RatioOf = Annotated[
     str,
-    typer.Option(
-        "--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."
-    ),
+    typer.Option("--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."),
 ]
 Method = Annotated[
     Opt[str], typer.Option("--method", "-m", metavar="NAME", rich_help_panel=RUN, help=_methods() + ".")

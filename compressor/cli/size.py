@@ -59,7 +59,9 @@ def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_j
             f"[bold]Memory[/] at the peak: {memory['in_memory_bytes'] / 2**30:.2f} GiB in memory, "
             f"{memory['layerwise_bytes'] / 2**30:.2f} GiB with --layerwise"
             + (f"; {free / 2**30:.1f} GiB available now" if free else "")
-        )
+            + ("; the run compresses layer by layer (--layerwise)" if memory["layerwise"] or (
+                free and memory["in_memory_bytes"] > free >= memory["layerwise_bytes"]) else "")
+        )  # fmt: skip
     console.print(f"[dim]Chosen after calibration: {plan['after_calibration']}.[/]")
 
 
