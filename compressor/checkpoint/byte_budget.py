@@ -201,7 +201,7 @@ def rows_bytes(array: np.ndarray, has_importance: bool) -> int:
     return min(rows * row_bytes(t, row_length) for t in candidate_types(row_length, has_importance))
 
 
-def _hull(options: list) -> list:
+def undominated(options: list) -> list:
     """The options no other beats on both bytes and predicted rise, by increasing bytes."""
     frontier: list = []
     for option in sorted(options, key=lambda o: (o.bytes, o.predicted)):
@@ -238,7 +238,7 @@ def choose(
     more than `max_units` of them, of the multiple of `pad` that keeps it at `max_units` (each option's bytes
     rounded up to the unit, so the file still fits); the bytes the rounding leaves are then spent on the single
     upgrades that buy the most predicted loss per byte."""
-    hulls = {name: _hull(opts) for name, opts in options.items()}
+    hulls = {name: undominated(opts) for name, opts in options.items()}
     check_fits(fixed_bytes + sum(opts[0].bytes for opts in hulls.values()), budget)
     free = budget - fixed_bytes
     unit = pad * max(1, -(-free // (pad * max_units)))

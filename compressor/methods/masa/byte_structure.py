@@ -32,6 +32,7 @@ from compressor.checkpoint.byte_budget import (
     choose,
     matrix_options,
     sampled_errors,
+    undominated,
 )
 from compressor.checkpoint.ggml_quantize import row_bytes
 from compressor.math.accounting import HEADS_READER, HEADS_ROWS, NEURON_READER, CompressionPlan
@@ -209,7 +210,7 @@ class SizeAllocation:
             lost = float(found.tail[width] - found.tail[full])
             structure = self.target.structure_weight * 0.5 * down_gradient * lost
             candidates += [Candidate(b, p + structure, width, t, structure) for b, p, t in combine(parts)]
-        return pareto_candidates(candidates)
+        return undominated(candidates)
 
     def heads(self, layer: int, found: HeadTail) -> list[Candidate]:
         """The layer's q/o at every candidate count of query heads per KV group, each in each type."""
@@ -228,7 +229,7 @@ class SizeAllocation:
             lost = float(found.tail[per_group - 1] - found.tail[per_group_full - 1])
             structure = self.target.structure_weight * 0.5 * o_gradient * lost
             candidates += [Candidate(b, p + structure, per_group, t, structure) for b, p, t in combine(parts)]
-        return pareto_candidates(candidates)
+        return undominated(candidates)
 
     def outside_layers(self) -> dict[str, list[Candidate]]:
         """The embedding (with the output head when tied) and an untied head: types only, as `export --size`."""
@@ -264,14 +265,6 @@ class SizeAllocation:
             units[head_path] = [Candidate(padded(o.bytes), o.predicted, None, ((head_path, o.type_name),))
                                 for o in options]  # fmt: skip
         return units
-
-
-def pareto_candidates(candidates: list[Candidate]) -> list[Candidate]:
-    frontier: list[Candidate] = []
-    for candidate in sorted(candidates, key=lambda c: (c.bytes, c.predicted)):
-        if not frontier or candidate.predicted < frontier[-1].predicted:
-            frontier.append(candidate)
-    return frontier
 
 
 def allocate_to_size(
