@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.report.bytes import below_table, frontier_table, gain_table
+from benchmarks.report.bytes import below_table, commands, frontier_table, gain_table
 from benchmarks.report.markdown import interval, number
 from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
@@ -219,7 +219,7 @@ def render(results: dict) -> str:
     lines = [
         f"# {results['model']} in bytes: llama.cpp's mixes, `export --size` and `compress --size`",
         "",
-        f"`{results['command']}`. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
+        f"{commands(results)}. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
         f"the test split ({p['windows']} windows of {p['seq_len']}; {p['text']}); KL and top-1 against the "
         f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
         f"{results['imatrix']}.",
@@ -285,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="results file (default: results/bytes-MODEL.json)"
     )
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="keep the results file's budgets not measured this time (the same windows: refused otherwise)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.summarize:
         summarize(json.loads(args.summarize.read_text()), RESULTS / "results.json")
@@ -314,10 +318,41 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
     }
     out = args.out or RESULTS / f"bytes-{args.model}.json"
+    if args.merge and out.is_file():
+        results = merged(json.loads(out.read_text()), results)
     write_json(out, results)
     out.with_suffix(".md").write_text(render(results))
     summarize(results, RESULTS / "results.json")
     log(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def merged(earlier: dict, latest: dict) -> dict:
+    """`latest` with the budgets of `earlier` it did not measure: rows by (budget, kind), the frontier, the rows
+    under the ladder and the importance-matrix gains by budget. Only runs on the same windows merge (each paired
+    difference is within one run; the original's scores are deterministic)."""
+    if earlier["protocol"] != latest["protocol"] or earlier["model"] != latest["model"]:
+        raise SystemExit(
+            f"--merge: {earlier['model']} on {earlier['protocol']['tokens']:,} tokens in the results file, "
+            f"{latest['model']} on {latest['protocol']['tokens']:,} now: the same --model and --max-tokens, or no --merge"
+        )  # fmt: skip
+
+    def union(key: str, name) -> list:
+        rows = {name(row): row for row in earlier.get(key, [])} | {
+            name(row): row for row in latest.get(key, [])
+        }
+        return list(rows.values())
+
+    return latest | {
+        "earlier_commands": [*earlier.get("earlier_commands", []), earlier["command"]],
+        "imatrix_gain": earlier["imatrix_gain"] | latest["imatrix_gain"],
+        "rows": union("rows", lambda row: (row["type"], row["imatrix"])),
+        "frontier": sorted(
+            union("frontier", lambda row: row["type"]), key=lambda row: -row["baseline_bytes"]
+        ),
+        "below_ladder": sorted(
+            union("below_ladder", lambda row: row["type"]), key=lambda row: -row["ours_bytes"]
+        ),
+    }
 
 
 #: results.json's name for each model's figures.

@@ -36,7 +36,7 @@ def frontier_table(data: dict) -> list[str]:
     """The tool's `--size` file against llama.cpp's mix of the same bytes, one row per budget (this page and the
     results page `bytes_frontier` writes); where structure was allocated too, its file against types alone."""
     structure = any("minus_types_only" in row for row in data["frontier"])
-    timed = all("decode_ratio" in row for row in data["frontier"])
+    timed = any("decode_ratio" in row for row in data["frontier"])  # a merged run: some budgets untimed
     lines = [
         "| budget | llama.cpp's mix (with the importance weights) | `--size` | ours − mix [95%] | reading |"
         + (" parameters removed | structure − types only [95%] |" if structure else "")
@@ -53,7 +53,11 @@ def frontier_table(data: dict) -> list[str]:
         if structure:
             line += f" {row.get('removed_parameters', 0):,} | {_versus_types(row)} |"
         if timed:
-            line += f" {row['decode_ratio']:.2f}x · {row['decode_ratio_2t']:.2f}x |"
+            line += (
+                f" {row['decode_ratio']:.2f}x · {row['decode_ratio_2t']:.2f}x |"
+                if "decode_ratio" in row
+                else " — |"
+            )
         lines.append(line)
     return lines
 
@@ -93,10 +97,15 @@ def gain_table(data: dict) -> list[str]:
     return lines
 
 
+def commands(data: dict) -> str:
+    """The command (or, for merged runs, the commands in order) that wrote a bytes results file."""
+    return ", then ".join(f"`{command}`" for command in [*data.get("earlier_commands", []), data["command"]])
+
+
 def _frontier(name: str, data: dict) -> list[str]:
     p = data["protocol"]
     return [
-        f"**{data['model']}** (`{data['command']}`): every file run by llama.cpp on the first {p['tokens']:,} "
+        f"**{data['model']}** ({commands(data)}): every file run by llama.cpp on the first {p['tokens']:,} "
         f"predicted tokens of the test split ({p['windows']} windows of {p['seq_len']}), paired on the same "
         f"windows; the original at f16 scores {next(r['ppl'] for r in data['rows'] if r['type'] == 'f16'):.2f}. "
         f"Importance weights: {data['imatrix']}. {CAVEATS[data['model']]} Every file: "
@@ -187,6 +196,44 @@ def _structure_weight() -> list[str]:
     return lines
 
 
+#: The bundled model's `--native` form in llama.cpp, its perplexity over the original's on the whole test split:
+#: the bound it is held to (the 1.5B model's is `large_native_llama_cpp_ppl_ratio`'s, in the summary).
+NATIVE_BOUND_BUNDLED = 1.45
+
+
+def _native_form() -> list[str]:
+    """Structure alone at a fixed ratio, in llama.cpp: the `--native` model 20% smaller at f16 on each model
+    (`results/native-smollm2-135m.json`; the 1.5B model's run in `results/large.json`)."""
+    parts = []
+    bundled = RESULTS / "native-smollm2-135m.json"
+    if bundled.is_file():
+        scored = json.loads(bundled.read_text())["llama_cpp"]
+        ratio = scored["ppl_ratio"]
+        parts.append(
+            f"the bundled model {scored['ppl']:.2f} against {scored['ppl_original']:.2f} on all "
+            f"{scored['tokens']:,} test tokens, {ratio:.3f}x (held to {NATIVE_BOUND_BUNDLED:g}x: "
+            f"{'met' if ratio <= NATIVE_BOUND_BUNDLED else '**missed**'}; "
+            "[native-smollm2-135m.json](benchmarks/results/native-smollm2-135m.json))"
+        )
+    large = json.loads((RESULTS / "large.json").read_text())["runs"].get("whole-native", {}).get("llama_cpp")
+    if large:
+        scored = large["eval"]
+        parts.append(
+            f"the 1.5B model {scored['ppl']:.2f} against {scored['ppl_original']:.2f} on the first "
+            f"{scored['tokens']:,} test tokens, {scored['ppl'] / scored['ppl_original']:.3f}x "
+            "([large](benchmarks/results/large.md))"
+        )
+    if not parts:
+        return []
+    return [
+        "**Structure alone, in llama.cpp**: the `--native` model 20% smaller (`--targets attn,mlp --ratio 0.2 "
+        "--ratio-of model --native`), exported at f16, scored by llama.cpp against the original in transformers: "
+        + "; ".join(parts)
+        + ".",
+        "",
+    ]
+
+
 def bytes_section() -> list[str]:
     files = sorted(RESULTS.glob("bytes-*.json"))
     if not files:
@@ -203,6 +250,7 @@ def bytes_section() -> list[str]:
         "ours − the mix of the same bytes; an interval holding 0 is a tie.",
         "",
         *body,
+        *_native_form(),
         *_structure_weight(),
         *_error_model(),
     ]

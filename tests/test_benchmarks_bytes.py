@@ -1,0 +1,57 @@
+"""`make bench-bytes`'s bookkeeping (benchmarks/engines/bytes_frontier.py) on made-up results: a run of some budgets
+merged into an earlier one on the same windows, and the README's line on what `--size` files did. The runs
+themselves take hours on the 1.5B model and are never part of the tests."""
+
+import pytest
+
+from benchmarks.engines.bytes_frontier import merged
+from benchmarks.report.bytes import commands
+from benchmarks.report.readme import _size_instead
+
+PROTOCOL = {"text": "wikipedia:test", "split": "test", "windows": 8, "seq_len": 512, "tokens": 4088}
+
+
+def _results(command: str, budgets: dict[str, float], protocol=PROTOCOL) -> dict:
+    """A results file measuring each budget (name → baseline bytes) with a mix, its importance weights and ours."""
+    rows = [{"type": "f16", "imatrix": "none", "bytes": 10_000, "ppl": 18.0, "command": command}]
+    rows += [{"type": name, "imatrix": kind, "bytes": size, "ppl": 20.0, "command": command}
+             for name, size in budgets.items() for kind in ("none", "calibration", "size")]  # fmt: skip
+    return {
+        "command": command, "model": "m", "protocol": dict(protocol),
+        "imatrix_gain": {name: {"plain_minus_imatrix": 0.1, "ci95": [0.0, 0.2], "command": command} for name in budgets},
+        "rows": rows,
+        "frontier": [{"type": name, "baseline_bytes": size, "ours_bytes": size - 1, "command": command}
+                     for name, size in budgets.items()],
+        "below_ladder": [],
+    }  # fmt: skip
+
+
+def test_a_merged_run_keeps_the_earlier_budgets_and_takes_the_new_measurements():
+    earlier = _results("first", {"q4_k_m": 900, "q2_k": 500})
+    latest = _results("second", {"q6_k": 1200, "q2_k": 500})
+    out = merged(earlier, latest)
+    assert [row["type"] for row in out["frontier"]] == ["q6_k", "q4_k_m", "q2_k"]  # by the baseline's bytes
+    by_type = {row["type"]: row["command"] for row in out["frontier"]}
+    assert by_type == {"q6_k": "second", "q4_k_m": "first", "q2_k": "second"}
+    assert len(out["rows"]) == 1 + 3 * 3 and {r["command"] for r in out["rows"] if r["type"] == "f16"} == {
+        "second"
+    }
+    assert {name: gain["command"] for name, gain in out["imatrix_gain"].items()} == by_type
+    assert commands(out) == "`first`, then `second`"
+    assert commands(merged(out, _results("third", {}))) == "`first`, then `second`, then `third`"
+
+
+def test_runs_on_other_windows_do_not_merge():
+    with pytest.raises(SystemExit, match="--max-tokens"):
+        merged(_results("first", {"q2_k": 500}), _results("second", {}, PROTOCOL | {"tokens": 8184}))
+
+
+def test_the_readme_counts_the_size_files_better_worse_and_tied():
+    rows = [
+        {"diff_lo": -2.0, "diff_hi": -1.0},
+        {"diff_lo": -0.5, "diff_hi": 0.1},
+        {"diff_lo": 0.1, "diff_hi": 0.3},
+    ]
+    line = _size_instead({"bytes_frontier_bundled": rows[:2], "bytes_frontier_1p5b": rows[2:]})
+    assert "better at 1 of the 3 budgets" in line and "worse at 1," in line
+    assert "worse at none" in _size_instead({"bytes_frontier_bundled": rows[:2]})
