@@ -55,3 +55,39 @@ def test_the_readme_counts_the_size_files_better_worse_and_tied():
     line = _size_instead({"bytes_frontier_bundled": rows[:2], "bytes_frontier_1p5b": rows[2:]})
     assert "better at 1 of the 3 budgets" in line and "worse at 1," in line
     assert "worse at none" in _size_instead({"bytes_frontier_bundled": rows[:2]})
+
+
+def _native_run(weight_ci: tuple[float, float]) -> dict:
+    """A made-up native_balance run: the native model, its parts put back, two MLP weights, 16 windows."""
+
+    def row(name, ratio, ci=None):
+        diff = None if ci is None else {"value": sum(ci) / 2, "ci95": list(ci)}
+        return {"variant": name, "ppl": 30.0 * ratio / 1.5, "ppl_ratio": ratio, "minus_native": diff}
+
+    return {
+        "tokens": 1000,
+        "rows": [
+            row("native", 1.5), row("attention-restored", 1.4, (-2.0, -1.0)), row("mlp-restored", 1.1, (-9.0, -8.0)),
+            row("mlp-weight-0.5", 1.6, (1.0, 2.0)), row("mlp-weight-2", 1.55, weight_ci),
+            row("sensitivity-16", 1.5, (-0.1, 0.1)),
+        ],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("weight_ci", "claim"), [((0.5, 1.5), "every one worse"), ((-0.2, 0.4), "not every one")]
+)
+def test_the_native_levers_say_every_weight_worse_only_when_every_interval_is_above_zero(
+    tmp_path, monkeypatch, weight_ci, claim
+):
+    import json
+
+    from benchmarks.report import bytes as report
+
+    (tmp_path / "native-balance-validation.json").write_text(json.dumps(_native_run(weight_ci)))
+    monkeypatch.setattr(report, "CHOICES", tmp_path)
+    text = report._native_levers()[0]
+    assert claim in text
+    assert "with every MLP put back 1.100x" in text
+    assert "16 windows instead of 4: +0.00 [-0.10, +0.10] (a tie)" in text
+    assert "without attention" not in text  # no attention-free run: nothing said about it

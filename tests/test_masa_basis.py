@@ -275,6 +275,14 @@ def test_settings_without_a_rule_are_refused(update, message):
         get_method("masa").effective_settings(BASIS.model_copy(update=update))
 
 
+def test_sequential_statistics_without_sharing_name_the_form_that_has_them():
+    """`--sharing none` (the default) shares nothing: the refusal must not blame a shared basis."""
+    settings = BASIS.model_copy(update={"sharing": "none", "statistics": "sequential"})
+    with pytest.raises(UserError, match="--sharing atoms only") as refused:
+        get_method("masa").effective_settings(settings)
+    assert "shared basis" not in str(refused.value)
+
+
 @pytest.mark.parametrize("sharing", ["basis", "qkv"])
 def test_a_form_sharing_attention_bases_works_on_the_mlp_alone_and_says_so(sharing):
     """The default form shares k/v bases; with --targets mlp there are none to share: the run compresses every

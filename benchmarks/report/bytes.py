@@ -9,6 +9,7 @@ import json
 from benchmarks.report.plots import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
+CHOICES = RESULTS / "choices"
 
 
 def reading(lo: float, hi: float, better: str, worse: str) -> str:
@@ -230,6 +231,55 @@ def _native_form() -> list[str]:
         "--ratio-of model --native`), exported at f16, scored by llama.cpp against the original in transformers: "
         + "; ".join(parts)
         + ".",
+        "",
+        *_native_levers(),
+    ]
+
+
+def _native_levers() -> list[str]:
+    """Where the bundled model's native form loses and what was tried on the validation split
+    (`benchmarks/experiments/native_balance`)."""
+    balance, free = (
+        CHOICES / "native-balance-validation.json",
+        CHOICES / "native-attention-free-validation.json",
+    )
+    if not balance.is_file():
+        return []
+    run = json.loads(balance.read_text())
+    rows = {row["variant"]: row for row in run["rows"]}
+
+    def diff(row):
+        d = row["minus_native"]
+        tie = " (a tie)" if d["ci95"][0] <= 0 <= d["ci95"][1] else ""
+        return f"{d['value']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]{tie}"
+
+    weights = [name for name in rows if name.startswith("mlp-weight-")]
+    worse = all(rows[name]["minus_native"]["ci95"][0] > 0 for name in weights)
+    sentences = [
+        f"Where the bundled model's native form loses, on the validation split ({run['tokens']:,} tokens, "
+        f"perplexity {rows['native']['ppl']:.2f}, {rows['native']['ppl_ratio']:.3f}x the original's): with every "
+        f"attention put back {rows['attention-restored']['ppl_ratio']:.3f}x, with every MLP put back "
+        f"{rows['mlp-restored']['ppl_ratio']:.3f}x, so the narrowed MLPs carry most of the loss.",
+        "The budget between heads and neurons, the MLP units' loss sensitivity multiplied by w = "
+        + ", ".join(name.removeprefix("mlp-weight-") for name in weights)
+        + ": "
+        + ("every one worse" if worse else "not every one worse")
+        + " than the allocation's own "
+        "(" + "; ".join(f"{name.removeprefix('mlp-weight-')}: {diff(rows[name])}" for name in weights) + ")",
+        f"the sensitivity over 16 windows instead of 4: {diff(rows['sensitivity-16'])}",
+    ]
+    if free.is_file():
+        run = json.loads(free.read_text())
+        found = {row["variant"]: row for row in run["rows"]}
+        layers = ", ".join(str(x) for x in run["attention_free_layers"])
+        sentences.append(
+            f"layers {layers} without attention (a head count of 0, which `deci` runs), the parameters given to "
+            f"the rest at the same size: {diff(found['attention-free'])}, and "
+            f"{diff(found['attention-free-mean'])} even with its mean added back, which the layout cannot hold"
+        )
+    return [
+        sentences[0] + " " + sentences[1] + "; " + "; ".join(sentences[2:]) + ". Nothing adopted "
+        "([native_balance](benchmarks/experiments/native_balance/README.md)).",
         "",
     ]
 

@@ -227,7 +227,7 @@ def _size_instead(results: dict) -> str:
     worse = sum(row["diff_lo"] > 0 for row in rows)
     fared = (
         f"against llama.cpp's mix of the same bytes a `--size` file was better at {better} of the {len(rows)} budgets "
-        f"measured on the two models, worse at {worse or 'none'}, a tie at the rest"
+        f"of the two models, worse at {worse or 'none'}, a tie at the rest"
     )
     return (
         " For a GGUF within a size use `compress --size` (or `export --size`, types alone), which chooses structure only where "

@@ -107,9 +107,14 @@ def check_basis_settings(settings: CompressionSettings, targets: tuple[str, ...]
             "basis shared across layers: use --allocation global-loss (or global-relative, global)"
         )
     if settings.statistics == "sequential":
+        why = (
+            "factors each layer from the statistics collected once, before any layer changes"
+            if settings.sharing == "none"
+            else "reads several layers' statistics at once"
+        )
         raise UserError(
-            f"{flag}: a shared basis reads several layers' statistics at once, which --statistics sequential "
-            "does not collect: use --statistics original"
+            f"{flag} {why}: --statistics sequential works with --sharing atoms only: use --statistics original, "
+            "or --sharing atoms"
         )
     if settings.auto_groups:
         raise UserError(

@@ -1,0 +1,1 @@
+"""The `native_balance` experiment (README.md: the command that wrote its results)."""
