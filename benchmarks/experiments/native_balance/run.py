@@ -94,22 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     variants[name], _ = build_variant(setup, name, more, ratio, progress=False)
     shapes[name] = widths_and_heads(variants[name])
     setup.stats.sensitivity = base
-    original, scored = evaluate_against(original_model, variants, setup.eval_windows, progress=False)
-    reference = scored["native"][0]
-    rows = []
-    for name, (result, faith) in scored.items():
-        diff = paired_difference(result.window_nll, reference.window_nll, result.window_tokens)
-        rows.append({
-            "variant": name, "ppl": result.ppl, "ppl_ci95": result.ppl_ci95, "nll": result.nll,
-            "ppl_ratio": result.ppl / original.ppl,
-            "kl_to_original": faith.kl_to_original, "top1_agreement": faith.top1_agreement,
-            "minus_native": None if name == "native" else diff.to_dict(), **shapes.get(name, {}),
-        })  # fmt: skip
-        print(
-            f"{name:20s} ppl {result.ppl:8.3f} ({result.ppl / original.ppl:.3f}x)  minus native "
-            f"{diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]",
-            flush=True,
-        )
+    original, rows = scored_rows(original_model, variants, setup.eval_windows, shapes)
     payload = {
         "command": command_line("benchmarks.experiments.native_balance.run", argv),
         "split": "validation",
@@ -125,6 +110,28 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.out:
         write_json(args.out, payload)
+
+
+def scored_rows(original_model, variants: dict, windows, extra: dict) -> tuple:
+    """The original and every variant scored in one pass over `windows`; a row per variant (its `extra` fields
+    added) with its paired difference to the native model, each printed as it is made."""
+    original, scored = evaluate_against(original_model, variants, windows, progress=False)
+    reference = scored["native"][0]
+    rows = []
+    for name, (result, faith) in scored.items():
+        diff = paired_difference(result.window_nll, reference.window_nll, result.window_tokens)
+        rows.append({
+            "variant": name, "ppl": result.ppl, "ppl_ci95": result.ppl_ci95, "nll": result.nll,
+            "ppl_ratio": result.ppl / original.ppl,
+            "kl_to_original": faith.kl_to_original, "top1_agreement": faith.top1_agreement,
+            "minus_native": None if name == "native" else diff.to_dict(), **extra.get(name, {}),
+        })  # fmt: skip
+        print(
+            f"{name:20s} ppl {result.ppl:8.3f} ({result.ppl / original.ppl:.3f}x)  minus native "
+            f"{diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]",
+            flush=True,
+        )
+    return original, rows
 
 
 def parameters(model: torch.nn.Module) -> int:
@@ -203,22 +210,8 @@ def attention_free(setup, native, row, ratio, layers, args, argv) -> None:
         "native": target,
         "attention-free": parameters(candidate) - attention_params(candidate, layers),
     }
-    original, scored = evaluate_against(original_model, variants, setup.eval_windows, progress=False)
-    reference = scored["native"][0]
-    rows = []
-    for name, (result, faith) in scored.items():
-        diff = paired_difference(result.window_nll, reference.window_nll, result.window_tokens)
-        rows.append({
-            "variant": name, "ppl": result.ppl, "ppl_ci95": result.ppl_ci95, "ppl_ratio": result.ppl / original.ppl,
-            "kl_to_original": faith.kl_to_original, "top1_agreement": faith.top1_agreement,
-            "model_params": counted.get(name, counted["attention-free"]),
-            "minus_native": None if name == "native" else diff.to_dict(),
-        })  # fmt: skip
-        print(
-            f"{name:20s} ppl {result.ppl:8.3f} ({result.ppl / original.ppl:.3f}x) params {rows[-1]['model_params']:,}"
-            f"  minus native {diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]",
-            flush=True,
-        )
+    counts = {name: {"model_params": counted.get(name, counted["attention-free"])} for name in variants}
+    original, rows = scored_rows(original_model, variants, setup.eval_windows, counts)
     payload = {
         "command": command_line("benchmarks.experiments.native_balance.run", argv),
         "split": "validation",
