@@ -66,6 +66,7 @@ def _native_run(weight_ci: tuple[float, float]) -> dict:
 
     return {
         "tokens": 1000,
+        "sensitivity_windows": 4,
         "rows": [
             row("native", 1.5), row("attention-restored", 1.4, (-2.0, -1.0)), row("mlp-restored", 1.1, (-9.0, -8.0)),
             row("mlp-weight-0.5", 1.6, (1.0, 2.0)), row("mlp-weight-2", 1.55, weight_ci),

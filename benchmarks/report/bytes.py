@@ -266,7 +266,12 @@ def _native_levers() -> list[str]:
         + ("every one worse" if worse else "not every one worse")
         + " than the allocation's own "
         "(" + "; ".join(f"{name.removeprefix('mlp-weight-')}: {diff(rows[name])}" for name in weights) + ")",
-        f"the sensitivity over 16 windows instead of 4: {diff(rows['sensitivity-16'])}",
+        *(
+            f"the sensitivity over {name.removeprefix('sensitivity-')} windows instead of "
+            f"{run['sensitivity_windows']}: {diff(rows[name])}"
+            for name in rows
+            if name.startswith("sensitivity-")
+        ),
     ]
     if free.is_file():
         run = json.loads(free.read_text())
