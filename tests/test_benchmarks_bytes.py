@@ -92,3 +92,23 @@ def test_the_native_levers_say_every_weight_worse_only_when_every_interval_is_ab
     assert "with every MLP put back 1.100x" in text
     assert "16 windows instead of 4: +0.00 [-0.10, +0.10] (a tie)" in text
     assert "without attention" not in text  # no attention-free run: nothing said about it
+
+
+def test_a_structure_file_worse_than_types_alone_is_said_and_a_better_one_is_not(tmp_path):
+    import json
+
+    from benchmarks.report.readme import RESULTS_DIR, _structure_overrated
+
+    measured = RESULTS_DIR / "size-structure-qwen2.5-coder-1.5b.json"
+    run = json.loads(measured.read_text())
+    types_alone = {row["baseline_bytes"]: row for row in json.loads((RESULTS_DIR / "bytes-qwen2.5-coder-1.5b.json").read_text())["frontier"]}[run["compress"]["budget"]]  # fmt: skip
+    said = _structure_overrated(measured)
+    assert (run["llama_cpp"]["ppl"] > types_alone["ours_ppl"]) == bool(said)
+    if said:
+        assert f"{run['llama_cpp']['ppl']:.2f}" in said and "use `export --size` there" in said
+    run["llama_cpp"]["ppl"] = (
+        types_alone["ours_ppl"] - 0.5
+    )  # a structure file that did better: nothing to warn of
+    better = tmp_path / "better.json"
+    better.write_text(json.dumps(run))
+    assert _structure_overrated(better) == ""

@@ -22,6 +22,7 @@ the default takes 256) is left out rather than annotated.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -231,7 +232,37 @@ def _size_instead(results: dict) -> str:
     )
     return (
         " For a GGUF within a size use `compress --size` (or `export --size`, types alone), which chooses structure only where "
-        f"the allocation predicts it pays: {fared} (the bytes table)."
+        f"the allocation predicts it pays: {fared} (the bytes table)." + _structure_overrated()
+    )
+
+
+def _structure_overrated(path: Path | None = None) -> str:
+    """Where a measured `compress --size` file (structure chosen) scored worse than `export --size` (types alone)
+    of the same budget on the same windows: the structure's loss predicted too low there, said with its figures."""
+    path = path or RESULTS_DIR / "size-structure-qwen2.5-coder-1.5b.json"
+    frontier = RESULTS_DIR / "bytes-qwen2.5-coder-1.5b.json"
+    if not path.is_file() or not frontier.is_file():
+        return ""
+    run = json.loads(path.read_text())
+    scored, chosen = run["llama_cpp"], run["compress"]
+    types_alone = [
+        row
+        for row in json.loads(frontier.read_text())["frontier"]
+        if row["baseline_bytes"] == chosen["budget"]
+    ]
+    if not types_alone or scored["ppl"] <= types_alone[0]["ours_ppl"]:
+        return ""
+    row = types_alone[0]
+    removed = chosen["structure"]["removed_parameters"] / (
+        chosen["parameters"] + chosen["structure"]["removed_parameters"]
+    )
+    return (
+        f" But on Qwen2.5-Coder-1.5B at the bytes of llama.cpp's {row['type']} mix, `compress --size` removed "
+        f"{removed:.0%} of the parameters and scored {scored['ppl']:.2f} on the same {scored['tokens']:,} test tokens "
+        f"where `export --size` scored {row['ours_ppl']:.2f} and the mix {row['baseline_ppl']:.2f} (one run, no interval): "
+        f"it predicted a loss rise of {chosen['structure']['predicted_loss_rise']:.3f} nats per token and "
+        f"{scored['nll'] - math.log(scored['ppl_original']):.3f} was measured, so its structure error is "
+        "predicted too low on that model; use `export --size` there."
     )
 
 
