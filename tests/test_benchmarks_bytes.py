@@ -61,7 +61,7 @@ def _native_run(weight_ci: tuple[float, float]) -> dict:
     """A made-up native_balance run: the native model, its parts put back, two MLP weights, 16 windows."""
 
     def row(name, ratio, ci=None):
-        diff = None if ci is None else {"value": sum(ci) / 2, "ci95": list(ci)}
+        diff = None if ci is None else {"value": sum(ci) / 2, "ci95": list(ci), "tie": ci[0] <= 0 <= ci[1]}
         return {"variant": name, "ppl": 30.0 * ratio / 1.5, "ppl_ratio": ratio, "minus_native": diff}
 
     return {
@@ -90,7 +90,7 @@ def test_the_native_levers_say_every_weight_worse_only_when_every_interval_is_ab
     text = report._native_levers()[0]
     assert claim in text
     assert "with every MLP put back 1.100x" in text
-    assert "16 windows instead of 4: +0.00 [-0.10, +0.10] (a tie)" in text
+    assert "16 windows instead of 4: +0.000 [-0.100, +0.100] (tie)" in text
     assert "without attention" not in text  # no attention-free run: nothing said about it
 
 

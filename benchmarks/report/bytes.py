@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from benchmarks.report.markdown import difference
 from benchmarks.report.plots import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -249,9 +250,7 @@ def _native_levers() -> list[str]:
     rows = {row["variant"]: row for row in run["rows"]}
 
     def diff(row):
-        d = row["minus_native"]
-        tie = " (a tie)" if d["ci95"][0] <= 0 <= d["ci95"][1] else ""
-        return f"{d['value']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]{tie}"
+        return difference(row["minus_native"])
 
     weights = [name for name in rows if name.startswith("mlp-weight-")]
     worse = all(rows[name]["minus_native"]["ci95"][0] > 0 for name in weights)

@@ -245,14 +245,10 @@ def _structure_overrated(path: Path | None = None) -> str:
         return ""
     run = json.loads(path.read_text())
     scored, chosen = run["llama_cpp"], run["compress"]
-    types_alone = [
-        row
-        for row in json.loads(frontier.read_text())["frontier"]
-        if row["baseline_bytes"] == chosen["budget"]
-    ]
-    if not types_alone or scored["ppl"] <= types_alone[0]["ours_ppl"]:
+    rows = json.loads(frontier.read_text())["frontier"]
+    row = next((row for row in rows if row["baseline_bytes"] == chosen["budget"]), None)  # types alone
+    if row is None or scored["ppl"] <= row["ours_ppl"]:
         return ""
-    row = types_alone[0]
     removed = chosen["structure"]["removed_parameters"] / (
         chosen["parameters"] + chosen["structure"]["removed_parameters"]
     )
