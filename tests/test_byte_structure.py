@@ -15,17 +15,20 @@ from compressor.api.pipeline import compress_model
 from compressor.checkpoint.byte_budget import BudgetChooser, rows_bytes
 from compressor.checkpoint.gguf_export import padded, planned_fixed_bytes, write_gguf
 from compressor.methods.masa.byte_structure import (
+    LEAST_TOKENS_PER_INPUT,
     SizeTarget,
     candidate_widths,
     combine,
     smallest_matrices,
+    trusted_targets,
 )
 from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings
 from compressor.statistics.capture import collect_statistics
 
-#: `--size 76MiB` of the bundled model on 8 calibration windows, in llama.cpp on the first 1,022 test tokens: at most
-#: this many times the original's perplexity (measured 1.387 on 2026-12-03, 9.6M parameters removed).
+#: `--size 76MiB` of the bundled model on 120 calibration windows (the fewest whose refits a byte budget prices), in
+#: llama.cpp on the first 1,022 test tokens: at most this many times the original's perplexity (on 8 windows, before
+#: structure needed enough tokens, measured 1.387 with 9.6M parameters removed; 120 windows passed on 2026-12-03).
 BUNDLED_76MIB = 1.45
 
 NATIVE = CompressionSettings(method="masa", targets="attn,mlp", attention="heads", mlp="neurons",
@@ -39,6 +42,51 @@ def test_widths_offered_run_from_the_full_width_down_to_half_in_even_steps():
     )  # the 1.5B model's MLP: steps of 256, so k-quants fit down_proj's rows
     assert widths[0] == 8960 and widths[-1] >= 4480 and len(widths) <= 24
     assert {w % 256 for w in widths} == {0} and np.all(np.diff(widths) == -256)
+
+
+def test_a_refit_on_too_few_tokens_per_input_is_not_offered_and_the_line_says_how_many_windows_would_do():
+    widths = {"attn": 576, "mlp": 1536}
+    # Enough for both: 40 tokens per input of the wider.
+    assert trusted_targets("attn,mlp", widths, lambda t: (120, 512)) == ("attn,mlp", [])
+    # The MLP short (119 windows: 39.7 per neuron), the attention not.
+    targets, lines = trusted_targets("attn,mlp", widths, lambda t: (119, 512))
+    assert targets == "attn" and len(lines) == 1
+    assert lines[0].startswith(
+        "MLP widths not offered: 60,928 calibration tokens for 1,536 inputs per refit (39.7"
+    )
+    assert lines[0].endswith("40 per input (--calib-samples 120: windows of 512 tokens) let it compete")
+    # Without the MLP a run reads fewer windows (`samples`, not `mlp_samples`): the attention is checked again on
+    # those, and left out too when they are short.
+    asked = []
+
+    def windows_for(targets):
+        asked.append(targets)
+        return (100, 512) if "mlp" in targets else (40, 512)
+
+    targets, lines = trusted_targets("attn,mlp", widths, windows_for)
+    assert targets is None and asked == ["attn,mlp", "attn"]
+    assert [line.split(" not offered")[0] for line in lines] == ["MLP widths", "query heads"]
+    assert "(--calib-samples 45: windows of 512 tokens)" in lines[1]
+    # A target not asked for is never checked nor named.
+    assert trusted_targets("mlp", widths, lambda t: (256, 512)) == ("mlp", [])
+    assert (
+        LEAST_TOKENS_PER_INPUT * 1536 <= 256 * 512
+    )  # the bundled model's default calibration offers its MLPs
+
+
+def test_plan_size_says_which_structure_its_calibration_can_price():
+    from compressor.api.run_options import CompressOptions
+    from compressor.api.size import plan_size
+
+    default = plan_size("smollm2-135m", CompressOptions(size="76MiB"))
+    assert default["structure"] == "MLP widths and query heads" and default["candidates"]["mlp_widths"]
+    few = plan_size("smollm2-135m", CompressOptions(size="76MiB", calib_samples=8))
+    assert few["structure"].startswith(
+        "types only; query heads not offered: 4,096 calibration tokens for 576 inputs"
+    )
+    assert "MLP widths not offered: 4,096 calibration tokens for 1,536 inputs" in few["structure"]
+    assert few["candidates"] == {} and few["after_calibration"] == "every matrix's type"
+    assert few["smallest_matrices"] > default["smallest_matrices"]  # nothing narrower to fall back on
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -155,8 +203,9 @@ def test_bundled_compress_to_size_through_the_cli(tmp_path, capsys):
     from compressor.cli import main
 
     out = tmp_path / "m.gguf"
-    main(["smollm2-135m", "--size", "76MiB", "--out", str(out), "--calib-samples", "8", "--eval-max-tokens", "1024",
-          "--json"])  # fmt: skip
+    # 120 windows: the least whose refits the byte budget prices (40 calibration tokens per MLP neuron).
+    main(["smollm2-135m", "--size", "76MiB", "--out", str(out), "--calib-samples", "120", "--eval-max-tokens",
+          "1024", "--json"])  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     assert summary["bytes"] <= 76 * 2**20 == summary["budget"] and out.stat().st_size == summary["bytes"]
     assert summary["architecture"] == "deci" and summary["structure"]["removed_parameters"] > 0

@@ -13,6 +13,8 @@ heads) and every matrix's quantization type come from one loss-aware allocation 
 
 Families whose llama.cpp architecture takes one MLP width and head count for every layer (all but Llama, Mistral
 and Qwen2: `gguf_families.PER_LAYER_FAMILIES`) keep their structure: the file is `export --size`'s types alone.
+So does a unit whose refit would read too few calibration tokens per input (`byte_structure.trusted_targets`): the
+1.5B model's MLPs on its recipe's 32 windows, whose error on the calibration is a fraction of its error on new text.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from compressor.methods.masa.byte_structure import (
     STRUCTURE_WEIGHT,
     SizeTarget,
     smallest_matrices,
+    trusted_targets,
 )
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
@@ -73,15 +76,36 @@ def check_size_options(options: CompressOptions, ratio_given: bool) -> None:
         raise UserError(f"{flag} counts bytes, not a share of the parameters: drop --ratio-of")
 
 
-def structure_targets(model_type: str, options: CompressOptions) -> tuple[str | None, str]:
-    """What the allocation may narrow (`--targets` form, None: nothing) and why, for the family and options."""
+def structure_targets(model: str, config, options: CompressOptions) -> tuple[str | None, str]:
+    """What the allocation may narrow (`--targets` form, None: nothing) and why, for the family, the options and
+    the calibration the structure's run reads (`byte_structure.trusted_targets`: a refit fitted on too few tokens
+    per input is not offered)."""
+    from compressor.api.session import resolve_run
+    from compressor.modeling.adapters import geometry_from_config
+
+    model_type = config.model_type
     if per_layer_refusal(model_type):
         return (
             None,
             f"{model_type}: its llama.cpp architecture takes one MLP width for all layers: types only",
         )
-    targets = options.targets or "attn,mlp"
-    return targets, {"attn": "query heads", "mlp": "MLP widths"}.get(targets, "MLP widths and query heads")
+    geometry = geometry_from_config(config)
+    widths = {"attn": geometry.input_size("o"), "mlp": geometry.input_size("down")}
+
+    def windows_for(targets: str) -> tuple[int, int]:
+        calibration = resolve_run(model, structure_options(options, targets)).calibration
+        return calibration.samples, calibration.seq_len
+
+    targets, left_out = trusted_targets(options.targets or "attn,mlp", widths, windows_for)
+    what = {"attn": "query heads", "mlp": "MLP widths"}.get(targets or "", "MLP widths and query heads")
+    return targets, "; ".join([what if targets else "types only", *left_out])
+
+
+def structure_options(options: CompressOptions, targets: str) -> CompressOptions:
+    """The options of the `compress` run that builds the structure: the engine-native forms of `targets`, every
+    width down to the floor on offer, no byte budget of its own."""
+    return replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global",
+                   size=None, bits_per_weight=None)  # fmt: skip
 
 
 def default_out(model: str, flag_value: str) -> str:
@@ -119,6 +143,7 @@ def compress_to_size(
     label = str(options.size or f"{options.bits_per_weight:g}bpw").replace(" ", "")
     out = check_gguf_output(options.out or default_out(model, label), options.overwrite)
     source, config, targets, structure_note = check_source(model, options, wanted)
+    note(f"[dim]structure: {structure_note}[/]", progress)
     structure_options = None
     if (
         targets is not None
@@ -181,7 +206,7 @@ def check_source(model: str, options: CompressOptions, wanted):
             f"model_type '{model_type}': {NOT_EXACT.get(model_type) or 'llama.cpp has no architecture for it here'}"
             f": --size writes a GGUF (families with one: {', '.join(UNIFORM_ARCHITECTURE)})"
         )
-    targets, structure_note = structure_targets(model_type, options)
+    targets, structure_note = structure_targets(model, config, options)
     if source.kind not in ("bundled", "gguf"):
         raise UserError(
             f"{source.describe()}: --size writes a GGUF and copies the tokenizer from the model's own GGUF, which "
@@ -211,8 +236,8 @@ def structure_run(options: CompressOptions, targets: str, out: Path) -> Compress
     """The `compress` run that builds the structure: the engine-native forms of `targets`, no evaluation (the GGUF
     is scored instead), its checkpoint to a temporary folder beside `out` (set when it runs)."""
     return replace(
-        options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global", evaluate=False,
-        save=True, overwrite=True, size=None, bits_per_weight=None, out=str(out.parent / ".structure"),
+        structure_options(options, targets), evaluate=False, save=True, overwrite=True,
+        out=str(out.parent / ".structure"),
     )  # fmt: skip
 
 
@@ -302,18 +327,19 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
         raise UserError(
             f"model_type '{model_type}': --size writes a GGUF, and llama.cpp has no architecture for it here"
         )
-    targets, note_ = structure_targets(model_type, options)
+    targets, note_ = structure_targets(model, config, options)
     parameters = model_parameter_count(config)
     budget = wanted.bytes_for(parameters)
     result = {
         "model": source.describe(), "parameters": parameters, "budget": budget, "budget_flag": wanted.flag,
         "bits_per_weight": 8 * budget / parameters, "f16_bytes": 2 * parameters, "structure": note_,
         "candidates": {}, "memory": None, "smallest_matrices": smallest_from_config(config, targets),
-        "after_calibration": "each MLP's width, each attention's heads and every matrix's type",
+        "after_calibration": {"attn": "each attention's heads and every matrix's type",
+                              "mlp": "each MLP's width and every matrix's type", None: "every matrix's type"}.get(
+            targets, "each MLP's width, each attention's heads and every matrix's type"),
     }  # fmt: skip
     if targets is not None:
-        run_options = replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True,
-                              allocation="global", size=None, bits_per_weight=None)  # fmt: skip
+        run_options = structure_options(options, targets)
         run = resolve_run(model, run_options)
         heads = config.num_attention_heads // config.num_key_value_heads
         result["candidates"] = {

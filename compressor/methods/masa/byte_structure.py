@@ -47,6 +47,16 @@ from compressor.runtime.progress import progress_bar
 #: perplexity), κ = 0.5 removed 6.7M and lost (+0.168 [+0.052, +0.278]), κ = 2 and 4 removed nothing; at 90 and 84
 #: MiB no κ removed anything (benchmarks/results/choices/structure-weight-validation.json).
 STRUCTURE_WEIGHT = 1.0
+#: The least calibration tokens per input column of a unit's refit (down_proj's input: one column per neuron; o_proj's:
+#: one per head dimension) for the structure to be offered: the least-squares refit's error is measured on the tokens
+#: it was fitted on, and with few tokens per column that error is far below the error on new text, so the structure
+#: would be bought at a price it does not hold. Measured on the validation split, the refit's error on new tokens
+#: over its error on the calibration (benchmarks/results/choices/structure-error-*.json): on the bundled model's
+#: MLPs (1536 wide, ten layer-widths) 1.5-3.3x at 5 tokens per neuron, 1.2-2.0x at 11, 1.05-1.5x at 21, 0.95-1.13x
+#: at 43 and 0.89-1.06x at 85; on the 1.5B model's (8960 wide, its recipe's 1.8 tokens per neuron) 2.5-68x, and
+#: the measured loss rise of one MLP narrowed followed the error on new tokens, not the calibration's (structure
+#: chosen on the calibration's lost to types alone in llama.cpp: results/size-structure-qwen2.5-coder-1.5b.json).
+LEAST_TOKENS_PER_INPUT = 40
 #: The least fraction of a unit's neurons (or heads per KV group) a candidate keeps, and the most widths offered
 #: per MLP (every multiple of the step from the full width down to that floor).
 STRUCTURE_FLOOR = 0.5
@@ -80,6 +90,31 @@ class Candidate:
 
 def padded(nbytes: int) -> int:
     return -(-nbytes // 32) * 32
+
+
+def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> tuple[str | None, list[str]]:
+    """The part of `targets` (`attn`, `mlp` or both) whose refits read at least LEAST_TOKENS_PER_INPUT
+    calibration tokens per input column (`input_widths`: `attn` -> o_proj's input, `mlp` -> down_proj's;
+    `windows_for(targets)`: the calibration windows and their length a run of those targets reads), None where
+    no part does, and a line for each part left out."""
+    kept, lines = [t for t in ("attn", "mlp") if t in targets.split(",")], []
+    while kept:
+        windows, seq_len = windows_for(",".join(kept))
+        tokens = windows * seq_len
+        short = [t for t in kept if tokens < LEAST_TOKENS_PER_INPUT * input_widths[t]]
+        if not short:
+            break
+        for t in short:
+            width = input_widths[t]
+            what = {"attn": "query heads", "mlp": "MLP widths"}[t]
+            lines.append(
+                f"{what} not offered: {tokens:,} calibration tokens for {width:,} inputs per refit "
+                f"({tokens / width:.1f} per input) price the structure at a fraction of its loss on new text; "
+                f"{LEAST_TOKENS_PER_INPUT} per input (--calib-samples {-(-LEAST_TOKENS_PER_INPUT * width // seq_len)}: "
+                f"windows of {seq_len} tokens) let it compete"
+            )
+        kept = [t for t in kept if t not in short]
+    return (",".join(kept) or None), lines
 
 
 def candidate_widths(
