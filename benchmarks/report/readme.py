@@ -238,7 +238,9 @@ def _size_instead(results: dict) -> str:
 
 def _structure_overrated(path: Path | None = None) -> str:
     """Where a measured `compress --size` file (structure chosen) scored worse than `export --size` (types alone)
-    of the same budget on the same windows: the structure's loss predicted too low there, said with its figures."""
+    of the same budget on the same windows: the structure's loss predicted too low there, said with its figures,
+    and, once measured (`guarded`), what the same command writes since a byte budget prices structure only on
+    enough calibration tokens (`byte_structure.LEAST_TOKENS_PER_INPUT`)."""
     path = path or RESULTS_DIR / "size-structure-qwen2.5-coder-1.5b.json"
     frontier = RESULTS_DIR / "bytes-qwen2.5-coder-1.5b.json"
     if not path.is_file() or not frontier.is_file():
@@ -252,13 +254,26 @@ def _structure_overrated(path: Path | None = None) -> str:
     removed = chosen["structure"]["removed_parameters"] / (
         chosen["parameters"] + chosen["structure"]["removed_parameters"]
     )
-    return (
-        f" But on Qwen2.5-Coder-1.5B at the bytes of llama.cpp's {row['type']} mix, `compress --size` removed "
+    said = (
+        f" But on Qwen2.5-Coder-1.5B at the bytes of llama.cpp's {row['type']} mix, `compress --size` had removed "
         f"{removed:.0%} of the parameters and scored {scored['ppl']:.2f} on the same {scored['tokens']:,} test tokens "
         f"where `export --size` scored {row['ours_ppl']:.2f} and the mix {row['baseline_ppl']:.2f} (one run, no interval): "
         f"it predicted a loss rise of {chosen['structure']['predicted_loss_rise']:.3f} nats per token and "
-        f"{scored['nll'] - math.log(scored['ppl_original']):.3f} was measured, so its structure error is "
-        "predicted too low on that model; use `export --size` there."
+        f"{scored['nll'] - math.log(scored['ppl_original']):.3f} was measured"
+    )
+    guarded = run.get("guarded")
+    if guarded is None:
+        return (
+            said + ", so its structure error is predicted too low on that model; use `export --size` there."
+        )
+    removed_now = guarded["compress"]["structure"].get("removed_parameters", 0)
+    return (
+        said + ": its refits' errors came from the recipe's "
+        f"{guarded['calibration_tokens'] / guarded['mlp_width']:.1f} calibration tokens per MLP neuron, far below "
+        "their errors on new text (BENCHMARKS.md section 7). A byte budget now offers structure only from "
+        f"{guarded['least_tokens_per_input']} tokens per input, and the same command "
+        + ("writes types alone" if not removed_now else f"removes {removed_now:,} parameters")
+        + f": {guarded['llama_cpp']['ppl']:.2f} on those tokens."
     )
 
 
