@@ -24,6 +24,7 @@ from compressor.methods.masa.byte_structure import (
 )
 from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
 
 #: `--size 76MiB` of the bundled model on 120 calibration windows (the fewest whose refits a byte budget prices), in
@@ -87,6 +88,11 @@ def test_plan_size_says_which_structure_its_calibration_can_price():
     assert "MLP widths not offered: 4,096 calibration tokens for 1,536 inputs" in few["structure"]
     assert few["candidates"] == {} and few["after_calibration"] == "every matrix's type"
     assert few["smallest_matrices"] > default["smallest_matrices"]  # nothing narrower to fall back on
+    assert (
+        plan_size("smollm2-135m", CompressOptions(size="76MiB", targets=" mlp"))["structure"] == "MLP widths"
+    )
+    with pytest.raises(UserError, match="unknown target 'heads': use --targets attn, mlp or attn,mlp"):
+        plan_size("smollm2-135m", CompressOptions(size="76MiB", targets="heads"))
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -81,7 +81,7 @@ def structure_targets(model: str, config, options: CompressOptions) -> tuple[str
     the calibration the structure's run reads (`byte_structure.trusted_targets`: a refit fitted on too few tokens
     per input is not offered)."""
     from compressor.api.session import resolve_run
-    from compressor.modeling.adapters import geometry_from_config
+    from compressor.modeling.adapters import geometry_from_config, target_projections
 
     model_type = config.model_type
     if per_layer_refusal(model_type):
@@ -96,7 +96,9 @@ def structure_targets(model: str, config, options: CompressOptions) -> tuple[str
         calibration = resolve_run(model, structure_options(options, targets)).calibration
         return calibration.samples, calibration.seq_len
 
-    targets, left_out = trusted_targets(options.targets or "attn,mlp", widths, windows_for)
+    asked = options.targets or "attn,mlp"
+    target_projections(asked)  # an unknown target: its one-line error, before anything is left out
+    targets, left_out = trusted_targets(asked, widths, windows_for)
     what = {"attn": "query heads", "mlp": "MLP widths"}.get(targets or "", "MLP widths and query heads")
     return targets, "; ".join([what if targets else "types only", *left_out])
 

@@ -97,7 +97,7 @@ def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> 
     calibration tokens per input column (`input_widths`: `attn` -> o_proj's input, `mlp` -> down_proj's;
     `windows_for(targets)`: the calibration windows and their length a run of those targets reads), None where
     no part does, and a line for each part left out."""
-    kept, lines = [t for t in ("attn", "mlp") if t in targets.split(",")], []
+    kept, lines = [t for t in ("attn", "mlp") if t in {part.strip() for part in targets.split(",")}], []
     while kept:
         windows, seq_len = windows_for(",".join(kept))
         tokens = windows * seq_len
