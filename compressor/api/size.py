@@ -42,6 +42,7 @@ from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
 from compressor.methods.masa.byte_structure import (
     STRUCTURE_FLOOR,
     STRUCTURE_WEIGHT,
+    UNIT_NAMES,
     SizeTarget,
     smallest_matrices,
     trusted_targets,
@@ -93,17 +94,17 @@ def structure_targets(model: str, config, options: CompressOptions) -> tuple[str
     widths = {"attn": geometry.input_size("o"), "mlp": geometry.input_size("down")}
 
     def windows_for(targets: str) -> tuple[int, int]:
-        calibration = resolve_run(model, structure_options(options, targets)).calibration
+        calibration = resolve_run(model, native_options(options, targets)).calibration
         return calibration.samples, calibration.seq_len
 
     asked = options.targets or "attn,mlp"
     target_projections(asked)  # an unknown target: its one-line error, before anything is left out
     targets, left_out = trusted_targets(asked, widths, windows_for)
-    what = {"attn": "query heads", "mlp": "MLP widths"}.get(targets or "", "MLP widths and query heads")
-    return targets, "; ".join([what if targets else "types only", *left_out])
+    what = " and ".join(UNIT_NAMES[t] for t in ("mlp", "attn") if t in (targets or "").split(","))
+    return targets, "; ".join([what or "types only", *left_out])
 
 
-def structure_options(options: CompressOptions, targets: str) -> CompressOptions:
+def native_options(options: CompressOptions, targets: str) -> CompressOptions:
     """The options of the `compress` run that builds the structure: the engine-native forms of `targets`, every
     width down to the floor on offer, no byte budget of its own."""
     return replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global",
@@ -238,7 +239,7 @@ def structure_run(options: CompressOptions, targets: str, out: Path) -> Compress
     """The `compress` run that builds the structure: the engine-native forms of `targets`, no evaluation (the GGUF
     is scored instead), its checkpoint to a temporary folder beside `out` (set when it runs)."""
     return replace(
-        structure_options(options, targets), evaluate=False, save=True, overwrite=True,
+        native_options(options, targets), evaluate=False, save=True, overwrite=True,
         out=str(out.parent / ".structure"),
     )  # fmt: skip
 
@@ -341,7 +342,7 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
             targets, "each MLP's width, each attention's heads and every matrix's type"),
     }  # fmt: skip
     if targets is not None:
-        run_options = structure_options(options, targets)
+        run_options = native_options(options, targets)
         run = resolve_run(model, run_options)
         heads = config.num_attention_heads // config.num_key_value_heads
         result["candidates"] = {

@@ -92,6 +92,10 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // 32) * 32
 
 
+#: What a byte budget may narrow, by `--targets` name, as its lines name it.
+UNIT_NAMES = {"mlp": "MLP widths", "attn": "query heads"}
+
+
 def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> tuple[str | None, list[str]]:
     """The part of `targets` (`attn`, `mlp` or both) whose refits read at least LEAST_TOKENS_PER_INPUT
     calibration tokens per input column (`input_widths`: `attn` -> o_proj's input, `mlp` -> down_proj's;
@@ -106,9 +110,8 @@ def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> 
             break
         for t in short:
             width = input_widths[t]
-            what = {"attn": "query heads", "mlp": "MLP widths"}[t]
             lines.append(
-                f"{what} not offered: {tokens:,} calibration tokens for {width:,} inputs per refit "
+                f"{UNIT_NAMES[t]} not offered: {tokens:,} calibration tokens for {width:,} inputs per refit "
                 f"({tokens / width:.1f} per input) price the structure at a fraction of its loss on new text; "
                 f"{LEAST_TOKENS_PER_INPUT} per input (--calib-samples {-(-LEAST_TOKENS_PER_INPUT * width // seq_len)}: "
                 f"windows of {seq_len} tokens) let it compete"
