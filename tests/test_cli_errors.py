@@ -360,6 +360,29 @@ CASES = [
         "--bits-per-weight 0.5: must lie between 1 and 32",
     ),
     (
+        "an imatrix file not named .gguf",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--imatrix-out", str(t / "imatrix.dat")],
+        "/imatrix.dat: llama.cpp's imatrix file is a GGUF: name it FILE.gguf",
+    ),
+    (
+        "an imatrix file at the model's own path",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--imatrix-out", str(t / "m.gguf")],
+        "the model's own path: name the imatrix file differently",
+    ),
+    (
+        "an imatrix file with --format hf",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "dense"),
+            "--format",
+            "hf",
+            "--imatrix-out",
+            str(t / "imatrix.gguf"),
+        ],  # fmt: skip
+        "--imatrix-out writes llama.cpp's importance matrix: use --format gguf (OUT.gguf)",
+    ),
+    (
         "a size that is not one",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "ninety"],
         "--size ninety: not a size",

@@ -50,6 +50,7 @@ def export(
     overwrite: bool = False,
     progress: bool = True,
     record: dict[str, str] | None = None,
+    imatrix_out: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
     checked before any weight is read.
@@ -63,7 +64,11 @@ def export(
     loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
     calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
     per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `record`: more
-    string fields for the file (`compress --size` records its structure's allocation)."""
+    string fields for the file (`compress --size` records its structure's allocation).
+
+    `imatrix_out`: also write the importance weights, measured on the model written as `calibration` measures
+    them (whatever `imatrix` is), as llama.cpp's imatrix file (`checkpoint/imatrix_file.py`), for
+    `llama-quantize --imatrix`."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     if format == "gguf" and layout != "padded":
@@ -73,6 +78,8 @@ def export(
     wanted = parse_budget(size, bits_per_weight)
     if wanted is not None and format != "gguf":
         raise UserError(f"{wanted.flag} sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
+    if imatrix_out is not None and format != "gguf":
+        raise UserError("--imatrix-out writes llama.cpp's importance matrix: use --format gguf (OUT.gguf)")
     source = resolve_model(model)
     if format == "hf":
         if source.kind != "compressed":
@@ -83,13 +90,18 @@ def export(
             "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
             "compressed_params": result.compressed_params, "dense_params": result.dense_params,
         })  # fmt: skip
-    tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples)
+    tensor_type, use_importance = check_quantization(
+        tensor_type, imatrix, wanted, calib_samples, imatrix_out is not None
+    )
     out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
+    if imatrix_out is not None:
+        imatrix_out = check_imatrix_output(imatrix_out, out, overwrite)
+    measure = use_importance or imatrix_out is not None
     original = original_source(source)
     check_hub_model(source)
     tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
     calibration, calib_text = None, None
-    if use_importance:
+    if measure:
         from compressor.calibration.sources import load_documents
 
         calibration = importance_calibration(source, original, calib_samples)
@@ -97,7 +109,7 @@ def export(
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     measured, imatrix_note, chooser = None, "", None
-    if use_importance:
+    if measure:
         measured, imatrix_note = measure_for_export(
             loaded, calibration, calib_text, budget is not None, progress
         )
@@ -108,9 +120,14 @@ def export(
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
         extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})},
-        importance=None if measured is None else measured.weights, imatrix_note=imatrix_note, choose_types=chooser,
+        importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
+        choose_types=chooser,
     )  # fmt: skip
     details = written.as_dict()
+    if imatrix_out is not None:
+        details["imatrix_file"] = write_imatrix_of(
+            loaded.model, measured, imatrix_note, imatrix_out
+        ).to_dict()
     if chooser is not None:
         plan = chooser.plan.to_dict()
         details |= {"type": "size", "budget": budget, "predicted_loss_rise": plan["predicted_loss_rise"]}
@@ -118,11 +135,16 @@ def export(
 
 
 def check_quantization(
-    tensor_type: str | None, imatrix: str | None, wanted: ByteBudget | None, calib_samples: int | None
+    tensor_type: str | None,
+    imatrix: str | None,
+    wanted: ByteBudget | None,
+    calib_samples: int | None,
+    writes_imatrix: bool = False,
 ) -> tuple[str, bool]:
-    """(the --type written, whether importance weights are measured), or a one-line error for options that do
-    not go together. With a byte budget every matrix's type is the budget's: f16 is the type `write_gguf` is
-    handed, its `choose_types` decides."""
+    """(the --type written, whether its quantization uses importance weights), or a one-line error for options
+    that do not go together. With a byte budget every matrix's type is the budget's: f16 is the type
+    `write_gguf` is handed, its `choose_types` decides. `writes_imatrix`: the weights are measured for an imatrix
+    file anyway, so `calib_samples` applies."""
     if wanted is not None:
         from compressor.checkpoint.ggml_quantize import check_quantizer
 
@@ -137,11 +159,35 @@ def check_quantization(
     else:
         tensor_type = check_gguf_type(tensor_type or "f16")
         use_importance = check_imatrix(tensor_type, imatrix)
-    if calib_samples is not None and not use_importance:
+    if calib_samples is not None and not (use_importance or writes_imatrix):
         raise UserError(
-            "--calib-samples sets the importance weights' windows: it needs --imatrix calibration"
+            "--calib-samples sets the importance weights' windows: it needs --imatrix calibration or --imatrix-out"
         )
     return tensor_type, use_importance
+
+
+def check_imatrix_output(imatrix_out: str | os.PathLike, out: Path, overwrite: bool) -> Path:
+    """The imatrix file's path, or a one-line error: not a .gguf name, the model's own path, or it exists."""
+    path = Path(imatrix_out)
+    if path.suffix != ".gguf":
+        raise UserError(f"--imatrix-out {path}: llama.cpp's imatrix file is a GGUF: name it FILE.gguf")
+    if path.resolve() == out.resolve():
+        raise UserError(f"--imatrix-out {path}: the model's own path: name the imatrix file differently")
+    if path.exists() and not overwrite:
+        raise UserError(f"{path}: already exists: pass --overwrite or choose another path")
+    return path
+
+
+def write_imatrix_of(model, measured, note: str, out: Path):
+    """`measured` importance weights of `model` as llama.cpp's imatrix file at `out` (GGUF tensor names)."""
+    from compressor.checkpoint.gguf_export import importance_by_tensor
+    from compressor.checkpoint.imatrix_file import write_imatrix
+
+    architecture, vectors = importance_by_tensor(model, measured.weights)
+    return write_imatrix(
+        out, vectors, tokens=measured.tokens, chunks=measured.windows,
+        chunk_size=measured.tokens // max(measured.windows, 1), dataset=note, architecture=architecture,
+    )  # fmt: skip
 
 
 def measure_for_export(

@@ -93,6 +93,16 @@ def export_command(
             "the recipe's samples).",
         ),
     ] = None,
+    imatrix_out: Annotated[
+        str | None,
+        typer.Option(
+            "--imatrix-out",
+            metavar="FILE.gguf",
+            help="Also write the importance weights (measured on the calibration text, as --imatrix calibration "
+            "measures them) as llama.cpp's imatrix file, for `llama-quantize --imatrix FILE.gguf` "
+            "(e.g. with --type f16).",
+        ),
+    ] = None,
     tokenizer_from: Annotated[
         str | None,
         typer.Option(
@@ -126,7 +136,7 @@ def export_command(
     result = export(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight, overwrite=overwrite,
-        progress=not as_json,
+        progress=not as_json, imatrix_out=imatrix_out,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))
@@ -149,6 +159,12 @@ def export_command(
     if len(counts) > 1 or info.get("imatrix", "none") != "none":
         mix = ", ".join(f"{n} {t}" for t, n in counts.items())
         console.print(f"Matrices: {mix}; importance weights: {info.get('imatrix', 'none')}.")
+    if info.get("imatrix_file"):
+        written = info["imatrix_file"]
+        console.print(
+            f"Wrote {written['path']}: llama.cpp's importance matrix, {written['entries']} matrices, "
+            f"{written['chunks']} windows of {written['chunk_size']} tokens (llama-quantize --imatrix reads it)."
+        )
     if info["fallbacks"]:
         kinds = sorted(set(info["fallbacks"].values()))
         console.print(
