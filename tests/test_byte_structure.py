@@ -19,6 +19,7 @@ from compressor.methods.masa.byte_structure import (
     SizeTarget,
     candidate_widths,
     combine,
+    few_tokens_warning,
     smallest_matrices,
     trusted_targets,
 )
@@ -73,6 +74,45 @@ def test_a_refit_on_too_few_tokens_per_input_is_not_offered_and_the_line_says_ho
     assert (
         LEAST_TOKENS_PER_INPUT * 1536 <= 256 * 512
     )  # the bundled model's default calibration offers its MLPs
+
+
+def test_a_ratio_run_whose_refits_read_few_tokens_per_input_is_warned_with_the_windows_that_would_do():
+    """The same threshold as the byte budget's, said (not enforced) for a `--ratio` run: the 1.5B recipe's 32
+    windows of 512 give its MLP refits 1.8 tokens per neuron; the bundled model's 256 give 85 (no line)."""
+    line = few_tokens_warning({"mlp": 8960, "attn": 1536}, 32, 512)
+    assert line.startswith(
+        "the least-squares refits read few calibration tokens per input (1.8 per neuron for down_proj, 10.7 per "
+        "head dimension for o_proj; 16,384 tokens in all)"
+    )
+    assert line.endswith("(--calib-samples 700: windows of 512 tokens)")  # 40 x 8960 / 512, rounded up
+    assert few_tokens_warning({"mlp": 1536, "attn": 576}, 256, 512) is None
+    assert few_tokens_warning({"mlp": 1536, "attn": 576}, 120, 512) is None  # 40.0 per neuron: enough
+    only_mlp = few_tokens_warning({"mlp": 1536, "attn": 576}, 119, 512)
+    assert "39.7 per neuron for down_proj;" in only_mlp and "o_proj" not in only_mlp
+    assert few_tokens_warning({}, 1, 8) is None  # no refit (factored attention, FLAP): nothing to say
+
+
+def test_the_run_warns_only_for_the_refits_its_forms_make():
+    from compressor.api.session import refit_tokens_warning
+    from compressor.methods.base import ModelShape
+    from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
+
+    model = k_quant_model(num_hidden_layers=2)
+    adapter = get_adapter(model)
+    few = torch.zeros(2, 64, dtype=torch.long)  # 128 tokens: short of 40 per input for any of these widths
+    both = ModelShape.from_adapter(adapter, PROJECTIONS + MLP_PROJECTIONS)
+    line = refit_tokens_warning(NATIVE, both, True, few)
+    assert "per neuron for down_proj" in line and "per head dimension for o_proj" in line
+    default = CompressionSettings(method="masa", targets="attn,mlp")  # factored attention: no o_proj refit
+    line = refit_tokens_warning(default, both, True, few)
+    assert "per neuron for down_proj" in line and "o_proj" not in line
+    attention_only = ModelShape.from_adapter(adapter, PROJECTIONS)
+    assert "o_proj" in refit_tokens_warning(NATIVE, attention_only, False, few)
+    assert "down_proj" not in refit_tokens_warning(NATIVE, attention_only, False, few)
+    flap = CompressionSettings(method="flap", targets="attn,mlp")  # bias compensation, no least-squares refit
+    assert refit_tokens_warning(flap, both, True, few) is None
+    enough = torch.zeros(1, 40 * model.config.intermediate_size, dtype=torch.long)
+    assert refit_tokens_warning(NATIVE, both, True, enough) is None
 
 
 def test_plan_size_says_which_structure_its_calibration_can_price():

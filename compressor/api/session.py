@@ -26,7 +26,7 @@ from compressor.calibration.windows import (
 )
 from compressor.math.accounting import check_ratio, targets_ratio
 from compressor.methods import Method, ModelShape, get_method
-from compressor.modeling.adapters import MLP_PROJECTIONS, check_family_forms, target_projections
+from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, check_family_forms, target_projections
 from compressor.recipes.schema import (
     CalibrationSettings,
     CompressionSettings,
@@ -170,6 +170,22 @@ def heavy_share_warning(
     )
 
 
+def refit_tokens_warning(compression, shape: ModelShape, with_mlp: bool, windows: torch.Tensor) -> str | None:
+    """The line `byte_structure.few_tokens_warning` gives for the least-squares refits this run makes (MASA's
+    `neurons` MLP refits down_proj, its `heads` attention o_proj) on `windows`, None where there are none or
+    they read enough tokens."""
+    from compressor.methods.masa.byte_structure import few_tokens_warning
+
+    if compression.method != "masa":
+        return None
+    widths = {}
+    if with_mlp and compression.mlp == "neurons":
+        widths["mlp"] = shape.geometry.input_size("down")
+    if compression.attention == "heads" and set(shape.targets) & set(PROJECTIONS):
+        widths["attn"] = shape.geometry.input_size("o")
+    return few_tokens_warning(widths, int(windows.shape[0]), int(windows.shape[1]))
+
+
 def prepare_run(
     run: RunSpec, options: CompressOptions, model, adapter, tokenizer, calib_text, eval_text
 ) -> Prepared:
@@ -190,6 +206,8 @@ def prepare_run(
         note(f"[yellow]warning:[/] {warning}")  # before calibrating: the user can stop and ask otherwise
     run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
+    if warning := refit_tokens_warning(run.compression, shape, with_mlp, calib_windows):
+        note(f"[yellow]warning:[/] {warning}")
     eval_windows, eval_name = (
         evaluation_token_windows(tokenizer, run.evaluation, eval_text) if eval_text else (None, "")
     )

@@ -96,6 +96,34 @@ def padded(nbytes: int) -> int:
 UNIT_NAMES = {"mlp": "MLP widths", "attn": "query heads"}
 
 
+def windows_for_enough_tokens(width: int, seq_len: int) -> int:
+    """The calibration windows of `seq_len` tokens that give a refit of `width` inputs LEAST_TOKENS_PER_INPUT
+    tokens per input."""
+    return -(-LEAST_TOKENS_PER_INPUT * width // seq_len)
+
+
+def few_tokens_warning(input_widths: dict[str, int], windows: int, seq_len: int) -> str | None:
+    """One line where a run's refits (`input_widths`: `attn` -> o_proj's input when heads are removed, `mlp` ->
+    down_proj's when neurons are) read fewer than LEAST_TOKENS_PER_INPUT calibration tokens per input, None
+    otherwise: what it costs and the `--calib-samples` that gives enough."""
+    tokens = windows * seq_len
+    short = {t: w for t, w in input_widths.items() if tokens < LEAST_TOKENS_PER_INPUT * w}
+    if not short:
+        return None
+    widest = max(short.values())
+    parts = ", ".join(f"{tokens / w:.1f} {REFIT_NAMES[t]}" for t, w in short.items())
+    return (
+        f"the least-squares refits read few calibration tokens per input ({parts}; {tokens:,} tokens in all): "
+        f"fitted that closely to the calibration text, their error on new text exceeds what the allocation "
+        f"predicts, so expect a larger quality loss than with {LEAST_TOKENS_PER_INPUT} per input "
+        f"(--calib-samples {windows_for_enough_tokens(widest, seq_len)}: windows of {seq_len} tokens)"
+    )
+
+
+#: The refits a unit's structure reads, as the warning names them.
+REFIT_NAMES = {"mlp": "per neuron for down_proj", "attn": "per head dimension for o_proj"}
+
+
 def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> tuple[str | None, list[str]]:
     """The part of `targets` (`attn`, `mlp` or both) whose refits read at least LEAST_TOKENS_PER_INPUT
     calibration tokens per input column (`input_widths`: `attn` -> o_proj's input, `mlp` -> down_proj's;
@@ -113,7 +141,7 @@ def trusted_targets(targets: str, input_widths: dict[str, int], windows_for) -> 
             lines.append(
                 f"{UNIT_NAMES[t]} not offered: {tokens:,} calibration tokens for {width:,} inputs per refit "
                 f"({tokens / width:.1f} per input) price the structure at a fraction of its loss on new text; "
-                f"{LEAST_TOKENS_PER_INPUT} per input (--calib-samples {-(-LEAST_TOKENS_PER_INPUT * width // seq_len)}: "
+                f"{LEAST_TOKENS_PER_INPUT} per input (--calib-samples {windows_for_enough_tokens(width, seq_len)}: "
                 f"windows of {seq_len} tokens) let it compete"
             )
         kept = [t for t in kept if t not in short]
