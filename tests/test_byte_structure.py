@@ -99,20 +99,32 @@ def test_the_run_warns_only_for_the_refits_its_forms_make():
 
     model = k_quant_model(num_hidden_layers=2)
     adapter = get_adapter(model)
-    few = torch.zeros(2, 64, dtype=torch.long)  # 128 tokens: short of 40 per input for any of these widths
+    few = (2, 64)  # 128 tokens: short of 40 per input for any of these widths
     both = ModelShape.from_adapter(adapter, PROJECTIONS + MLP_PROJECTIONS)
-    line = refit_tokens_warning(NATIVE, both, True, few)
+    line = refit_tokens_warning(NATIVE, both, *few)
     assert "per neuron for down_proj" in line and "per head dimension for o_proj" in line
     default = CompressionSettings(method="masa", targets="attn,mlp")  # factored attention: no o_proj refit
-    line = refit_tokens_warning(default, both, True, few)
+    line = refit_tokens_warning(default, both, *few)
     assert "per neuron for down_proj" in line and "o_proj" not in line
     attention_only = ModelShape.from_adapter(adapter, PROJECTIONS)
-    assert "o_proj" in refit_tokens_warning(NATIVE, attention_only, False, few)
-    assert "down_proj" not in refit_tokens_warning(NATIVE, attention_only, False, few)
+    assert "o_proj" in refit_tokens_warning(NATIVE, attention_only, *few)
+    assert "down_proj" not in refit_tokens_warning(NATIVE, attention_only, *few)
     flap = CompressionSettings(method="flap", targets="attn,mlp")  # bias compensation, no least-squares refit
-    assert refit_tokens_warning(flap, both, True, few) is None
-    enough = torch.zeros(1, 40 * model.config.intermediate_size, dtype=torch.long)
-    assert refit_tokens_warning(NATIVE, both, True, enough) is None
+    assert refit_tokens_warning(flap, both, *few) is None
+    assert refit_tokens_warning(NATIVE, both, 1, 40 * model.config.intermediate_size) is None
+
+
+def test_plan_warns_before_calibration_where_the_recipe_gives_the_refits_few_tokens():
+    """`plan` says it from the config and the recipe alone: the 1.5B recipe's native run warns, the bundled
+    model's default calibration does not."""
+    from compressor.api.preview import plan_compression as plan
+    from compressor.api.run_options import CompressOptions
+
+    native = dict(targets="attn,mlp", ratio=0.2, ratio_of="model", native=True)
+    large = plan("qwen2.5-coder-1.5b", CompressOptions(**native))
+    assert "1.8 per neuron for down_proj" in large["refit_warning"]
+    assert "(--calib-samples 700: windows of 512 tokens)" in large["refit_warning"]
+    assert plan("smollm2-135m", CompressOptions(**native))["refit_warning"] is None
 
 
 def test_plan_size_says_which_structure_its_calibration_can_price():

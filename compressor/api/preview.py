@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from compressor.api.memory_check import memory_estimate
 from compressor.api.model_loading import read_config, recipe_config, shapes_recipe
 from compressor.api.run_options import CompressOptions
-from compressor.api.session import heavy_share_warning, resolve_run
+from compressor.api.session import heavy_share_warning, refit_tokens_warning, resolve_run
 from compressor.math.accounting import CompressionPlan, check_ratio, targets_ratio, with_legacy_keys
 from compressor.math.grouping import ASSUMED_RULE_ENDS, ASSUMED_RULE_EVEN, assumed_groups, groups_from_layout
 from compressor.methods import Method, ModelShape, get_method
@@ -291,7 +291,8 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         )
     config, where = read_model_config(run.source)
     model_params = model_parameter_count(config)
-    target_params = ModelShape.from_config(config, target_projections(run.compression.targets)).params_before
+    shape = ModelShape.from_config(config, target_projections(run.compression.targets))
+    target_params = shape.params_before
     ratio = targets_ratio(
         options.ratio, options.ratio_of, model_params, target_params, run.compression.targets
     )
@@ -316,6 +317,10 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         "targets_ratio": ratio,
         "warning": heavy_share_warning(
             options.ratio, options.ratio_of, ratio, model_params, target_params, run.compression.targets
+        ),
+        # The run's least-squares refits on fewer calibration tokens per input than they need (None: enough).
+        "refit_warning": refit_tokens_warning(
+            run.compression, shape, run.calibration.samples, run.calibration.seq_len
         ),
         "model_params_before": model_params,
         # The targets' numbers change, nothing else does (an upper bound where the ranks are).

@@ -170,20 +170,20 @@ def heavy_share_warning(
     )
 
 
-def refit_tokens_warning(compression, shape: ModelShape, with_mlp: bool, windows: torch.Tensor) -> str | None:
+def refit_tokens_warning(compression, shape: ModelShape, windows: int, seq_len: int) -> str | None:
     """The line `byte_structure.few_tokens_warning` gives for the least-squares refits this run makes (MASA's
-    `neurons` MLP refits down_proj, its `heads` attention o_proj) on `windows`, None where there are none or
-    they read enough tokens."""
+    `neurons` MLP refits down_proj, its `heads` attention o_proj) on `windows` of `seq_len` tokens, None where
+    there are none or they read enough tokens."""
     from compressor.methods.masa.byte_structure import few_tokens_warning
 
     if compression.method != "masa":
         return None
     widths = {}
-    if with_mlp and compression.mlp == "neurons":
+    if set(shape.targets) & set(MLP_PROJECTIONS) and compression.mlp == "neurons":
         widths["mlp"] = shape.geometry.input_size("down")
     if compression.attention == "heads" and set(shape.targets) & set(PROJECTIONS):
         widths["attn"] = shape.geometry.input_size("o")
-    return few_tokens_warning(widths, int(windows.shape[0]), int(windows.shape[1]))
+    return few_tokens_warning(widths, windows, seq_len)
 
 
 def prepare_run(
@@ -206,7 +206,7 @@ def prepare_run(
         note(f"[yellow]warning:[/] {warning}")  # before calibrating: the user can stop and ask otherwise
     run.method.check_before_calibration(shape, run.compression, ratio)
     calib_windows = calibration_token_windows(tokenizer, run.calibration, calib_text)
-    if warning := refit_tokens_warning(run.compression, shape, with_mlp, calib_windows):
+    if warning := refit_tokens_warning(run.compression, shape, *calib_windows.shape):
         note(f"[yellow]warning:[/] {warning}")
     eval_windows, eval_name = (
         evaluation_token_windows(tokenizer, run.evaluation, eval_text) if eval_text else (None, "")

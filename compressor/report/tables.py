@@ -163,8 +163,9 @@ def _plan_header(plan: dict) -> list:
         ),
     ]
     out += _settings_lines(plan)
-    if plan.get("warning"):
-        out.append(Text(f"warning: {plan['warning']}", style="yellow"))
+    for key in ("warning", "refit_warning"):
+        if plan.get(key):
+            out.append(Text(f"warning: {plan[key]}", style="yellow"))
     groups = plan["groups"]
     if groups["layers"]:
         out.append(
