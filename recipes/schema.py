@@ -130,6 +130,14 @@ class CompressionSettings(_Strict):
         "about 15x cheaper to compute, a little worse. Unset, it follows the MLP's width: greedy-block from 4096 "
         "neurons (compressor/api/model_defaults.py)",
     )
+    refit: Literal["calibration", "stream"] = Field(
+        "calibration",
+        description="--attention heads' o_proj and --mlp neurons' down_proj: calibration: each refit by least "
+        "squares on the original model's statistics; stream: then refit again, layer by layer, on the compressed "
+        "model's own inputs over the calibration windows, to bring the residual stream back to the original's "
+        "(chosen on the bundled model's validation split for --native: benchmarks/experiments/sequential_refit; "
+        "in memory only, the original and the compressed layers run side by side)",
+    )
     auto_groups: bool = Field(
         False,
         description="choose groups G and atoms B (ignoring groups/bases) by a proxy computed before any module is "

@@ -53,6 +53,11 @@ def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
             "--layerwise collects the statistics of the original model: use --statistics original, or drop "
             "--layerwise to compress in memory"
         )
+    if run.compression.refit == "stream":
+        raise UserError(
+            "--refit stream runs the original and the compressed layers side by side in memory: use --refit "
+            "calibration with --layerwise, or drop --layerwise"
+        )
     if run.compression.method == "flap":
         raise UserError(
             "--method flap reads every input's mean, which --layerwise does not collect yet: drop --layerwise"

@@ -59,6 +59,7 @@ class CompressOptions:
     uniform_mlp: bool | None = None
     width_multiple: int | None = None
     neuron_order: str | None = None
+    refit: str | None = None
     sharing: str | None = None
     basis_layers: int | None = None
     sensitivity_samples: int | None = None

@@ -45,6 +45,7 @@ def compress_command(
     uniform_mlp: o.UniformMlp = None,
     width_multiple: o.WidthMultiple = None,
     neuron_order: o.NeuronOrder = None,
+    refit: o.Refit = None,
     groups: o.Groups = None,
     bases: o.Bases = None,
     largest_group_bases: o.LargestGroupBases = None,

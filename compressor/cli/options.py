@@ -190,7 +190,17 @@ NeuronOrder = Annotated[
         "--neuron-order",
         metavar="ORDER",
         rich_help_panel=MLP,
-        help=f"{choices('neuron_order')}: which neurons go first (default: by the MLP's width).",
+        help=", ".join(get_args(CompressionSettings.model_fields["neuron_order"].annotation))
+        + " (default: auto)",
+    ),
+]
+Refit = Annotated[
+    Opt[str],
+    typer.Option(
+        "--refit",
+        metavar="HOW",
+        rich_help_panel=MLP,
+        help=f"{choices('refit')} (default: {default('refit')}).",
     ),
 ]
 UniformMlp = Annotated[

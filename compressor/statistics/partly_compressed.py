@@ -8,13 +8,17 @@ embeddings, masks: they differ per layer in some families, e.g. Gemma's sliding-
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from compressor.math.whitening import WhiteningFactor, whitening_factor
 from compressor.modeling.adapters import ATTN_INPUT_PROJECTIONS, INPUT_OF, PROJECTIONS
 from compressor.runtime.device import autocast_to, float64_zeros
+from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
 from compressor.statistics.capture import add_gram, check_gram, token_mean
 
@@ -132,3 +136,131 @@ def _install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFa
                     install(layer, p, factor)
             runner.advance(layer)
             bar.advance()
+
+
+#: The matrices `--refit stream` refits: what the layer adds to the residual stream from its attention and its MLP.
+STREAM_MATRICES = ("o_proj", "down_proj")
+
+
+def original_layers(adapter) -> list[tuple[nn.Module, dict[str, str]]]:
+    """A copy of every decoder layer as it is now (before anything is installed), with the paths inside it of
+    the matrices `--refit stream` reads (their names differ between families)."""
+    copies = []
+    for index, layer in enumerate(adapter.layers):
+        paths = {}
+        for projection in STREAM_MATRICES:
+            module = adapter.projection(index, projection)
+            paths[projection] = next(name for name, m in layer.named_modules() if m is module)
+        copies.append((copy.deepcopy(layer), paths))
+    return copies
+
+
+def refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
+    """`--refit stream`: after the run has installed its layers, refit `matrices` (per layer: `o_proj`, `down_proj`
+    or both, plain narrowed matrices) on the compressed model's own inputs, layer by layer over the calibration
+    windows, each to bring the residual stream back to the original's at the point its output is added: o_proj to
+    `h_o + attn_o − h_c` (the original layer's stream after its attention, less the compressed stream before it),
+    down_proj to `out_o − mid_c` (the original layer's output, less the compressed stream after its attention).
+    `originals`: the original decoder layers (a copy made before anything was installed), run on the original
+    stream beside the compressed ones. The least-squares solve reads fp64 sums of x xᵀ and t xᵀ; a Cholesky that
+    needed damping is reported like the whitening's."""
+    with autocast_to(next(ctx.model.parameters()).device, ctx.stats.autocast), torch.no_grad():
+        _refit_on_stream(ctx, originals, matrices)
+
+
+def _refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
+    adapter = ctx.adapter
+    runner = LayerRunner(ctx.model, adapter, ctx.windows)
+    stream = [h.clone() for h in runner.hidden]  # the original model's, advanced by `originals`
+    start = time.perf_counter()
+    with progress_bar("Refits on the stream", total=adapter.num_layers, enabled=ctx.progress) as bar:
+        for layer in range(adapter.num_layers):
+            todo = matrices.get(layer, ())
+            outputs = [
+                _original_layer(*originals[layer], runner, layer, b, stream[b]) for b in range(len(stream))
+            ]
+            if "o_proj" in todo:  # to the original stream after the attention, less the compressed input
+                _solve(ctx, layer, "o_proj", runner, [(o + h) for o, _, h in outputs], subtract_input=True)
+            if "down_proj" in todo:  # to the original layer's output, less the compressed stream at the MLP
+                _solve(ctx, layer, "down_proj", runner, [out for _, out, _ in outputs], subtract_input=False)
+            runner.advance(layer)
+            stream = [out for _, out, _ in outputs]
+            bar.advance()
+    ctx.seconds["stream_refit"] = time.perf_counter() - start
+
+
+def _original_layer(layer_module, paths, runner: LayerRunner, index: int, batch: int, hidden: torch.Tensor):
+    """(o_proj's output, the layer's output, its input) of the original layer on the original stream of
+    `batch`, checked to be a residual layer whose o_proj and down_proj outputs are what it adds to the stream."""
+    seen = {}
+    attention = layer_module.get_submodule(paths["o_proj"])
+    down = layer_module.get_submodule(paths["down_proj"])
+    handles = [
+        attention.register_forward_hook(lambda m, a, out: seen.__setitem__("o", out.detach())),
+        down.register_forward_hook(lambda m, a, out: seen.__setitem__("down", out.detach())),
+    ]
+    try:
+        out = layer_module(hidden, **runner.layer_kwargs[(index, len(hidden))])
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = (out[0] if isinstance(out, tuple) else out).detach()
+    added = hidden + seen["o"] + seen["down"]
+    if not torch.allclose(added, out, rtol=1e-3, atol=1e-3 * float(out.abs().max())):
+        raise UserError(
+            "--refit stream: this family normalizes the attention's or the MLP's output before adding it to the "
+            "residual stream, where the refit's target assumes it is added as it is: use --refit calibration"
+        )
+    return seen["o"], out, hidden
+
+
+def _solve(
+    ctx, layer: int, projection: str, runner: LayerRunner, targets: list, subtract_input: bool
+) -> None:
+    """Refit `projection` of the compressed `layer` by least squares on its inputs over every batch, to the
+    targets less the compressed stream where the matrix's output is added (the layer's input for o_proj; for
+    down_proj, the stream after the attention: the layer's input plus o_proj's output)."""
+    module = ctx.adapter.projection(layer, projection)
+    attention = ctx.adapter.projection(layer, "o_proj")
+    width = module.in_features
+    gram = float64_zeros(width, width, device=runner.hidden[0].device)
+    cross = torch.zeros(module.out_features, width, dtype=torch.float64, device=gram.device)
+    tokens, seen = 0, {}
+
+    def on_input(m, args, out):
+        seen["x"] = args[0].detach()
+        raise _Stop
+
+    def on_attention(m, args, out):
+        seen["o"] = out.detach()
+
+    handles = [module.register_forward_hook(on_input)]
+    if not subtract_input:
+        handles.append(attention.register_forward_hook(on_attention))
+    try:
+        for batch, target in enumerate(targets):
+            hidden = runner.hidden[batch]
+            seen.clear()
+            try:
+                runner._run(layer, batch)
+            except _Stop:
+                pass
+            gap = target - hidden if subtract_input else target - (hidden + seen["o"])
+            if module.bias is not None:
+                gap = gap - module.bias
+            x = seen["x"]
+            add_gram(gram, x)
+            cross += gap.reshape(-1, gap.shape[-1]).double().T @ x.reshape(-1, width).double()
+            tokens += x.numel() // width
+    finally:
+        for handle in handles:
+            handle.remove()
+    check_gram(gram, f"layer {layer} {projection} (stream refit)")
+    gram = token_mean(gram, tokens)
+    factor = whitening_factor(gram.to(ctx.compute_device))
+    ctx.record_damping(factor, layer=layer, input=f"{projection} (stream refit)")
+    if factor.input_is_zero:  # nothing reaches it: the calibration's refit stays
+        return
+    refit = torch.cholesky_solve((cross / tokens).T.to(factor.S.device), factor.S).T
+    with torch.no_grad():
+        module.weight.copy_(refit.to(dtype=module.weight.dtype, device=module.weight.device))

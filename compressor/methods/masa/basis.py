@@ -74,6 +74,7 @@ def settings_read(form: str) -> frozenset[str]:
         "uniform_mlp",
         "width_multiple",
         "neuron_order",
+        "refit",
     }
     return frozenset(read if form == "none" else read | {"basis_layers"})
 

@@ -11,7 +11,12 @@ import time
 
 from torch import nn
 
-from compressor.math.accounting import NEURON_READER, CompressionPlan, check_feasible_before_calibration
+from compressor.math.accounting import (
+    HEADS_READER,
+    NEURON_READER,
+    CompressionPlan,
+    check_feasible_before_calibration,
+)
 from compressor.methods.allocation_policies import allocator_for
 from compressor.methods.base import GroupsOf, Method, MethodContext, ModelShape
 from compressor.methods.masa.basis import (
@@ -36,10 +41,30 @@ from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.partly_compressed import install_sequentially
+from compressor.statistics.partly_compressed import install_sequentially, original_layers, refit_on_stream
 
 #: The settings of the MLP's form, read only when the targets hold the MLP.
 MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "width_multiple", "neuron_order"})
+
+
+def refit_forms(settings: CompressionSettings) -> tuple[str, ...]:
+    """The matrices `--refit stream` may refit in a run of these settings: heads' o_proj, neurons' down_proj."""
+    targets = set(target_projections(settings.targets))
+    return tuple(
+        p
+        for p, form in (("o_proj", settings.attention == "heads"), ("down_proj", settings.mlp == "neurons"))
+        if form and p in targets
+    )
+
+
+def stream_matrices(plan: CompressionPlan) -> dict[int, tuple[str, ...]]:
+    """Per layer, its plain narrowed matrices a stream refit reads: o_proj in `heads` mode, down_proj in
+    `neurons` mode."""
+    found: dict[int, list[str]] = {}
+    for pp in plan.projections:
+        if (pp.mode, pp.projection) in (("heads", HEADS_READER), ("neurons", NEURON_READER)):
+            found.setdefault(pp.layer, []).append(pp.projection)
+    return {layer: tuple(sorted(ps, key=("o_proj", "down_proj").index)) for layer, ps in found.items()}
 
 
 class Masa(Method):
@@ -89,6 +114,11 @@ class Masa(Method):
         return f"drop it, or use --sharing {forms[0]}" if forms else "drop it"
 
     def check_settings(self, settings: CompressionSettings) -> None:
+        if settings.refit == "stream" and not refit_forms(settings):
+            raise UserError(
+                "--refit stream refits --attention heads' o_proj and --mlp neurons' down_proj: this run has "
+                "neither (use --native, or drop --refit)"
+            )
         if settings.sharing in BASIS_FORMS:
             check_basis_settings(settings, target_projections(settings.targets))
             return
@@ -128,6 +158,16 @@ class Masa(Method):
         )
 
     def apply(self, ctx: MethodContext) -> CompressionPlan:
+        if ctx.settings.refit != "stream":
+            return self._apply(ctx)
+        if ctx.windows is None:
+            raise ValueError("--refit stream needs the calibration windows: pass `windows`")
+        originals = original_layers(ctx.adapter)  # before anything is installed
+        plan = self._apply(ctx)
+        refit_on_stream(ctx, originals, stream_matrices(plan))
+        return plan
+
+    def _apply(self, ctx: MethodContext) -> CompressionPlan:
         settings = ctx.settings
         if settings.sharing in BASIS_FORMS:
             return apply_basis_form(ctx)

@@ -1,0 +1,101 @@
+"""`--refit stream` (`statistics/partly_compressed.refit_on_stream`): heads' o_proj and neurons' down_proj refit
+on the compressed model's own inputs, each to bring the residual stream back to the original's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from compressor.api.pipeline import compress_model
+from compressor.methods.masa.method import refit_forms
+from compressor.modeling.adapters import get_adapter
+from compressor.recipes.schema import CompressionSettings
+from compressor.runtime.errors import UserError
+from compressor.statistics.capture import collect_statistics
+
+VOCAB = 96
+NATIVE = dict(method="masa", targets="attn,mlp", attention="heads", mlp="neurons", sharing="none",
+              allocation="global")  # fmt: skip
+
+
+def compressed_pair(family: str = "llama", ratio: float = 0.3, forms: dict | None = None):
+    """The same tiny model compressed in the native form (or `forms`) with each refit, on 32 windows of 64
+    tokens."""
+    model = tiny_model(family, vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=2)
+    windows = torch.randint(0, VOCAB, (32, 64), generator=torch.Generator().manual_seed(1))
+    stats = collect_statistics(model, get_adapter(model), windows, progress=False, mlp=True)
+    built = {}
+    for refit in ("calibration", "stream"):
+        copy_ = copy.deepcopy(model)
+        settings = CompressionSettings(**(forms or NATIVE), refit=refit)
+        outcome = compress_model(
+            copy_, get_adapter(copy_), stats, settings, ratio, progress=False, windows=windows
+        )
+        built[refit] = (copy_, outcome)
+    return model, windows, built
+
+
+def test_only_the_narrowed_matrices_change_and_the_model_moves_closer_to_the_original_on_its_calibration():
+    model, windows, built = compressed_pair()
+    (calibration, plain), (stream, refit) = built["calibration"], built["stream"]
+    assert refit.plan.params_after() == plain.plan.params_after() and refit.seconds["stream_refit"] > 0
+    before, after = calibration.state_dict(), stream.state_dict()
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(("o_proj.weight", "down_proj.weight")) for k in changed)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(windows).logits, -1)
+
+        def kl(m):
+            log_probs = torch.log_softmax(m(windows).logits, -1)
+            return float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+
+        assert kl(stream) < 0.8 * kl(calibration)
+
+
+def test_the_first_layers_o_proj_is_the_least_squares_fit_of_the_original_attention_output():
+    """At layer 0 the two streams are the same (the embeddings), so o_proj's target, the original stream after
+    the attention less the compressed input, is the original o_proj's output: the refit is that least-squares
+    fit on the kept heads' outputs."""
+    model, windows, built = compressed_pair()
+    stream = built["stream"][0]
+    seen = {}
+    hooks = [
+        model.model.layers[0].self_attn.o_proj.register_forward_hook(
+            lambda m, a, out: seen.setdefault("target", []).append(out.detach())
+        ),
+        stream.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+            lambda m, a: seen.setdefault("x", []).append(a[0].detach())
+        ),
+    ]
+    with torch.no_grad():
+        for window in windows:
+            model(window[None])
+            stream(window[None])
+    for hook in hooks:
+        hook.remove()
+    x = torch.cat(seen["x"]).reshape(-1, seen["x"][0].shape[-1]).double()
+    target = torch.cat(seen["target"]).reshape(-1, seen["target"][0].shape[-1]).double()
+    expected = torch.linalg.lstsq(x, target).solution.T
+    got = stream.model.layers[0].self_attn.o_proj.weight.double()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_a_run_with_nothing_to_refit_on_the_stream_is_refused_before_calibration():
+    assert refit_forms(CompressionSettings(**NATIVE)) == ("o_proj", "down_proj")
+    assert refit_forms(CompressionSettings(method="masa", targets="attn,mlp")) == ("down_proj",)
+    factored = CompressionSettings(method="masa", targets="attn", refit="stream")
+    from compressor.methods import get_method
+
+    with pytest.raises(UserError, match="has neither"):
+        get_method("masa").check_settings(factored)
+
+
+def test_a_family_that_normalizes_its_blocks_outputs_is_refused_with_the_reason():
+    """OLMo 2 adds norm(mlp(x)) to the stream, not down_proj's output: the target would be wrong."""
+    mlp_only = dict(method="masa", targets="mlp", mlp="neurons", allocation="global")
+    with pytest.raises(UserError, match="normalizes the attention's or the MLP's output"):
+        compressed_pair("olmo2", forms=mlp_only)
