@@ -220,7 +220,15 @@ CASES = [
     ),
     (
         "--layerwise with a stream refit",
-        lambda t, mp: ["smollm2-135m", "--layerwise", "--native", "--targets", "attn,mlp", "--refit", "stream"],
+        lambda t, mp: [
+            "smollm2-135m",
+            "--layerwise",
+            "--native",
+            "--targets",
+            "attn,mlp",
+            "--refit",
+            "stream",
+        ],
         "--refit stream runs the original and the compressed layers side by side in memory",
     ),
     (
