@@ -162,6 +162,8 @@ class Masa(Method):
             return self._apply(ctx)
         if ctx.windows is None:
             raise ValueError("--refit stream needs the calibration windows: pass `windows`")
+        if getattr(ctx, "offloaded", None) is not None:  # the CLI refuses it before any weight is read
+            raise ValueError("--refit stream runs in memory: the layers of an offloaded model are on disk")
         originals = original_layers(ctx.adapter)  # before anything is installed
         plan = self._apply(ctx)
         refit_on_stream(ctx, originals, stream_matrices(plan))
