@@ -13,8 +13,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from compressor.checkpoint.gguf_export import importance_by_tensor
-from compressor.checkpoint.imatrix_file import read_imatrix, write_imatrix
+from compressor.checkpoint.imatrix_file import importance_by_tensor, read_imatrix, write_imatrix
 from compressor.statistics.importance import measure_importance
 
 VOCAB = 96

@@ -71,25 +71,10 @@ def export(
     `llama-quantize --imatrix`."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
-    if format == "gguf" and layout != "padded":
-        raise UserError(
-            f"--layout {layout} applies to --format hf (a GGUF's layout follows the shapes): drop it"
-        )
-    wanted = parse_budget(size, bits_per_weight)
-    if wanted is not None and format != "gguf":
-        raise UserError(f"{wanted.flag} sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
-    if imatrix_out is not None and format != "gguf":
-        raise UserError("--imatrix-out writes llama.cpp's importance matrix: use --format gguf (OUT.gguf)")
+    wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
     source = resolve_model(model)
     if format == "hf":
-        if source.kind != "compressed":
-            raise UserError(f"--format hf exports a masa-compress checkpoint; '{model}' is already a model")
-        result = export_dense(source.location, out, overwrite=overwrite, layout=layout)
-        return ExportResult("hf", result.path, {
-            "layout": layout,
-            "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
-            "compressed_params": result.compressed_params, "dense_params": result.dense_params,
-        })  # fmt: skip
+        return _export_hf(source, model, out, overwrite, layout)
     tensor_type, use_importance = check_quantization(
         tensor_type, imatrix, wanted, calib_samples, imatrix_out is not None
     )
@@ -125,13 +110,38 @@ def export(
     )  # fmt: skip
     details = written.as_dict()
     if imatrix_out is not None:
-        details["imatrix_file"] = write_imatrix_of(
-            loaded.model, measured, imatrix_note, imatrix_out
-        ).to_dict()
+        details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
     if chooser is not None:
         plan = chooser.plan.to_dict()
         details |= {"type": "size", "budget": budget, "predicted_loss_rise": plan["predicted_loss_rise"]}
     return ExportResult("gguf", written.path, details)
+
+
+def check_export_options(
+    format: str, layout: str, wanted: ByteBudget | None, imatrix_out
+) -> ByteBudget | None:
+    """The byte budget, or a one-line error for the options that belong to the other format."""
+    if format == "gguf" and layout != "padded":
+        raise UserError(
+            f"--layout {layout} applies to --format hf (a GGUF's layout follows the shapes): drop it"
+        )
+    if wanted is not None and format != "gguf":
+        raise UserError(f"{wanted.flag} sets a GGUF file's bytes: use --format gguf (OUT.gguf)")
+    if imatrix_out is not None and format != "gguf":
+        raise UserError("--imatrix-out writes llama.cpp's importance matrix: use --format gguf (OUT.gguf)")
+    return wanted
+
+
+def _export_hf(source: ModelSource, model: str, out, overwrite: bool, layout: str) -> ExportResult:
+    """`--format hf`: the dense Hugging Face checkpoint of a masa-compress checkpoint."""
+    if source.kind != "compressed":
+        raise UserError(f"--format hf exports a masa-compress checkpoint; '{model}' is already a model")
+    result = export_dense(source.location, out, overwrite=overwrite, layout=layout)
+    return ExportResult("hf", result.path, {
+        "layout": layout,
+        "compressed_bytes": result.compressed_bytes, "dense_bytes": result.dense_bytes,
+        "compressed_params": result.compressed_params, "dense_params": result.dense_params,
+    })  # fmt: skip
 
 
 def check_quantization(
@@ -178,16 +188,16 @@ def check_imatrix_output(imatrix_out: str | os.PathLike, out: Path, overwrite: b
     return path
 
 
-def write_imatrix_of(model, measured, note: str, out: Path):
-    """`measured` importance weights of `model` as llama.cpp's imatrix file at `out` (GGUF tensor names)."""
-    from compressor.checkpoint.gguf_export import importance_by_tensor
-    from compressor.checkpoint.imatrix_file import write_imatrix
+def write_imatrix_of(model, measured, note: str, out: Path) -> dict:
+    """`measured` importance weights of `model` as llama.cpp's imatrix file at `out` (GGUF tensor names): what
+    was written."""
+    from compressor.checkpoint.imatrix_file import importance_by_tensor, write_imatrix
 
     architecture, vectors = importance_by_tensor(model, measured.weights)
     return write_imatrix(
         out, vectors, tokens=measured.tokens, chunks=measured.windows,
         chunk_size=measured.tokens // max(measured.windows, 1), dataset=note, architecture=architecture,
-    )  # fmt: skip
+    ).to_dict()  # fmt: skip
 
 
 def measure_for_export(

@@ -269,30 +269,6 @@ def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", 
     return fixed_bytes(add_fields, architecture, tensors)
 
 
-def importance_by_tensor(
-    model: nn.Module, importance: Mapping[str, torch.Tensor]
-) -> tuple[str, dict[str, np.ndarray]]:
-    """(the GGUF architecture, each matrix's importance weights under its GGUF tensor name): the vectors
-    `write_gguf` hands to the quantizer for the same model, as llama.cpp's imatrix file keys them; shape (n_in,),
-    or (experts, n_in) for an experts tensor (every expert reads the same input's statistics here)."""
-    adapter = get_adapter(model)
-    widths, heads, kv_heads = layer_shapes(model)
-    architecture = choose_architecture(adapter.config.model_type, widths, heads, kv_heads)
-    rope_factors = fam.llama3_rope_factors(adapter.config)
-    vectors: dict[str, np.ndarray] = {}
-    for tensor_name, array, module_path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
-        vector = importance.get(module_path) if array.ndim >= 2 else None
-        if vector is None:
-            continue
-        vector = vector.double().cpu().numpy()
-        if vector.shape != (array.shape[-1],):
-            raise ValueError(
-                f"{tensor_name}: {vector.shape[0]} importance weights for {array.shape[-1]} inputs"
-            )
-        vectors[tensor_name] = np.tile(vector, (array.shape[0], 1)) if array.ndim == 3 else vector
-    return architecture, vectors
-
-
 def _write_file(out: Path, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor):
     """Write the GGUF at `out` through a temporary sibling renamed into place (nothing half-written is left):
     (fallbacks, every matrix's type, parameters)."""

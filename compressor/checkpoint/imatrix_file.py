@@ -13,6 +13,7 @@ to `ggml_quantize_chunk` itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,35 @@ def write_imatrix(
         writer.close()
         os.replace(tmp, out)
     finally:
+        writer.close()
         tmp.unlink(missing_ok=True)
     return ImatrixFile(out, len(mean_squares), tokens, chunks, chunk_size)
+
+
+def importance_by_tensor(model, importance: Mapping[str, object]) -> tuple[str, dict[str, np.ndarray]]:
+    """(the GGUF architecture, each matrix's importance weights under its GGUF tensor name): the vectors
+    `write_gguf` hands to the quantizer for the same model, as llama.cpp's imatrix file keys them; shape (n_in,),
+    or (experts, n_in) for an experts tensor (every expert reads the same input's statistics here)."""
+    from compressor.checkpoint import gguf_families as fam
+    from compressor.checkpoint.gguf_export import _gguf_tensors, choose_architecture, layer_shapes
+    from compressor.modeling.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    widths, heads, kv_heads = layer_shapes(model)
+    architecture = choose_architecture(adapter.config.model_type, widths, heads, kv_heads)
+    rope_factors = fam.llama3_rope_factors(adapter.config)
+    vectors: dict[str, np.ndarray] = {}
+    for tensor_name, array, module_path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
+        vector = importance.get(module_path) if array.ndim >= 2 else None
+        if vector is None:
+            continue
+        vector = vector.double().cpu().numpy()
+        if vector.shape != (array.shape[-1],):
+            raise ValueError(
+                f"{tensor_name}: {vector.shape[0]} importance weights for {array.shape[-1]} inputs"
+            )
+        vectors[tensor_name] = np.tile(vector, (array.shape[0], 1)) if array.ndim == 3 else vector
+    return architecture, vectors
 
 
 def read_imatrix(path: str | os.PathLike) -> dict[str, np.ndarray]:
