@@ -78,8 +78,10 @@ bench-zero-shot: install  ## zero-shot accuracy of the model 10/20/30% smaller b
 	$(BIN)/python -m benchmarks.engines.zero_shot_peers --model-ratio 0.3 --limit 200
 	$(BIN)/python -m benchmarks.report
 
-bench-gpu: install  ## on a machine with a GPU: the 1.5B shapes (random weights) planned against measured: benchmarks/results/gpu.json
+bench-gpu: install  ## on a machine with a GPU: the 1.5B shapes (random weights) planned against measured: benchmarks/results/gpu*.json
 	$(BIN)/python -m benchmarks.engines.gpu_scale --out benchmarks/results/gpu.json
+	$(BIN)/python -m benchmarks.engines.gpu_scale --out benchmarks/results/gpu-native-stream.json -- --native --refit stream
+	$(BIN)/python -m benchmarks.engines.gpu_scale --out benchmarks/results/gpu-native-layerwise.json -- --native --layerwise
 
 bench-large: install  ## a real 1.5B model end to end (fetched from the registry on first use; hours): benchmarks/results/large.md
 	$(BIN)/python -m benchmarks.engines.large

@@ -142,3 +142,73 @@ def test_the_cli_compresses_and_evaluates_on_cuda(tmp_path, capsys):
     main(["eval", str(out), "--text", str(text), "--max-tokens", "512", *common[-2:], "--json"])
     scored = json.loads(capsys.readouterr().out)
     assert scored["device"].startswith("cuda") and scored["ppl"] > 1 and scored["kl_to_original"] >= 0
+
+
+#: The engine-native form (`--native`): whole query heads, narrower MLPs, one global allocation.
+NATIVE = dict(attention="heads", mlp="neurons", sharing="none", allocation="global")
+
+
+@pytest.mark.parametrize("refit", ["calibration", "stream"])
+def test_the_native_form_and_its_stream_refit_compress_on_cuda_as_on_the_cpu(refit):
+    """`--native`, with `--refit stream` too (added after the first GPU runs): the same widths and heads on both
+    devices, logits as close as float32 in another summation order allows, every weight left on the device."""
+    original = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    on_cpu, on_cuda = copy.deepcopy(original), copy.deepcopy(original).to(DEVICE)
+    plan_cpu = _compress(on_cpu, "masa", refit=refit, **NATIVE).plan
+    outcome = _compress(on_cuda, "masa", refit=refit, **NATIVE)
+    assert [(p.layer, p.projection, p.mode, p.rank) for p in plan_cpu.projections] == [
+        (p.layer, p.projection, p.mode, p.rank) for p in outcome.plan.projections
+    ]
+    assert all(p.device.type == DEVICE.type for p in on_cuda.parameters())
+    assert (refit == "stream") == ("stream_refit" in outcome.seconds)
+    cpu_logits = _logits(on_cpu, torch.device("cpu"))
+    torch.testing.assert_close(_logits(on_cuda).cpu(), cpu_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_the_cli_native_layerwise_run_on_cuda_writes_the_in_memory_checkpoint(tmp_path, capsys):
+    """`--layerwise` (decoder layers on disk, one at a time on the device) gives the very checkpoint the
+    in-memory run gives, on the GPU as on the CPU (tests/test_layerwise.py)."""
+    import hashlib
+
+    from compressor.cli import main
+
+    model = str(tiny_model_dir(tmp_path / "tiny"))
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    common = [model, "--native", "--targets", "attn,mlp", "--ratio-of", "model", "--ratio", "0.3", "--calib",
+              str(text), "--calib-samples", "4", "--seq-len", "32", "--no-eval", "--device", "cuda", "--json"]  # fmt: skip
+    main([*common, "--out", str(tmp_path / "in-memory"), "--no-stats-cache"])
+    assert json.loads(capsys.readouterr().out)["device"].startswith("cuda")
+    main([*common, "--out", str(tmp_path / "layerwise"), "--layerwise", "--offload-dir", str(tmp_path / "o")])
+    assert json.loads(capsys.readouterr().out)["layerwise"] is True
+
+    def sha(name: str) -> str:
+        return hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest()
+
+    assert sha("in-memory") == sha("layerwise")
+
+
+def test_a_byte_budget_measured_on_cuda_chooses_the_cpu_types_and_llama_cpp_runs_the_file(tmp_path):
+    """`--size`'s device half: importance weights measured on the GPU, every candidate type's error quantized by
+    ggml on the CPU from them, the file written from a model on the GPU: the same types as the CPU's run."""
+    pytest.importorskip("xllamacpp")
+    from test_gguf_export import byte_tokenizer_gguf, k_quant_model, llama_cpp_log_probs
+
+    from compressor.checkpoint.byte_budget import BudgetChooser
+    from compressor.checkpoint.gguf_export import write_gguf
+    from compressor.statistics.importance import measure_importance
+
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    original = k_quant_model(num_hidden_layers=4)
+    ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0))
+    chosen, files = {}, {}
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(original).to(device)
+        importance = measure_importance(model, ids.to(device), progress=False, gradient_windows=2)
+        chooser = BudgetChooser(model, importance, 1_400_000, progress=False)
+        written = write_gguf(model, tokenizer, tmp_path / f"{device}.gguf", importance=importance.weights,
+                             choose_types=chooser)  # fmt: skip
+        assert written.bytes == chooser.plan.bytes <= 1_400_000
+        chosen[device], files[device] = chooser.plan.types, written.path
+    assert chosen["cuda"] == chosen["cpu"]
+    assert torch.isfinite(llama_cpp_log_probs(files["cuda"], ids[:1])).all()

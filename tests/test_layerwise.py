@@ -137,6 +137,9 @@ def test_onloaded_materialises_a_layer_and_gives_back_the_same_meta_tensors(tmp_
         assert q.device == CPU and torch.equal(q, reference.model.layers[2].self_attn.q_proj.weight)
     after = {name: p for name, p in layer.named_parameters()}
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    # transformers kernelizes layers that device_map places on a GPU with kernels fetched from the Hub, offline
+    # an error (seen on an H200: tests/test_cuda.py); the tool loads with them off wherever it places the model
+    assert om.model.use_kernels is False
 
 
 def test_a_shared_tensor_stays_one_tensor_through_spilling_and_onloading(tmp_path):

@@ -47,6 +47,8 @@ def test_local_hf_directory_resolves_and_loads(tmp_path):
     assert loaded.model.config.num_hidden_layers == 6
     torch.testing.assert_close(loaded.model.state_dict(), tiny_model("llama", vocab_size=260).state_dict())
     assert loaded.tokenizer.decode(loaded.tokenizer("Paris")["input_ids"]) == "Paris"
+    # its own modules, not Hub kernels (transformers' default from 5.2x: runtime.device.weight_loading)
+    assert loaded.model.use_kernels is False
 
 
 def test_gguf_file_resolves():

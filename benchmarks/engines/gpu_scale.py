@@ -73,7 +73,11 @@ def _plain_forward_seconds(
     """One plain forward pass over as many tokens as the calibration reads (the reference of the run's cost)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    from compressor.runtime.device import weight_loading
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, **weight_loading(torch.bfloat16)).to(device).eval()
+    )
     tokens = torch.randint(0, 256, (windows, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         model(tokens[:1])  # warm-up: kernels chosen, memory pooled
@@ -145,7 +149,9 @@ def _run_in(work: Path, device: torch.device, options: tuple[str, ...]) -> dict:
         "config": shapes,
         "random_model_seconds": made,
         "plain_forward_seconds": forward,
-        "planned_gib": memory["in_memory_bytes"] / 2**30,
+        # a --layerwise run's plan is its layer-by-layer peak (one decoder layer on the device at a time)
+        "planned_gib": memory["layerwise_bytes" if memory["layerwise"] else "in_memory_bytes"] / 2**30,
+        "layerwise": memory["layerwise"],
         "planned_device": memory["device"],
         **peak,
         "peak_rss_gib": run_json["peak_rss_gb"],

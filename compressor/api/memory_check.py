@@ -41,6 +41,7 @@ def run_workload(
         basis_layers=run_layers(settings),
         eval_seq_len=run.evaluation.seq_len if options.evaluate else 0,
         gate_input=mlp and run.method.reads_gate_input(settings),
+        stream_refit=settings.refit == "stream",
     )
 
 

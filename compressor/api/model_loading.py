@@ -28,7 +28,7 @@ from compressor.api.packaged_models import PACKAGED_MODELS, ensure_gguf, gguf_di
 from compressor.modeling.families import SUPPORTED_MODEL_TYPES
 from compressor.recipes.schema import Recipe, builtin_recipe, builtin_recipe_names
 from compressor.runtime.cache_root import cache_dir
-from compressor.runtime.device import resolve_device, resolve_dtype
+from compressor.runtime.device import resolve_device, resolve_dtype, weight_loading
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 
@@ -165,10 +165,6 @@ def _resolve_bundled(spec: str, recipe: Recipe | None) -> ModelSource:
 # Loading
 
 
-def _dtype_kwargs(dtype: torch.dtype) -> dict:
-    return {"dtype": dtype}  # transformers 5 (`torch_dtype` in 4.x)
-
-
 def check_architecture(config, where: str) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -218,7 +214,7 @@ def bundled_model_dir(source: ModelSource, progress: bool = True) -> Path:
     with quiet:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, **_dtype_kwargs(torch.float32)
+            gguf.parent, gguf_file=gguf.name, **weight_loading(torch.float32)
         )
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -360,7 +356,7 @@ def load_model(
     config, location, kwargs = read_config(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs, **_dtype_kwargs(torch_dtype))
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs, **weight_loading(torch_dtype))
     except OSError as err:
         raise UserError(f"could not load the model from '{location}': {str(err).splitlines()[0]}") from err
     model.to(torch_device)

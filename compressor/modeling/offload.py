@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from compressor.modeling.adapters import DecoderAdapter, get_adapter
+from compressor.runtime.device import weight_loading
 from compressor.runtime.errors import UserError
 
 
@@ -162,7 +163,11 @@ def load_offloaded(
     del skeleton
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            location, **kwargs, dtype=dtype, device_map=device_map, offload_folder=str(offload_dir)
+            location,
+            **kwargs,
+            **weight_loading(dtype),
+            device_map=device_map,
+            offload_folder=str(offload_dir),
         )
     except OSError as err:
         raise UserError(f"could not load the model from '{location}': {str(err).splitlines()[0]}") from err

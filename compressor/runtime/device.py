@@ -43,6 +43,15 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def weight_loading(dtype: torch.dtype) -> dict:
+    """transformers' `from_pretrained` keywords for the weights the tool loads: the dtype, and no Hub kernels.
+    From transformers 5.2x, `from_pretrained` swaps layers (rotary embeddings, norms) for kernels it fetches from
+    the Hugging Face Hub wherever `device_map` places them on a GPU (as `--layerwise` does): that reaches the
+    network, fails offline, and runs other arithmetic than the model's own modules, which the tool's statistics
+    and checkpoints are made from and checked against."""
+    return {"dtype": dtype, "use_kernels": False}
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is float32 on CPU (bf16 matmuls are slow there) and bf16 (or fp16) on accelerators."""
     name = (name or "auto").lower()

@@ -110,6 +110,9 @@ class Workload:
     basis_layers: int = 4
     eval_seq_len: int = 0  # 0: no evaluation
     gate_input: bool = True  # with `mlp`: whether gate/up's input autocorrelation is collected
+    stream_refit: bool = (
+        False  # `--refit stream`: a copy of the original decoder layers runs beside (in memory)
+    )
 
     def inputs(self, shape: Shape) -> list[int]:
         """The widths of the inputs whose autocorrelations this run collects."""
@@ -169,8 +172,26 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
     (measured beside the autocorrelation at I = 8960, hidden 1536, in I×I fp64 matrices: `neurons.order_tail`
     2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.50
     at I = 4000, the fp64 copy its float32 one is cast from. Before its matrices were symmetrized and damped in
-    place the tail took 7.2, and the 1.5B model's layer 1 needs that damping)."""
-    return int(8 * (2.5 if w.mlp else 2) * max(w.inputs(shape)) ** 2)
+    place the tail took 7.2, and the 1.5B model's layer 1 needs that damping). torch's profiler at I = 8960 puts
+    the live tensors of the three at 1.50, 2.17 and 2.05 on the CPU. On a GPU 4: an H200 held 2.30 GiB beside the
+    statistics and one layer in the `--native --layerwise` run at the 1.5B shapes, 3.85 I×I matrices
+    (`benchmarks/results/gpu-native-layerwise.json`; which step holds the rest there was not isolated)."""
+    per_input = (4 if w.gpu else 2.5) if w.mlp else 2
+    return int(8 * per_input * max(w.inputs(shape)) ** 2)
+
+
+def stream_refit_bytes(shape: Shape, w: Workload) -> int:
+    """`--refit stream` (in memory only): the copy of the original decoder layers, the two streams and the
+    layer's outputs on the original one (four N×T×H tensors), one window's activations, and the widest refit
+    input's fp64 moments (x xᵀ and t xᵀ). Measured on an H200 at the 1.5B shapes: the peak allocated rose by
+    2.43 GiB with it, the copy's 2.44 (`benchmarks/results/gpu-native-stream.json`)."""
+    if not w.stream_refit:
+        return 0
+    copy = shape.layers * shape.layer_params() * w.dtype_bytes
+    streams = 4 * w.windows * w.seq_len * shape.hidden * w.dtype_bytes
+    widest = shape.intermediate if w.mlp else shape.attn
+    moments = 8 * widest * (widest + shape.hidden)
+    return copy + streams + activations(shape, w.seq_len, w.dtype_bytes) + moments
 
 
 def phase_compress(shape: Shape, w: Workload) -> int:
@@ -266,6 +287,7 @@ def in_memory_phases(shape: Shape, w: Workload) -> dict[str, int]:
         "sensitivity": (shape.layers * (act + attention_scores(shape, t, d)) + head) if w.sensitivity else 0,
         "compress": max(cholesky_bytes(shape, w), svd_bytes(*largest_factored(shape, w))),
         "evaluation": 0,
+        "stream_refit": stream_refit_bytes(shape, w),
     }
     if w.eval_seq_len:
         te = w.eval_seq_len
