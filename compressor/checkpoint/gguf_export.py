@@ -29,6 +29,7 @@ from torch import nn
 
 from compressor.checkpoint import gguf_families as fam
 from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, needs_imatrix, quantize_with_llama_cpp
+from compressor.checkpoint.gguf_file import gguf_writer
 from compressor.checkpoint.gguf_types import (
     GGUF_TYPES,
     check_gguf_type,
@@ -272,15 +273,10 @@ def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", 
 def _write_file(out: Path, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor):
     """Write the GGUF at `out` through a temporary sibling renamed into place (nothing half-written is left):
     (fallbacks, every matrix's type, parameters)."""
-    import gguf
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), architecture)
     fallbacks: dict[str, str] = {}
     types: dict[str, str] = {}
     parameters = 0
-    try:
+    with gguf_writer(out, architecture) as writer:
         add_fields(writer)
         for tensor_name, array, module_path in tensors:
             parameters += 0 if tensor_name.startswith("rope_freqs") else array.size  # a table, not weights
@@ -293,14 +289,6 @@ def _write_file(out: Path, architecture, add_fields, tensors, type_of, importanc
                 fallbacks[tensor_name] = stored
             if on_tensor is not None:
                 on_tensor(tensor_name)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
     return fallbacks, types, parameters
 
 

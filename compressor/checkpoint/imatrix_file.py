@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from compressor.checkpoint.gguf_file import gguf_writer
+
 #: The GGUF keys and tensor suffixes of llama.cpp's imatrix file.
 DATASETS_KEY, CHUNK_COUNT_KEY, CHUNK_SIZE_KEY = (
     "imatrix.datasets",
@@ -53,17 +55,12 @@ def write_imatrix(
 ) -> ImatrixFile:
     """Write `mean_squares` (GGUF tensor name → each input column's mean square; shape (n_in,), or (n_mat, n_in)
     for experts) as llama.cpp's imatrix file at `out`, atomically (a temporary sibling renamed into place)."""
-    import gguf
-
     if not mean_squares:
         raise ValueError("no importance weights to write")
     if tokens < 1:
         raise ValueError(f"tokens {tokens}: an imatrix needs at least one token")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), architecture)
-    try:
+    with gguf_writer(out, architecture) as writer:
         writer.add_type("imatrix")
         writer.add_array(DATASETS_KEY, [dataset])
         writer.add_uint32(CHUNK_COUNT_KEY, chunks)
@@ -74,14 +71,6 @@ def write_imatrix(
                 raise ValueError(f"{name}: importance weights must be finite and non-negative")
             writer.add_tensor(name + SUMS, (rows * tokens).astype(np.float32))
             writer.add_tensor(name + COUNTS, np.full((rows.shape[0], 1), tokens, dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
     return ImatrixFile(out, len(mean_squares), tokens, chunks, chunk_size)
 
 
