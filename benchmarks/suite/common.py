@@ -148,7 +148,18 @@ def machine_info() -> dict:
         # Where `auto` puts the quality section, the compression run and the forward pass; the latency
         # and memory measurements always run on the CPU.
         "device": str(resolve_device("auto")),
+        # Which llama.cpp build scores and times GGUF files (the prebuilt wheel's AVX2, or a native build's).
+        "llama_cpp": _llama_cpp_build(),
     }
+
+
+def _llama_cpp_build() -> str | None:
+    """llama.cpp's own line of the CPU features its installed build uses; None where it is not installed."""
+    try:
+        import xllamacpp
+    except ImportError:
+        return None
+    return xllamacpp.get_system_info().strip()
 
 
 def run_json_child(args: list[str], what: str, timeout: float | None = None) -> dict:

@@ -31,6 +31,7 @@ from compressor.runtime.cache_root import cache_dir
 from compressor.runtime.device import resolve_device, resolve_dtype, weight_loading
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
+from compressor.runtime.progress import note
 
 BUNDLED_GGUF = PACKAGED_MODELS["smollm2-135m"].gguf_file
 COMPRESSED_CONFIG = "masa_config.json"
@@ -377,7 +378,7 @@ def gguf_path(source: ModelSource, progress: bool = True) -> Path:
 def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True) -> LoadedModel:
     """A GGUF file (a user's, an export, a packaged model's) run by llama.cpp, behind the faces evaluation reads
     (`evaluation/llama_cpp.py`)."""
-    from compressor.evaluation.llama_cpp import LlamaCppCausalLM, LlamaCppTokenizer
+    from compressor.evaluation.llama_cpp import LlamaCppCausalLM, LlamaCppTokenizer, build_note
 
     if source.kind not in ("gguf", "bundled"):
         raise UserError(
@@ -385,6 +386,8 @@ def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True
             f"`masa-compress export {source.spec} OUT.gguf`"
         )
     path = gguf_path(source, progress)
+    if (slower := build_note()) is not None:
+        note(f"[yellow]note:[/] {slower}", progress)
     start = time.perf_counter()
     model = LlamaCppCausalLM(path, context)
     tokenizer = LlamaCppTokenizer(model.server, path)

@@ -36,6 +36,22 @@ def require_llama_cpp():
     return xllamacpp
 
 
+def unused_avx512(system_info: str, cpu_capability: str) -> bool:
+    """Whether this CPU has AVX-512 (`cpu_capability`: torch's `get_cpu_capability()`) and the llama.cpp build
+    (`system_info`: llama.cpp's own `get_system_info()`) does not use it: the prebuilt wheel is built for AVX2."""
+    return cpu_capability.startswith("AVX512") and "AVX512 = 1" not in system_info
+
+
+def build_note() -> str | None:
+    """A line for the user where the installed llama.cpp leaves this CPU's AVX-512 unused, else None."""
+    if not unused_avx512(require_llama_cpp().get_system_info(), torch.backends.cpu.get_cpu_capability()):
+        return None
+    return (
+        "llama.cpp's build here does not use this CPU's AVX-512 (the prebuilt wheel is built for AVX2): "
+        "`make llama-cpp-native` in the repository builds it for this CPU (docs/options.md, --engine)"
+    )
+
+
 class LlamaCppServer:
     """llama.cpp's server in this process, on a local port, for one GGUF file; `close()` stops it."""
 
