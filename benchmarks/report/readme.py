@@ -325,8 +325,36 @@ def limitations(results_dir: Path = RESULTS_DIR) -> str:
         f"- **The model 20% smaller misses the {WHOLE_MODEL_AIMS[0.2]:.2f}x aim**: {ratio['ppl_ratio']:.2f}x the "
         f"original's perplexity on SmolLM2-135M, {large['quality']['ppl_ratio']:.2f}x on Qwen2.5-Coder-1.5B; "
         "the MLP carries most of the loss (docs/method.md, stage 5).",
+        _llama_cpp_eval(results_dir),
     ]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line)
+
+
+def _llama_cpp_eval(results_dir: Path) -> str:
+    """`eval --engine llama.cpp` against transformers on the same windows, per build (`eval-speed-*.json`)."""
+    path = results_dir / "eval-speed-smollm2-135m.json"
+    if not path.is_file():
+        return ""
+    builds = json.loads(path.read_text())["builds"]
+
+    def span(build: dict) -> str:
+        ratios = [
+            row["seconds_over_transformers"] for kind, row in build["rows"].items() if kind != "transformers"
+        ]
+        return f"{min(ratios):.1f}-{max(ratios):.1f}x"
+
+    native = (
+        f", {span(builds['native'])} with llama.cpp built for it (`make llama-cpp-native`)"
+        if "native" in builds
+        else ""
+    )
+    machine = builds["prebuilt"]["machine"]
+    return (
+        "- **Scoring a GGUF in llama.cpp is slower than in transformers** (`eval --engine llama.cpp`, the bundled "
+        f"model on the same windows, a {machine['usable_cores']}-core {machine['vector_extension']} CPU): "
+        f"{span(builds['prebuilt'])} the transformers time with "
+        f"the prebuilt AVX2 wheel{native} (BENCHMARKS.md section 7)."
+    )
 
 
 RENDERERS = {
