@@ -120,3 +120,20 @@ def test_a_structure_file_worse_than_types_alone_is_said_and_a_better_one_is_not
     better = tmp_path / "better.json"
     better.write_text(json.dumps(run))
     assert _structure_overrated(better) == ""
+
+
+def test_an_eval_speed_run_replaces_its_own_builds_rows_and_keeps_the_others():
+    """`benchmarks.engines.eval_speed --build NAME`: one file holds every build's rows; a file in the format before
+    builds (rows at the top) is not merged into."""
+    from benchmarks.engines.eval_speed import merged
+
+    machine = {"cpu": "x"}
+    first = merged(None, "prebuilt", {"rows": {"f16": 1}}, machine)
+    both = merged(first, "native", {"rows": {"f16": 2}}, machine)
+    again = merged(both, "prebuilt", {"rows": {"f16": 3}}, machine)
+    assert {name: build["rows"]["f16"] for name, build in again["builds"].items()} == {
+        "prebuilt": 3,
+        "native": 2,
+    }
+    assert again["builds"]["native"]["machine"] == machine
+    assert set(merged({"rows": {"tf": {}}}, "native", {"rows": {}}, machine)) == {"what", "builds"}
