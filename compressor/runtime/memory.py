@@ -110,9 +110,8 @@ class Workload:
     basis_layers: int = 4
     eval_seq_len: int = 0  # 0: no evaluation
     gate_input: bool = True  # with `mlp`: whether gate/up's input autocorrelation is collected
-    stream_refit: bool = (
-        False  # `--refit stream`: a copy of the original decoder layers runs beside (in memory)
-    )
+    # `--refit stream`: a copy of the original decoder layers runs beside (in memory only)
+    stream_refit: bool = False
 
     def inputs(self, shape: Shape) -> list[int]:
         """The widths of the inputs whose autocorrelations this run collects."""
@@ -173,9 +172,10 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
     2.28 with a damped Cholesky, `neurons.refit_down` 2.47 at 99% of the neurons kept; the greedy-block order 1.50
     at I = 4000, the fp64 copy its float32 one is cast from. Before its matrices were symmetrized and damped in
     place the tail took 7.2, and the 1.5B model's layer 1 needs that damping). torch's profiler at I = 8960 puts
-    the live tensors of the three at 1.50, 2.17 and 2.05 on the CPU. On a GPU 4: an H200 held 2.30 GiB beside the
-    statistics and one layer in the `--native --layerwise` run at the 1.5B shapes, 3.85 I×I matrices
-    (`benchmarks/results/gpu-native-layerwise.json`; which step holds the rest there was not isolated)."""
+    the live tensors of the three at 1.50, 2.17 and 2.05 on the CPU. On a GPU 4: an H200 held 2.30 GiB beside
+    the statistics, the embeddings, the head and one layer in the `--native --layerwise` run at the 1.5B shapes,
+    3.85 I×I matrices (`benchmarks/results/gpu-native-layerwise.json`; which step holds the rest there was not
+    isolated)."""
     per_input = (4 if w.gpu else 2.5) if w.mlp else 2
     return int(8 * per_input * max(w.inputs(shape)) ** 2)
 
@@ -183,8 +183,9 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
 def stream_refit_bytes(shape: Shape, w: Workload) -> int:
     """`--refit stream` (in memory only): the copy of the original decoder layers, the two streams and the
     layer's outputs on the original one (four N×T×H tensors), one window's activations, and the widest refit
-    input's fp64 moments (x xᵀ and t xᵀ). Measured on an H200 at the 1.5B shapes: the peak allocated rose by
-    2.43 GiB with it, the copy's 2.44 (`benchmarks/results/gpu-native-stream.json`)."""
+    input's fp64 moments (x xᵀ and t xᵀ). Measured on an H200 at the 1.5B shapes: its run's peak allocated was
+    2.43 GiB above the default's, about the copy's 2.44 (`benchmarks/results/gpu-native-stream.json`, `gpu.json`;
+    the native run without it was not measured there)."""
     if not w.stream_refit:
         return 0
     copy = shape.layers * shape.layer_params() * w.dtype_bytes
