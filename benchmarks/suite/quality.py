@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.suite.common import write_json
+from benchmarks.suite.common import command_line, write_json
 from compressor.api.model_loading import load_model
 from compressor.api.pipeline import compress_model, sensitivity_projections
 from compressor.api.run_options import CompressOptions
@@ -154,6 +154,24 @@ def validation_setup(max_tokens: int, progress: bool = True) -> QualitySetup:
         "smollm2-135m", split="validation", eval_max_tokens=max_tokens or None, mlp=True,
         evaluate_original=False, progress=progress,
     )  # fmt: skip
+
+
+def validation_header(
+    module: str, argv, setup: QualitySetup, original, model_ratio: float, targets_ratio: float, row: dict
+) -> dict:
+    """What a validation experiment's results file opens with (`benchmarks/experiments/*/run.py`): its command,
+    the split and its tokens, the ratio asked and achieved (`row`: a `build_variant` row), the calibration windows,
+    and the original's perplexity (`original`: its evaluation on the same windows)."""
+    return {
+        "command": command_line(module, argv),
+        "split": "validation",
+        "tokens": original.tokens,
+        "model_ratio": model_ratio,
+        "targets_ratio": targets_ratio,
+        "achieved_ratio": row["achieved_ratio"],
+        "calibration_windows": int(setup.windows.shape[0]),
+        "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95, "nll": original.nll},
+    }
 
 
 def build_variant(

@@ -31,8 +31,8 @@ import copy
 import torch
 from torch import nn
 
-from benchmarks.suite.common import command_line, write_json
-from benchmarks.suite.quality import build_variant, validation_setup
+from benchmarks.suite.common import write_json
+from benchmarks.suite.quality import build_variant, validation_header, validation_setup
 from benchmarks.suite.whole_model import model_ratio_as_targets
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against, evaluate_perplexity
@@ -228,16 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name:20s} ppl {result.ppl:8.3f}  minus default {diff.value:+.3f} [{diff.ci95[0]:+.3f}, {diff.ci95[1]:+.3f}]"
         )
-    payload = {
-        "command": command_line("benchmarks.experiments.budget_split.run", argv),
-        "split": "validation",
-        "tokens": original.tokens,
-        "model_ratio": args.model_ratio,
-        "targets_ratio": ratio,
-        "achieved_ratio": row["achieved_ratio"],
-        "calibration_windows": int(setup.windows.shape[0]),
+    module = "benchmarks.experiments.budget_split.run"
+    payload = validation_header(module, argv, setup, original, args.model_ratio, ratio, row) | {
         "sensitivity_windows": base.windows,
-        "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95, "nll": original.nll},
         "rows": rows,
         "sensitivity_change": {f"{layer}.{p}": v for (layer, p), v in change.items()},
         "drop_windows": [DROP_FIRST, DROP_FIRST + DROP_WINDOWS],

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.experiments.budget_split.run import MLP_UNITS, restored, reweighted
 from benchmarks.suite.common import command_line, write_json
-from benchmarks.suite.quality import build_variant, validation_setup
+from benchmarks.suite.quality import build_variant, validation_header, validation_setup
 from benchmarks.suite.whole_model import model_ratio_as_targets
 from compressor.api.run_options import NATIVE_FORMS
 from compressor.evaluation.intervals import paired_difference
@@ -95,17 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     shapes[name] = widths_and_heads(variants[name])
     setup.stats.sensitivity = base
     original, rows = scored_rows(original_model, variants, setup.eval_windows, shapes)
-    payload = {
-        "command": command_line("benchmarks.experiments.native_balance.run", argv),
-        "split": "validation",
-        "tokens": original.tokens,
-        "model_ratio": args.model_ratio,
-        "targets_ratio": ratio,
-        "achieved_ratio": row["achieved_ratio"],
+    module = "benchmarks.experiments.native_balance.run"
+    payload = validation_header(module, argv, setup, original, args.model_ratio, ratio, row) | {
         "settings": row["settings"],
-        "calibration_windows": int(setup.windows.shape[0]),
         "sensitivity_windows": base.windows,
-        "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95, "nll": original.nll},
         "rows": rows,
     }
     if args.out:

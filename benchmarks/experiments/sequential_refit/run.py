@@ -27,8 +27,8 @@ import time
 import torch
 
 from benchmarks.experiments.native_balance.run import native_overrides, scored_rows, widths_and_heads
-from benchmarks.suite.common import command_line, write_json
-from benchmarks.suite.quality import build_variant, validation_setup
+from benchmarks.suite.common import write_json
+from benchmarks.suite.quality import build_variant, validation_header, validation_setup
 from benchmarks.suite.whole_model import model_ratio_as_targets
 from compressor.modeling.adapters import get_adapter
 from compressor.statistics.capture import add_gram, check_gram
@@ -161,17 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         extra[name] = sequential_refit(original_model, variants[name], windows, projections, residual)
         print(f"{name}: refit in {extra[name]['refit_seconds']:.0f} s", flush=True)
     original, rows = scored_rows(original_model, variants, setup.eval_windows, extra)
-    payload = {
-        "command": command_line("benchmarks.experiments.sequential_refit.run", argv),
-        "split": "validation",
-        "tokens": original.tokens,
-        "model_ratio": args.model_ratio,
-        "targets_ratio": ratio,
-        "achieved_ratio": row["achieved_ratio"],
+    module = "benchmarks.experiments.sequential_refit.run"
+    payload = validation_header(module, argv, setup, original, args.model_ratio, ratio, row) | {
         "settings": row["settings"],
-        "calibration_windows": int(setup.windows.shape[0]),
         "damping": DAMPING,
-        "original": {"ppl": original.ppl, "ppl_ci95": original.ppl_ci95, "nll": original.nll},
         "rows": rows,
     }
     if args.out:
