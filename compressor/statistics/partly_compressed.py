@@ -75,31 +75,45 @@ class LayerRunner:
         out = self.adapter.layers[layer_index](hidden, **self.layer_kwargs[(layer_index, len(hidden))])
         return out[0] if isinstance(out, tuple) else out
 
-    @torch.no_grad()
-    def autocorr(self, layer_index: int, projection: str) -> torch.Tensor:
-        """Σ xᵀx / T (fp64, the token mean as `capture` stores it) of a projection's input over all windows, with
-        the layer as it is now."""
+    def each_input(self, layer_index: int, projection: str, watched: tuple[str, ...] = ()):
+        """Per batch, with the layer as it is now: (the batch's index, `projection`'s input, the outputs of the
+        `watched` projections, which run before it). Each pass stops where `projection` would run."""
         module = self.adapter.projection(layer_index, projection)
-        size = self.adapter.geometry.input_size(INPUT_OF[projection])
-        total = float64_zeros(size, size, device=self.hidden[0].device)
-        tokens = 0
+        seen: dict[str, torch.Tensor] = {}
 
-        def hook(_, args):
-            nonlocal tokens
-            x = args[0]
-            add_gram(total, x)
-            tokens += x.numel() // x.shape[-1]
+        def on_input(_, args):
+            seen["x"] = args[0].detach()
             raise _Stop
 
-        handle = module.register_forward_pre_hook(hook)
+        def on_output(name: str):
+            return lambda _, args, out: seen.__setitem__(name, out.detach())
+
+        handles = [module.register_forward_pre_hook(on_input)]
+        handles += [
+            self.adapter.projection(layer_index, w).register_forward_hook(on_output(w)) for w in watched
+        ]
         try:
             for b in range(len(self.hidden)):
+                seen.clear()
                 try:
                     self._run(layer_index, b)
                 except _Stop:
                     pass
+                yield b, seen["x"], {name: seen[name] for name in watched}
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def autocorr(self, layer_index: int, projection: str) -> torch.Tensor:
+        """Σ xᵀx / T (fp64, the token mean as `capture` stores it) of a projection's input over all windows, with
+        the layer as it is now."""
+        size = self.adapter.geometry.input_size(INPUT_OF[projection])
+        total = float64_zeros(size, size, device=self.hidden[0].device)
+        tokens = 0
+        for _, x, _ in self.each_input(layer_index, projection):
+            add_gram(total, x)
+            tokens += x.numel() // x.shape[-1]
         check_gram(total, f"layer {layer_index} {projection}")
         return token_mean(total, tokens)
 
@@ -221,40 +235,19 @@ def _solve(
     targets less the compressed stream where the matrix's output is added (the layer's input for o_proj; for
     down_proj, the stream after the attention: the layer's input plus o_proj's output)."""
     module = ctx.adapter.projection(layer, projection)
-    attention = ctx.adapter.projection(layer, "o_proj")
     width = module.in_features
     gram = float64_zeros(width, width, device=runner.hidden[0].device)
     cross = torch.zeros(module.out_features, width, dtype=torch.float64, device=gram.device)
-    tokens, seen = 0, {}
-
-    def on_input(m, args, out):
-        seen["x"] = args[0].detach()
-        raise _Stop
-
-    def on_attention(m, args, out):
-        seen["o"] = out.detach()
-
-    handles = [module.register_forward_hook(on_input)]
-    if not subtract_input:
-        handles.append(attention.register_forward_hook(on_attention))
-    try:
-        for batch, target in enumerate(targets):
-            hidden = runner.hidden[batch]
-            seen.clear()
-            try:
-                runner._run(layer, batch)
-            except _Stop:
-                pass
-            gap = target - hidden if subtract_input else target - (hidden + seen["o"])
-            if module.bias is not None:
-                gap = gap - module.bias
-            x = seen["x"]
-            add_gram(gram, x)
-            cross += gap.reshape(-1, gap.shape[-1]).double().T @ x.reshape(-1, width).double()
-            tokens += x.numel() // width
-    finally:
-        for handle in handles:
-            handle.remove()
+    tokens = 0
+    watched = () if subtract_input else ("o_proj",)
+    for batch, x, outputs in runner.each_input(layer, projection, watched):
+        hidden = runner.hidden[batch]
+        gap = targets[batch] - (hidden if subtract_input else hidden + outputs["o_proj"])
+        if module.bias is not None:
+            gap = gap - module.bias
+        add_gram(gram, x)
+        cross += gap.reshape(-1, gap.shape[-1]).double().T @ x.reshape(-1, width).double()
+        tokens += x.numel() // width
     check_gram(gram, f"layer {layer} {projection} (stream refit)")
     gram = token_mean(gram, tokens)
     factor = whitening_factor(gram.to(ctx.compute_device))
