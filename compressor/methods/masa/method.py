@@ -41,7 +41,12 @@ from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.partly_compressed import install_sequentially, original_layers, refit_on_stream
+from compressor.statistics.partly_compressed import (
+    STREAM_MATRICES,
+    install_sequentially,
+    original_layers,
+    refit_on_stream,
+)
 
 #: The settings of the MLP's form, read only when the targets hold the MLP.
 MLP_SETTINGS = frozenset({"mlp", "uniform_mlp", "width_multiple", "neuron_order"})
@@ -64,7 +69,7 @@ def stream_matrices(plan: CompressionPlan) -> dict[int, tuple[str, ...]]:
     for pp in plan.projections:
         if (pp.mode, pp.projection) in (("heads", HEADS_READER), ("neurons", NEURON_READER)):
             found.setdefault(pp.layer, []).append(pp.projection)
-    return {layer: tuple(sorted(ps, key=("o_proj", "down_proj").index)) for layer, ps in found.items()}
+    return {layer: tuple(sorted(ps, key=STREAM_MATRICES.index)) for layer, ps in found.items()}
 
 
 class Masa(Method):
