@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -914,6 +915,40 @@ def test_the_gpu_scale_benchmark_plans_runs_and_reloads_a_random_model():
     )
     assert results["plain_forward_seconds"] > 0 and 0.2 <= results["achieved_ratio"] < 1
     assert results["reloaded_ppl"] == pytest.approx(results["ppl_after"], rel=1e-9)
+
+
+def test_the_gpu_scale_step_peaks_name_the_step_that_allocated_and_restore_the_pipeline(monkeypatch):
+    """`StepPeaks` on a fake peak counter: each step's peak is the counter's at its end (an inner step's apart
+    from its caller's), what runs outside every step is `between steps`, and the patched functions are the
+    originals again afterwards."""
+    from benchmarks.engines import gpu_scale
+    from compressor.methods.masa import mlp
+
+    current = {"peak": 0.0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: current["peak"] * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 2 * current["peak"] * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: current.update(peak=0.0))
+    monkeypatch.setattr(gpu_scale, "STEPS", {"outer": ["compressor.methods.masa.mlp:neuron_order"],
+                                             "inner": ["compressor.methods.masa.mlp:order_tail"]})  # fmt: skip
+
+    def outer():
+        current["peak"] = 3.0
+        mlp.order_tail()  # the inner step: its own peak, then the outer's resumes
+        current["peak"] = max(current["peak"], 2.0)
+
+    def inner():
+        current["peak"] = 5.0
+
+    monkeypatch.setattr(mlp, "neuron_order", lambda *a: outer())
+    monkeypatch.setattr(mlp, "order_tail", lambda *a: inner())
+    patched_order, patched_tail = mlp.neuron_order, mlp.order_tail
+    with gpu_scale.StepPeaks() as steps:
+        current["peak"] = 1.0  # before any step
+        mlp.neuron_order()
+        current["peak"] = 0.5  # after
+    assert steps.peaks == {"between steps": 1.0, "outer": 3.0, "inner": 5.0}
+    assert steps.peak == 5.0 and steps.reserved == 10.0
+    assert (mlp.neuron_order, mlp.order_tail) == (patched_order, patched_tail)
 
 
 def test_the_calibration_precision_choice_counts_its_losses_and_ties_from_the_file(tmp_path, monkeypatch):

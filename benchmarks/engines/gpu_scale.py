@@ -10,7 +10,8 @@ its perplexities mean nothing. The real model's quality is `benchmarks/engines/l
 Runs, through the CLI in-process: `--dry-run` (the plan of the run's own options; its `memory.in_memory_bytes` is the GPU's memory on a GPU), then the
 model 20% smaller (`--targets attn,mlp --ratio 0.2 --ratio-of model`, 64 x 512 calibration tokens), then
 `eval` of the checkpoint. Records each stage's seconds, the peak GPU memory PyTorch allocated and reserved, the
-peak host RSS, and the reloaded checkpoint's perplexity beside the run's. Needs CUDA (`--tiny` runs a small
+peak host RSS, and the reloaded checkpoint's perplexity beside the run's; on a GPU also the peak each step allocated
+(`STEPS`), to say which step sets the run's peak. Needs CUDA (`--tiny` runs a small
 model on the CPU to check the script itself).
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib
 import io
 import json
 import sys
@@ -32,6 +35,76 @@ RECIPE = "qwen2.5-coder-1.5b"
 #: `--tiny`: the same family and layout, small enough for the CPU.
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
                    vocab_size=1024)  # fmt: skip
+
+
+#: The steps whose own GPU peak is recorded: name -> the module attributes the pipeline calls them by.
+STEPS = {
+    "calibration (layer by layer)": ["compressor.api.layerwise:collect_statistics_layerwise"],
+    "sensitivity (layer by layer)": ["compressor.api.layerwise:collect_sensitivity_layerwise"],
+    "evaluation (layer by layer)": [
+        "compressor.api.layerwise:spill_original_outputs", "compressor.api.layerwise:evaluate_layerwise",
+    ],
+    "neuron order": ["compressor.methods.masa.mlp:neuron_order"],
+    "neuron tail": ["compressor.methods.masa.mlp:order_tail"],
+    "neuron refit": ["compressor.methods.masa.mlp:refit_down"],
+    "head tails": ["compressor.methods.masa.basis:attention_heads.head_tails"],
+    "head install": ["compressor.methods.masa.basis:attention_heads.install_heads"],
+    "residual spectra": ["compressor.methods.masa.method:residual_tail"],
+    "residual factors": ["compressor.methods.masa.method:install_projection"],
+}  # fmt: skip
+
+
+class StepPeaks:
+    """Each step's peak GPU allocation (`STEPS`, patched for the run) and the peak between steps: torch keeps one
+    peak counter, so each step folds it into the run's peaks (allocated per step, reserved overall), resets it,
+    and reads its own at its end."""
+
+    def __init__(self):
+        self.peaks: dict[str, float] = {}
+        self.reserved = 0.0
+        self._running: list[str] = []  # the steps under way, innermost last (a step may call another)
+        self._patched: list[tuple[object, str, object]] = []
+
+    def _fold(self, name: str) -> None:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+
+    def _wrap(self, name: str, function):
+        @functools.wraps(function)
+        def step(*args, **kwargs):
+            self._fold(self._running[-1] if self._running else "between steps")
+            self._running.append(name)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._fold(self._running.pop())
+
+        return step
+
+    def __enter__(self) -> StepPeaks:
+        for name, places in STEPS.items():
+            for place in places:
+                module_name, path = place.split(":")
+                owner = importlib.import_module(module_name)
+                *parents, attribute = path.split(".")
+                for parent in parents:
+                    owner = getattr(owner, parent)
+                original = getattr(owner, attribute)
+                self._patched.append((owner, attribute, original))
+                setattr(owner, attribute, self._wrap(name, original))
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._fold("between steps")
+        for owner, attribute, original in reversed(self._patched):
+            setattr(owner, attribute, original)
+
+    @property
+    def peak(self) -> float:
+        return max(self.peaks.values(), default=0.0)
 
 
 def model_shapes(tiny: bool = False) -> dict:
@@ -124,17 +197,17 @@ def _run_in(work: Path, device: torch.device, options: tuple[str, ...]) -> dict:
     request += ["--calib-samples", "64", "--seq-len", "512", *options]
     # `--dry-run` is `plan` with the run's own calibration options (`plan` takes the recipe's).
     planned = _cli_json([model, *request, "--device", device.type, "--dry-run"])
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
     out = work / "compressed"
-    run_json = _cli_json(
-        [model, *request, "--eval-text", eval_text, "--eval-max-tokens", "32768", "--device", device.type]
-        + ["--out", str(out), "--no-stats-cache"]
-    )
+    with StepPeaks() if gpu else contextlib.nullcontext() as steps:
+        run_json = _cli_json(
+            [model, *request, "--eval-text", eval_text, "--eval-max-tokens", "32768", "--device", device.type]
+            + ["--out", str(out), "--no-stats-cache"]
+        )
     peak = (
         {
-            "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "peak_gpu_allocated_gib": steps.peak,
+            "peak_gpu_reserved_gib": steps.reserved,
+            "peak_gpu_allocated_gib_by_step": steps.peaks,
         }
         if gpu
         else {}
