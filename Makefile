@@ -44,8 +44,10 @@ demo: install  ## the main job on the bundled model: remove 20% of attention par
 	$(BIN)/masa-compress smollm2-135m --ratio $(RATIO) $(if $(DEMO_EVAL_TOKENS),--eval-max-tokens $(DEMO_EVAL_TOKENS)) --overwrite
 
 # llama.cpp's prebuilt wheel is built for AVX2 and uses no wider vectors. From its own source, with what its build
-# would fetch from the network off (TLS for the server, the grammar library) and AMX off (its int8 tiles stopped
-# with an illegal instruction in the virtual machines measured): the rest of -march=native, this CPU's own.
+# would fetch from the network off (TLS for the server, the grammar library) and AMX off: the rest of -march=native,
+# this CPU's own. The CPU's AMX tiles work here once the process asks for them (a test program's tile product was
+# right), but llama.cpp's AMX matrix product faults at its first tile configuration (ldtilecfg, a general
+# protection fault: ggml-org/llama.cpp#20824, with a fix proposed in #26954: the configuration on the stack).
 LLAMA_CPP_NATIVE_CMAKE = -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
 	"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 

@@ -147,6 +147,22 @@ def test_plan_size_says_which_structure_its_calibration_can_price():
         plan_size("smollm2-135m", CompressOptions(size="76MiB", targets="heads"))
 
 
+def test_the_structure_run_of_a_byte_budget_refits_on_calibration_unless_told():
+    """`--native` alone takes the stream refit in memory; a byte budget's structure run keeps `calibration` (the
+    stream's refit was not measured under a byte budget), and `--refit stream` given is kept."""
+    from compressor.api.run_options import CompressOptions
+    from compressor.api.session import resolve_run
+    from compressor.api.size import native_options
+
+    assert (
+        resolve_run("smollm2-135m", CompressOptions(targets="attn,mlp", native=True)).compression.refit
+        == "stream"
+    )
+    for given, refit in ((None, "calibration"), ("stream", "stream")):
+        structure = native_options(CompressOptions(size="76MiB", refit=given), "attn,mlp")
+        assert resolve_run("smollm2-135m", structure).compression.refit == refit
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_combined_options_are_the_pareto_set_of_every_combination(seed):
     """One option of each matrix, summed: exactly the combinations no other beats on both bytes and rise."""

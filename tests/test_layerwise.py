@@ -197,9 +197,12 @@ def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
     assert faith2.top1_agreement == faith.top1_agreement
 
 
-@pytest.mark.parametrize("form", [[], ["--native", "--targets", "attn,mlp", "--ratio-of", "model"]])
+@pytest.mark.parametrize(
+    "form", [[], ["--native", "--targets", "attn,mlp", "--ratio-of", "model", "--refit", "calibration"]]
+)
 def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys, form):
-    """The default form, and `--native` (whole query heads, narrower MLPs in multiples of 32)."""
+    """The default form, and `--native` (whole query heads, narrower MLPs in multiples of 32) with the refit
+    `--layerwise` runs (in memory `--native` takes the stream refit, which has no layer-by-layer form)."""
     from compressor.cli import main
 
     model = str(tiny_model_dir(tmp_path / "tiny"))

@@ -10,8 +10,10 @@ import torch
 from conftest import tiny_model
 
 from compressor.api.pipeline import compress_model
+from compressor.api.run_options import CompressOptions, resolve_settings
 from compressor.methods.masa.method import refit_forms
 from compressor.modeling.adapters import get_adapter
+from compressor.modeling.families import FAMILIES
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
@@ -21,10 +23,12 @@ NATIVE = dict(method="masa", targets="attn,mlp", attention="heads", mlp="neurons
               allocation="global")  # fmt: skip
 
 
-def compressed_pair(family: str = "llama", ratio: float = 0.3, forms: dict | None = None):
-    """The same tiny model compressed in the native form (or `forms`) with each refit, on 32 windows of 64
-    tokens."""
-    model = tiny_model(family, vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=2)
+def compressed_pair(family: str = "llama", ratio: float = 0.3, forms: dict | None = None, **shape):
+    """The same tiny model (`shape`: config values over the tiny one's) compressed in the native form (or `forms`)
+    with each refit, on 32 windows of 64 tokens."""
+    model = tiny_model(
+        family, **{"vocab_size": VOCAB, "num_attention_heads": 8, "num_key_value_heads": 2} | shape
+    )
     windows = torch.randint(0, VOCAB, (32, 64), generator=torch.Generator().manual_seed(1))
     stats = collect_statistics(model, get_adapter(model), windows, progress=False, mlp=True)
     built = {}
@@ -94,8 +98,41 @@ def test_a_run_with_nothing_to_refit_on_the_stream_is_refused_before_calibration
         get_method("masa").check_settings(factored)
 
 
-def test_a_family_that_normalizes_its_blocks_outputs_is_refused_with_the_reason():
-    """OLMo 2 adds norm(mlp(x)) to the stream, not down_proj's output: the target would be wrong."""
+@pytest.mark.parametrize("family", [f.model_type for f in FAMILIES.values() if f.block_output_norm])
+def test_a_family_that_normalizes_its_blocks_outputs_is_refused_with_the_reason(family):
+    """OLMo 2 adds norm(mlp(x)) to the stream, not down_proj's output (Gemma 2 and 3 too): the target would be
+    wrong. The registry's flag, which keeps `--native` on `--refit calibration` there, is what the check finds
+    (every other dense family runs `--native` with the stream refit in tests/test_families.py)."""
     mlp_only = dict(method="masa", targets="mlp", mlp="neurons", allocation="global")
     with pytest.raises(UserError, match="normalizes the attention's or the MLP's output"):
-        compressed_pair("olmo2", forms=mlp_only)
+        compressed_pair(family, forms=mlp_only)
+
+
+def test_native_takes_the_stream_refit_where_it_runs_and_says_why_where_not():
+    def refit(model_type, layerwise=False, **given):
+        options = CompressOptions(targets="attn,mlp", native=True, layerwise=layerwise, **given)
+        resolved = resolve_settings(options, None, {"model_type": model_type})
+        return resolved.compression.refit, resolved.sources["compression"]["refit"]
+
+    assert refit("llama") == ("stream", "option (--native: in memory, chosen on validation)")
+    assert refit("llama", layerwise=True) == (
+        "calibration",
+        "option (--native: --layerwise has no stream refit)",
+    )
+    assert refit("olmo2")[0] == refit("gemma2")[0] == "calibration" and "normalizes" in refit("olmo2")[1]
+    assert refit("mixtral") == ("calibration", "option (--native: Mixtral's experts are kept whole)")
+    assert refit("llama", refit="calibration") == ("calibration", "option")
+    plain = resolve_settings(CompressOptions(targets="attn,mlp"), None, {"model_type": "llama"})
+    assert plain.compression.refit == "calibration"  # without --native: the schema's default
+
+
+def test_a_layer_that_kept_nothing_is_left_out_of_the_stream_refit():
+    """Nearly all of a tiny model's MLPs removed in whole neurons: its layers keep none (0-wide down_projs, no
+    column to refit); the o_projs are still refit on the stream, and the model runs."""
+    model, windows, built = compressed_pair(ratio=0.88, forms=NATIVE, num_hidden_layers=2)
+    (calibration, _), (stream, _) = built["calibration"], built["stream"]
+    assert [layer.mlp.down_proj.in_features for layer in stream.model.layers] == [0, 0]
+    for before, after in zip(calibration.model.layers, stream.model.layers, strict=True):
+        assert not torch.equal(before.self_attn.o_proj.weight, after.self_attn.o_proj.weight)
+    with torch.no_grad():
+        assert torch.isfinite(stream(windows).logits).all()

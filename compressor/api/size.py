@@ -106,9 +106,12 @@ def structure_targets(model: str, config, options: CompressOptions) -> tuple[str
 
 def native_options(options: CompressOptions, targets: str) -> CompressOptions:
     """The options of the `compress` run that builds the structure: the engine-native forms of `targets`, every
-    width down to the floor on offer, no byte budget of its own."""
+    width down to the floor on offer, no byte budget of its own. Its refit is `calibration` unless `--refit` is
+    given: `--native`'s stream refit was chosen on validation at a fixed ratio, and under a byte budget it would
+    also rewrite the matrices of the layers the allocation keeps whole (so "remove nothing" would no longer be
+    the types alone); it was not measured there."""
     return replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global",
-                   size=None, bits_per_weight=None)  # fmt: skip
+                   size=None, bits_per_weight=None, refit=options.refit or "calibration")  # fmt: skip
 
 
 def default_out(model: str, flag_value: str) -> str:

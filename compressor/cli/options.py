@@ -200,7 +200,7 @@ Refit = Annotated[
         "--refit",
         metavar="HOW",
         rich_help_panel=MLP,
-        help=f"{choices('refit')} (default: {default('refit')}).",
+        help=f"{choices('refit')} (default: auto)",
     ),
 ]
 UniformMlp = Annotated[

@@ -67,6 +67,10 @@ class Family:
     llama_cpp: str | None = None  # llama.cpp's architecture for a model of uniform layers (GGUF export)
     deci: bool = False  # the DeciLM / Nemotron-NAS layout holds it (`export --layout deci`, vLLM)
     qkv_bias: bool = False  # q/k/v biases by construction (Qwen2), else as `attention_bias` says
+    #: The attention's and the MLP's outputs normalized before they are added to the residual stream (Gemma 2 and
+    #: 3, OLMo 2): `--refit stream`'s targets assume they are added as they are (its check on the original
+    #: layers refuses such a family), so `--native` keeps `--refit calibration` there.
+    block_output_norm: bool = False
 
     def fused_into(self, projection: str) -> str | None:
         """The fused module holding `projection`, or None where it is a module of its own."""
@@ -81,11 +85,24 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2", "Qwen2Config", "Qwen2ForCausalLM", llama_cpp="qwen2", qkv_bias=True),
         Family("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm="per_head", llama_cpp="qwen3"),
         Family("gemma", "Gemma", "GemmaConfig", "GemmaForCausalLM"),
-        Family("gemma2", "Gemma 2", "Gemma2Config", "Gemma2ForCausalLM"),
-        Family("gemma3_text", "Gemma 3", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm="per_head"),
+        Family("gemma2", "Gemma 2", "Gemma2Config", "Gemma2ForCausalLM", block_output_norm=True),
+        Family(
+            "gemma3_text",
+            "Gemma 3",
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            qk_norm="per_head",
+            block_output_norm=True,
+        ),
         Family("smollm3", "SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", llama_cpp="smollm3"),
         Family(
-            "olmo2", "OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", qk_norm="across_heads", llama_cpp="olmo2"
+            "olmo2",
+            "OLMo 2",
+            "Olmo2Config",
+            "Olmo2ForCausalLM",
+            qk_norm="across_heads",
+            llama_cpp="olmo2",
+            block_output_norm=True,
         ),
         Family(
             "phi3",

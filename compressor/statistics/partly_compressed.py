@@ -236,6 +236,8 @@ def _solve(
     down_proj, the stream after the attention: the layer's input plus o_proj's output)."""
     module = ctx.adapter.projection(layer, projection)
     width = module.in_features
+    if width == 0:  # the layer kept no neuron or head: no column to refit (its output is its bias, if any)
+        return
     gram = float64_zeros(width, width, device=runner.hidden[0].device)
     cross = torch.zeros(module.out_features, width, dtype=torch.float64, device=gram.device)
     tokens = 0
