@@ -951,6 +951,22 @@ def test_the_gpu_scale_step_peaks_name_the_step_that_allocated_and_restore_the_p
     assert (mlp.neuron_order, mlp.order_tail) == (patched_order, patched_tail)
 
 
+def test_the_error_models_measured_rise_is_the_paired_mean_with_an_interval_and_the_kl():
+    """`byte_error_model.rise`: the mean loss rise per token over the original on the same windows, a paired
+    bootstrap interval around it (a constant shift has a zero-width one), and the mean KL per token."""
+    import numpy as np
+
+    from benchmarks.experiments.byte_error_model.run import rise
+
+    base = np.array([100.0, 120.0, 80.0, 90.0])
+    shifted = rise(base + 2.0, base, tokens=400, kl=np.full(4, 1.0))
+    assert shifted["measured"] == pytest.approx(0.02) and shifted["kl"] == pytest.approx(0.01)
+    assert shifted["measured_ci95"] == [pytest.approx(0.02), pytest.approx(0.02)]
+    noisy = rise(base + np.array([4.0, -2.0, 3.0, -1.0]), base, tokens=400)
+    lo, hi = noisy["measured_ci95"]
+    assert noisy["measured"] == pytest.approx(0.01) and lo < 0 < 0.01 < hi and "kl" not in noisy
+
+
 def test_the_calibration_precision_choice_counts_its_losses_and_ties_from_the_file(tmp_path, monkeypatch):
     """Section 6's line on `--calib-precision` reads each seed's paired difference and the seed-to-seed yardstick
     from the validation file, not from the text."""

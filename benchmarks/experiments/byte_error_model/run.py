@@ -8,8 +8,10 @@ importance-weighted rounding error (`compressor/checkpoint/byte_budget.py`). Her
 2. whole plans: every matrix as the budget's plan at the given `--sizes` (each type as written in the file);
 
 each scored in transformers on the first `--max-tokens` validation tokens against the original on the same
-windows (the decoded weights are the file's; llama.cpp's own rounding of the activations is not in it). Reports
-the rank correlation (Spearman) of predicted and measured rises, and their ratio.
+windows (the decoded weights are the file's; llama.cpp's own rounding of the activations is not in it), each rise
+with its paired 95% interval over windows and the KL divergence to the original beside it (what a second-order
+prediction estimates, without the text's first-order noise). Reports the rank correlation (Spearman) of the
+predicted rises with the measured ones and with the KL, and their ratios.
 
     python -m benchmarks.experiments.byte_error_model.run --out benchmarks/results/choices/byte-error-model-validation.json
 """
@@ -17,6 +19,7 @@ the rank correlation (Spearman) of predicted and measured rises, and their ratio
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ from compressor.checkpoint.byte_budget import (
     rounding_errors,
 )
 from compressor.checkpoint.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
+from compressor.evaluation.intervals import resample_indices
 from compressor.recipes.schema import EvaluationSettings
 
 MODEL = "smollm2-135m"
@@ -53,13 +57,32 @@ def decoded(weight: torch.Tensor, type_name: str, importance: torch.Tensor | Non
 
 
 @torch.no_grad()
-def mean_nll(model, windows: torch.Tensor) -> float:
-    total, count = 0.0, 0
-    for window in windows:
+def window_scores(model, windows: torch.Tensor, reference: list[torch.Tensor] | None = None):
+    """Per window, the summed next-token loss and, against `reference` (the original's log-probabilities per
+    window, fp32), the summed KL(original ‖ model); with no reference, the model's own log-probabilities in its
+    place (to be the reference)."""
+    nll, kl, log_probs = [], [], []
+    for index, window in enumerate(windows):
         logits = model(input_ids=window[None], use_cache=False).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
-        count += len(window) - 1
-    return total / count
+        own = torch.log_softmax(logits, -1)
+        nll.append(float(-own.gather(1, window[1:, None]).sum()))
+        if reference is None:
+            log_probs.append(own)
+        else:
+            original = reference[index]
+            kl.append(float((original.exp() * (original - own)).sum()))
+    return np.array(nll), (np.array(kl) if reference is not None else log_probs)
+
+
+def rise(nll: np.ndarray, base: np.ndarray, tokens: int, kl: np.ndarray | None = None) -> dict:
+    """The rise of the mean loss per token over `base` (the original's per-window sums on the same windows), its
+    95% interval by a paired bootstrap over windows, and the mean KL to the original (a second-order predictor
+    estimates both; the KL is not blurred by the text's first-order noise)."""
+    indices = resample_indices(len(nll))
+    resampled = (nll - base)[indices].sum(axis=1) / (tokens / len(nll) * indices.shape[1])
+    lo, hi = np.percentile(resampled, [2.5, 97.5])
+    out = {"measured": float((nll - base).sum() / tokens), "measured_ci95": [float(lo), float(hi)]}
+    return out | ({"kl": float(kl.sum() / tokens)} if kl is not None else {})
 
 
 PREDICTORS = ("default", "skip_first", "gradient_weighted")
@@ -91,24 +114,26 @@ def alternative_rises(
 
 
 def fit_predictors(singles: list[dict], measured: np.ndarray) -> dict[str, dict[str, float]]:
-    """Per predictor: the rank correlation of its predicted rises with the measured ones, and their median ratio."""
+    """Per predictor: the rank correlation of its predicted rises with the measured ones (and with the KL to the
+    original), and their median ratio."""
     from scipy.stats import spearmanr
 
+    kl = np.array([s["kl"] for s in singles])
     fits = {}
     for name in PREDICTORS:
         guess = np.array([s["predicted_by"][name] for s in singles])
-        fit = spearmanr(guess, measured)
+        fit, fit_kl = spearmanr(guess, measured), spearmanr(guess, kl)
         fits[name] = {
             "spearman": float(fit.statistic), "spearman_p": float(fit.pvalue),
+            "spearman_kl": float(fit_kl.statistic), "spearman_kl_p": float(fit_kl.pvalue),
             "measured_over_predicted_median": float(np.median(measured / np.maximum(guess, 1e-12))),
+            "kl_over_predicted_median": float(np.median(kl / np.maximum(guess, 1e-12))),
         }  # fmt: skip
-        log(f"{name}: Spearman {fit.statistic:.3f}")
+        log(f"{name}: Spearman {fit.statistic:.3f} (loss rise), {fit_kl.statistic:.3f} (KL)")
     return fits
 
 
-def measure_plans(
-    sizes: str, options, matrices, importance, alternatives, head: str, model, windows, base: float
-):
+def measure_plans(sizes: str, options, matrices, importance, alternatives, head: str, model, windows, base):
     """Every matrix as the budget's plan at each of `sizes`: predicted (by each of PREDICTORS) and measured rise."""
     plans = []
     for size in sizes.split(","):
@@ -117,7 +142,8 @@ def measure_plans(
         originals = {path: matrices[path][1].data.clone() for path in matrices}
         for path, type_name in plan.types.items():
             matrices[path][1].data.copy_(decoded(originals[path], type_name, importance.weights.get(path)))
-        measured = mean_nll(model, windows) - base
+        nll, kl = window_scores(model, windows, base.log_probs)
+        measured = rise(nll, base.nll, base.tokens, kl)
         by = dict.fromkeys(PREDICTORS, 0.0)
         for path in matrices:
             matrices[path][1].data.copy_(originals[path])
@@ -125,10 +151,19 @@ def measure_plans(
             rises = alternative_rises(path, originals[path].numpy(), chosen.type_name, chosen.predicted, importance,
                                       alternatives, head)  # fmt: skip
             by = {k: by[k] + rises[k] for k in PREDICTORS}
-        plans.append({"budget": budget, "predicted": plan.predicted, "predicted_by": by, "measured": measured,
+        plans.append({"budget": budget, "predicted": plan.predicted, "predicted_by": by, **measured,
                       "type_counts": plan.to_dict()["type_counts"]})  # fmt: skip
-        log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured:.5f}")
+        log(f"plan {budget:,}: predicted {plan.predicted:.5f}, measured {measured['measured']:.5f}")
     return plans
+
+
+@dataclass
+class Original:
+    """The original model on the evaluation windows: per-window summed loss, log-probabilities, predicted tokens."""
+
+    nll: np.ndarray
+    log_probs: list[torch.Tensor]
+    tokens: int
 
 
 def matrices_of(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
@@ -143,9 +178,9 @@ def matrices_of(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=int, default=12, help="every N-th matrix in the single-change sample")
+    parser.add_argument("--every", type=int, default=6, help="every N-th matrix in the single-change sample")
     parser.add_argument("--sizes", default="105454112,93510176,88201760", help="whole plans' budgets")
-    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/choices/byte-error-model-validation.json")
     )
@@ -166,8 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     windows, text_name = evaluation_token_windows(loaded.tokenizer, EvaluationSettings(**evaluation.model_dump()),
                                                   load_documents(evaluation.source, split="validation"))  # fmt: skip
-    base = mean_nll(model, windows)
-    log(f"original: {base:.5f} nats on {windows.numel()} validation tokens ({text_name})")
+    nll, log_probs = window_scores(model, windows)
+    tokens = windows.shape[0] * (windows.shape[1] - 1)
+    base = Original(nll, log_probs, tokens)
+    log(f"original: {nll.sum() / tokens:.5f} nats on {tokens} predicted validation tokens ({text_name})")
     matrices = matrices_of(model)
     options = {
         path: chooser.options(weight.detach().float().numpy(), path) for path, (_, weight) in matrices.items()
@@ -183,30 +220,36 @@ def main(argv: list[str] | None = None) -> None:
         weight = matrices[path][1]
         kept = weight.data.clone()
         weight.data.copy_(decoded(kept, option.type_name, importance.weights.get(path)))
-        measured = mean_nll(model, windows) - base
+        nll, kl = window_scores(model, windows, base.log_probs)
+        measured = rise(nll, base.nll, base.tokens, kl)
         weight.data.copy_(kept)
         rises = alternative_rises(
             path, kept.numpy(), option.type_name, option.predicted, importance, alternatives, head
         )
         singles.append({"matrix": path, "type": option.type_name, "predicted": option.predicted,
-                        "predicted_by": rises, "measured": measured})  # fmt: skip
-        log(f"{path} {option.type_name}: predicted {option.predicted:.5f}, measured {measured:.5f}")
+                        "predicted_by": rises, **measured})  # fmt: skip
+        log(f"{path} {option.type_name}: predicted {option.predicted:.5f}, measured {measured['measured']:.5f} "
+            f"{measured['measured_ci95']}, KL {measured['kl']:.5f}")  # fmt: skip
     plans = measure_plans(args.sizes, options, matrices, importance, alternatives, head, model, windows, base)
     from scipy.stats import spearmanr
 
     predicted = np.array([s["predicted"] for s in singles])
     measured = np.array([s["measured"] for s in singles])
-    rho = spearmanr(predicted, measured)
+    rho, rho_kl = spearmanr(predicted, measured), spearmanr(predicted, [s["kl"] for s in singles])
     by_predictor = fit_predictors(singles, measured)
+    resolved = sum(1 for s in singles if s["measured_ci95"][0] > 0 or s["measured_ci95"][1] < 0)
     write_json(args.out, {
         "command": command_line("benchmarks.experiments.byte_error_model.run", argv),
-        "model": MODEL, "split": "validation", "tokens": int(windows.numel()), "text": text_name,
-        "original_nll": base, "singles": singles, "plans": plans,
+        "model": MODEL, "split": "validation", "tokens": base.tokens, "text": text_name,
+        "original_nll": float(base.nll.sum() / base.tokens), "singles": singles, "plans": plans,
         "spearman_singles": float(rho.statistic), "spearman_p": float(rho.pvalue),
+        "spearman_singles_kl": float(rho_kl.statistic), "spearman_kl_p": float(rho_kl.pvalue),
+        "singles_resolved": resolved,
         "measured_over_predicted_median": float(np.median(measured / np.maximum(predicted, 1e-12))),
         "predictors": by_predictor,
     })  # fmt: skip
-    log(f"Spearman {rho.statistic:.3f} over {len(singles)} single changes; wrote {args.out}")
+    log(f"Spearman {rho.statistic:.3f} (loss rise; {resolved} of {len(singles)} rises' intervals exclude 0), "
+        f"{rho_kl.statistic:.3f} (KL) over {len(singles)} single changes; wrote {args.out}")  # fmt: skip
 
 
 if __name__ == "__main__":
