@@ -136,8 +136,9 @@ class CompressionSettings(_Strict):
         "squares on the original model's statistics; stream: then refit again, layer by layer, on the compressed "
         "model's own inputs over the calibration windows, to bring the residual stream back to the original's "
         "(chosen on the bundled model's validation split for --native: benchmarks/experiments/sequential_refit; "
-        "in memory only, the original and the compressed layers run side by side). Unset, --native takes stream "
-        "where it can run (compressor/api/run_options.native_refit), every other run calibration",
+        "in memory only, the original and the compressed layers run side by side). Unset, --native of the "
+        "attention and the MLP takes stream where it can run (compressor/api/run_options.native_refit), every "
+        "other run calibration",
     )
     auto_groups: bool = Field(
         False,

@@ -109,8 +109,8 @@ def test_a_family_that_normalizes_its_blocks_outputs_is_refused_with_the_reason(
 
 
 def test_native_takes_the_stream_refit_where_it_runs_and_says_why_where_not():
-    def refit(model_type, layerwise=False, **given):
-        options = CompressOptions(targets="attn,mlp", native=True, layerwise=layerwise, **given)
+    def refit(model_type, layerwise=False, targets="attn,mlp", **given):
+        options = CompressOptions(targets=targets, native=True, layerwise=layerwise, **given)
         resolved = resolve_settings(options, None, {"model_type": model_type})
         return resolved.compression.refit, resolved.sources["compression"]["refit"]
 
@@ -122,6 +122,9 @@ def test_native_takes_the_stream_refit_where_it_runs_and_says_why_where_not():
     assert refit("olmo2")[0] == refit("gemma2")[0] == "calibration" and "normalizes" in refit("olmo2")[1]
     assert refit("mixtral") == ("calibration", "option (--native: Mixtral's experts are kept whole)")
     assert refit("llama", refit="calibration") == ("calibration", "option")
+    # chosen on validation with both targeted; the attention alone measured better with calibration
+    assert refit("llama", targets="attn")[0] == refit("llama", targets="mlp")[0] == "calibration"
+    assert "measured better" in refit("llama", targets="attn")[1]
     plain = resolve_settings(CompressOptions(targets="attn,mlp"), None, {"model_type": "llama"})
     assert plain.compression.refit == "calibration"  # without --native: the schema's default
 

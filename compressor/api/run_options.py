@@ -203,7 +203,9 @@ def resolve_settings(
         sources["compression"].update(dict.fromkeys(changed, "option (--native)"))
         compression = native
         if sources["compression"]["refit"] == "default":  # neither the option nor the recipe set it
-            refit, reason = native_refit((shapes or {}).get("model_type"), options.layerwise)
+            refit, reason = native_refit(
+                (shapes or {}).get("model_type"), options.layerwise, compression.targets
+            )
             compression = compression.model_copy(update={"refit": refit})
             sources["compression"]["refit"] = f"option (--native: {reason})"
     resolved = mlp_calibration(calibration, compression, options)
@@ -244,15 +246,23 @@ def mlp_calibration(
     return calibration.model_copy(update={"samples": calibration.mlp_samples})
 
 
-def native_refit(model_type: str | None, layerwise: bool) -> tuple[str, str]:
-    """`--native`'s refit where neither the option nor the recipe sets one, and why, in a few words: `stream`,
-    chosen on the bundled model's validation split (−0.95 [−1.18, −0.74] perplexity against `calibration` at the
-    model 20% smaller: benchmarks/results/choices/sequential-refit-validation.json), where it can run: in memory
-    (it runs the original layers beside the compressed ones), on a family that adds its blocks' outputs to the
-    stream as they are and has no experts (whose MLP the refit does not read); else `calibration`."""
+def native_refit(model_type: str | None, layerwise: bool, targets: str) -> tuple[str, str]:
+    """`--native`'s refit where neither the option nor the recipe sets one, and why, in a few words: `stream` where
+    it was chosen on the bundled model's validation split, the attention and the MLP targeted (−0.95 [−1.18, −0.74]
+    perplexity against `calibration` at the model 20% smaller: benchmarks/results/choices/sequential-refit-
+    validation.json), and where it can run: in memory (it runs the original layers beside the compressed ones), on
+    a family that adds its blocks' outputs to the stream as they are and has no experts (whose MLP the refit does
+    not read); else `calibration`. The attention alone is `calibration`'s: there `stream` lost, +0.145 [+0.088,
+    +0.207] at 20% of the attention (choices/native-refit-attention-validation.json)."""
+    from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
     from compressor.modeling.families import family_of
 
     family = family_of(model_type)
+    targeted = set(target_projections(targets))
+    if not set(MLP_PROJECTIONS) & targeted:
+        return "calibration", "the attention alone: calibration measured better on validation"
+    if "o_proj" not in targeted:
+        return "calibration", "the MLP alone: the stream refit not measured there"
     if layerwise:
         return "calibration", "--layerwise has no stream refit"
     if family is None:
