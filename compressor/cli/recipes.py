@@ -25,7 +25,13 @@ from compressor.recipes.schema import (
 )
 from compressor.runtime.errors import UserError
 
-console = Console()
+
+def console() -> Console:
+    """A console of the terminal's width now (rich reads COLUMNS when a console is made: one made at import would
+    keep the width of whoever imported the module first)."""
+    return Console()
+
+
 Opt = Optional  # typer needs Optional[...] (not X | None) on Python 3.10
 
 
@@ -76,7 +82,7 @@ def recipes_command(
     """The built-in recipes; one in full; or check your own."""
     if keys:
         for line in schema_keys():
-            console.print(line, highlight=False, markup=False)
+            console().print(line, highlight=False, markup=False)
         return
     if check or name:
         recipe = load_recipe_file(check) if check else builtin_recipe(name)
@@ -87,8 +93,8 @@ def recipes_command(
             print(json.dumps(data))
         else:
             if check:
-                console.print(f"[green]valid[/] {check}")
-            console.print(yaml.safe_dump(data, sort_keys=False).rstrip(), highlight=False)
+                console().print(f"[green]valid[/] {check}")
+            console().print(yaml.safe_dump(data, sort_keys=False).rstrip(), highlight=False)
         return
     recipes = [builtin_recipe(n) for n in builtin_recipe_names()]
     if as_json:
@@ -105,7 +111,7 @@ def recipes_command(
     for r in recipes:
         cal = r.calibration
         table.add_row(r.name, r.model, f"{cal.samples}×{cal.seq_len} {cal.source}", _form(r.compression))
-    console.print(table)
+    console().print(table)
 
 
 def register(app: typer.Typer) -> None:
