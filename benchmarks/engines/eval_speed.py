@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.suite.common import command_line, log, machine_info, write_json
+from benchmarks.suite.common import command_line, log, machine_info, run_json_child, write_json
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "eval-speed-smollm2-135m.json"
 MODEL = "smollm2-135m"
@@ -31,32 +29,30 @@ MODEL = "smollm2-135m"
 KEPT = ("model", "engine", "ppl", "tokens", "windows", "seconds", "load_seconds")
 
 
-def _cli(args: list[str], xllamacpp: Path | None = None) -> dict:
-    """`masa-compress ARGS --json` in a process of its own (llama.cpp's package from `xllamacpp` first, if given)."""
+def _env(xllamacpp: Path | None) -> dict[str, str]:
+    """Our environment, with llama.cpp's package from `xllamacpp` first on the path where it is given."""
     env = dict(os.environ)
     if xllamacpp is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(xllamacpp), env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, "-m", "compressor", *args, "--json"], env=env, capture_output=True, text=True
+    return env
+
+
+def _cli(args: list[str], xllamacpp: Path | None = None) -> dict:
+    """`masa-compress ARGS --json` in a process of its own (llama.cpp's package from `xllamacpp` first, if given)."""
+    return run_json_child(
+        ["-m", "compressor", *args, "--json"], f"masa-compress {args[0]}", env=_env(xllamacpp)
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"masa-compress {' '.join(args)} failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout)
 
 
 def llama_cpp_build(xllamacpp: Path | None) -> dict:
     """Which llama.cpp the llama.cpp rows ran: the package's location, version and the CPU features its build
     uses (llama.cpp's own system info)."""
-    env = dict(os.environ)
-    if xllamacpp is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(xllamacpp), env.get("PYTHONPATH")) if p)
     probe = (
         "import json, importlib.metadata as m, xllamacpp as x;"
         "print(json.dumps({'path': x.__file__, 'version': m.version('xllamacpp'),"
         " 'system_info': x.get_system_info()}))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json_child(["-c", probe], "the llama.cpp build probe", env=_env(xllamacpp))
 
 
 def run(types: list[str], max_tokens: int, xllamacpp: Path | None, work: Path) -> dict:

@@ -162,10 +162,13 @@ def _llama_cpp_build() -> str | None:
     return xllamacpp.get_system_info().strip()
 
 
-def run_json_child(args: list[str], what: str, timeout: float | None = None) -> dict:
-    """Run `python ARGS` in a fresh process (so its peak memory is its own) and parse the JSON object it
-    prints last on stdout. Its stderr passes through. A failure raises with the child's exit status."""
-    return _json_objects(_run(args, what, timeout), what, args)[-1]
+def run_json_child(
+    args: list[str], what: str, timeout: float | None = None, env: dict[str, str] | None = None
+) -> dict:
+    """Run `python ARGS` in a fresh process (so its peak memory is its own; `env`: its environment, default
+    ours) and parse the JSON object it prints last on stdout. Its stderr passes through. A failure raises with
+    the child's exit status."""
+    return _json_objects(_run(args, what, timeout, env), what, args)[-1]
 
 
 def run_module_measured(module: str, args: list[str], what: str, timeout: float | None = None) -> dict:
@@ -178,11 +181,12 @@ def run_module_measured(module: str, args: list[str], what: str, timeout: float 
     return {**objects[-2], "process": objects[-1]}
 
 
-def _run(args: list[str], what: str, timeout: float | None) -> str:
+def _run(args: list[str], what: str, timeout: float | None, env: dict[str, str] | None = None) -> str:
     command = [sys.executable, *args]
     # stdin closed: nothing a child runs may stop and wait for an answer.
     proc = subprocess.run(
         command,
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
