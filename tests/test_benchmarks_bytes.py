@@ -2,6 +2,8 @@
 merged into an earlier one on the same windows, and the README's line on what `--size` files did. The runs
 themselves take hours on the 1.5B model and are never part of the tests."""
 
+import json
+
 import pytest
 
 from benchmarks.engines.bytes_frontier import merged
@@ -81,8 +83,6 @@ def _native_run(weight_ci: tuple[float, float]) -> dict:
 def test_the_native_levers_say_every_weight_worse_only_when_every_interval_is_above_zero(
     tmp_path, monkeypatch, weight_ci, claim
 ):
-    import json
-
     from benchmarks.report import bytes as report
 
     (tmp_path / "native-balance-validation.json").write_text(json.dumps(_native_run(weight_ci)))
@@ -137,3 +137,55 @@ def test_an_eval_speed_run_replaces_its_own_builds_rows_and_keeps_the_others():
     }
     assert again["builds"]["native"]["machine"] == machine
     assert set(merged({"rows": {"tf": {}}}, "native", {"rows": {}}, machine)) == {"what", "builds"}
+
+
+def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_build(tmp_path, monkeypatch):
+    """BENCHMARKS.md's line on `eval --engine llama.cpp`: each build's widest vectors and its BLAS library where
+    it has one, and the f16 window's hidden states against its prefill alone, beside transformers' time a window;
+    a build timed before the breakdown existed still renders, without it."""
+    from benchmarks.report.eval_speed import eval_speed_lines
+
+    system_info = "CPU : AVX2 = 1 | AVX512 = 1 | OPENMP = 1 | "
+    machine = {"cpu": "Some CPU", "vector_extension": "AVX512", "usable_cores": 2, "torch_threads": 2}
+    rows = {"transformers": {"seconds": 8.0, "windows": 16, "seconds_over_transformers": 1.0},
+            "f16": {"seconds": 20.0, "windows": 16, "seconds_over_transformers": 2.5}}  # fmt: skip
+    builds = {
+        "native": {
+            "llama_cpp": {"system_info": system_info},
+            "rows": rows,
+            "max_tokens": 8192,
+            "machine": machine,
+        },
+        "openblas": {
+            "llama_cpp": {"system_info": system_info, "devices": ["BLAS (OpenBLAS)", "CPU (Some CPU)"]},
+            "rows": rows,
+            "window": {"tokens": 512, "hidden_states_seconds": 1.3, "prefill_seconds": 0.95},
+            "max_tokens": 8192,
+            "machine": machine,
+        },
+    }
+    (tmp_path / "eval-speed-smollm2-135m.json").write_text(json.dumps({"builds": builds}))
+    text = " ".join(eval_speed_lines(tmp_path))
+    assert "native (AVX512; transformers 8.0 s): f16 2.50x the transformers time;" in text
+    assert (
+        "openblas (AVX512, matrix products through BLAS (OpenBLAS); transformers 8.0 s): f16 2.50x the transformers "
+        "time; one 512-token window of the f16 file: its hidden states 1.30 s, its prefill alone 0.95 s "
+        "(transformers 0.50 s a window, head included)" in text
+    )
+
+
+def test_a_retime_on_kept_files_takes_each_timed_file_and_names_a_missing_one(tmp_path):
+    """`benchmarks.engines.llama_cpp --retime --files DIR`: the run's own files, by their names in the run, with
+    their sizes (checked against the recorded rows); the f32 file is never timed; a missing file is named."""
+    from benchmarks.engines.llama_cpp import EXPORTS
+    from benchmarks.engines.retime import _kept_files
+
+    timed = [(kind, t) for kind, t in EXPORTS if t != "f32"]
+    for index, (kind, tensor_type) in enumerate(timed):
+        (tmp_path / f"{kind.replace(' ', '-')}-{tensor_type}.gguf").write_bytes(b"x" * (index + 1))
+    files = _kept_files(tmp_path)
+    assert list(files) == timed
+    assert files[("native uniform", "q8_0")]["bytes"] == timed.index(("native uniform", "q8_0")) + 1
+    (tmp_path / "mlp-only-f16.gguf").unlink()
+    with pytest.raises(SystemExit, match="mlp-only-f16.gguf is missing"):
+        _kept_files(tmp_path)

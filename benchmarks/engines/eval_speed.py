@@ -9,6 +9,19 @@ names the rows it gives, so the prebuilt wheel's and a native build's rows sit s
     python -m benchmarks.engines.eval_speed --build prebuilt
     python -m benchmarks.engines.eval_speed --build native --xllamacpp /tmp/xllamacpp-native
 
+The `native-openblas` rows: the native build with llama.cpp's BLAS backend on (`-DGGML_BLAS=ON
+-DGGML_BLAS_VENDOR=OpenBLAS` added to the Makefile's flags; Debian's libopenblas-dev). xllamacpp's setup links
+that backend only if its library exists before the build starts, so it takes two `pip install --target DIR .` from
+one unpacked source folder (`pip download --no-binary :all: xllamacpp==VERSION`): the second links it, and the
+build probe lists a `BLAS (OpenBLAS)` device.
+
+Beside the rows, where one evaluation's time goes (`window`, the f16 file, one 512-token window, the median of
+`WINDOW_REPEATS`): the hidden states of every position, what `eval` asks llama.cpp for, against the prefill of the
+same window with logits for its last position only (llama.cpp's own timing). In embedding mode llama.cpp still
+applies the output matrix at every position (its graph always ends with the logits), and `eval` cannot use those
+logits (a window's would be 100 MB of JSON): it applies the matrix again in torch. So the difference is that head
+plus the states' transfer; the prefill alone is the rest, llama.cpp's own kernels.
+
 Writes `benchmarks/results/eval-speed-smollm2-135m.json` (the build's rows replace that build's earlier ones).
 """
 
@@ -27,6 +40,26 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "eval-speed-smollm2-
 MODEL = "smollm2-135m"
 #: What each row keeps of `eval --json`.
 KEPT = ("model", "engine", "ppl", "tokens", "windows", "seconds", "load_seconds")
+#: The window the breakdown times, and how often (the median is kept).
+WINDOW_TOKENS, WINDOW_REPEATS = 512, 5
+#: Run in a child with the build's environment: `WINDOW_REPEATS` timings of each request for one window.
+WINDOW_PROBE = """
+import json, statistics, sys, time
+from compressor.evaluation.llama_cpp import LlamaCppServer
+path, tokens, repeats, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+scoring = LlamaCppServer(path, tokens, threads)
+serving = LlamaCppServer(path, tokens, threads, embedding=False)  # as a server that only generates
+ids = [(7919 * i) % 40000 + 100 for i in range(tokens)]
+states, prefill = [], []
+for _ in range(repeats):
+    start = time.perf_counter()
+    scoring.hidden_states(ids)
+    states.append(time.perf_counter() - start)
+    prefill.append(serving.complete(ids[:-1], 1)["timings"]["prompt_ms"] / 1000)
+print(json.dumps({"tokens": tokens, "repeats": repeats, "threads": threads,
+                  "hidden_states_seconds": statistics.median(states),
+                  "prefill_seconds": statistics.median(prefill)}))
+"""
 
 
 def _env(xllamacpp: Path | None) -> dict[str, str]:
@@ -50,12 +83,20 @@ def llama_cpp_build(xllamacpp: Path | None) -> dict:
     probe = (
         "import json, importlib.metadata as m, xllamacpp as x;"
         "print(json.dumps({'path': x.__file__, 'version': m.version('xllamacpp'),"
-        " 'system_info': x.get_system_info()}))"
+        " 'system_info': x.get_system_info(),"
+        " 'devices': [f\"{d['name']} ({d['description']})\" for d in x.get_device_info()]}))"
     )
     return run_json_child(["-c", probe], "the llama.cpp build probe", env=_env(xllamacpp))
 
 
-def run(types: list[str], max_tokens: int, xllamacpp: Path | None, work: Path) -> dict:
+def window_timings(path: Path, xllamacpp: Path | None, threads: int) -> dict:
+    """One window's hidden states (what `eval` reads) against its prefill alone, in llama.cpp (module doc)."""
+    args = ["-c", WINDOW_PROBE, str(path), str(WINDOW_TOKENS), str(WINDOW_REPEATS), str(threads)]
+    return run_json_child(args, "the window timing probe", env=_env(xllamacpp))
+
+
+def run(types: list[str], max_tokens: int, xllamacpp: Path | None, work: Path) -> tuple[dict, dict | None]:
+    """The rows (transformers, then each type's file in llama.cpp) and the f16 file's window breakdown."""
     scored = ["--max-tokens", str(max_tokens), "--no-compare"]
     log(f"transformers: {MODEL}, first {max_tokens} test tokens")
     rows = {"transformers": _kept(_cli(["eval", MODEL, *scored]))}
@@ -67,7 +108,11 @@ def run(types: list[str], max_tokens: int, xllamacpp: Path | None, work: Path) -
     base = rows["transformers"]["seconds"]
     for row in rows.values():
         row["seconds_over_transformers"] = row["seconds"] / base
-    return rows
+    window = None
+    if "f16" in types:
+        log(f"llama.cpp: one {WINDOW_TOKENS}-token window, hidden states against prefill alone")
+        window = window_timings(work / "bundled-f16.gguf", xllamacpp, os.cpu_count() or 1)
+    return rows, window
 
 
 def _kept(answer: dict) -> dict:
@@ -95,13 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="eval-speed-") as work:
-        rows = run(args.types.split(","), args.max_tokens, args.xllamacpp, Path(work))
+        rows, window = run(args.types.split(","), args.max_tokens, args.xllamacpp, Path(work))
     entry = {
         "command": command_line("benchmarks.engines.eval_speed", argv),
         "date": time.strftime("%Y-%m-%d"),
         "llama_cpp": llama_cpp_build(args.xllamacpp),
         "max_tokens": args.max_tokens,
         "rows": rows,
+        "window": window,
         "seconds": round(time.perf_counter() - start, 1),
     }
     previous = json.loads(args.out.read_text()) if args.out.exists() else None

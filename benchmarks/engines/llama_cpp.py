@@ -142,32 +142,6 @@ def export_files(sources: dict, work: Path, only_timed: bool = False) -> dict:
     return files
 
 
-def retime(results: dict, work: Path) -> dict:
-    """The speed phase again, on the same files rebuilt (compression is deterministic: each file's bytes are
-    checked against the recorded run), for a run whose timings a busy machine disturbed."""
-    ratio, chosen = results["ratio_of_model"], results["choice"]["chosen"]
-    sources = {"original": MODEL}
-    # the folder names of `run`: the files record their source's path, so the bytes compare
-    for kind, folder, forms in (("native", "native", {"native": True}),
-                                ("native uniform", "uniform", {"native": True, "uniform_mlp": True}),
-                                ("mlp only", f"mlp-w{chosen}", {"width_multiple": chosen})):  # fmt: skip
-        targets = "mlp" if kind == "mlp only" else "attn,mlp"
-        compress_engine_form(ratio, work / folder, targets=targets, **forms)
-        sources[kind] = str(work / folder)
-    files = export_files(sources, work, only_timed=True)
-    rows = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
-    for key, written in files.items():
-        if written["bytes"] != rows[key]["bytes"]:
-            raise SystemExit(
-                f"{key}: rebuilt file has {written['bytes']} bytes, the recorded run {rows[key]['bytes']}"
-            )
-    prompt = _prompt_ids()
-    for key, speed in measure_speeds({k: Path(w["out"]) for k, w in files.items()}, prompt).items():
-        rows[key].update(speed)
-    results["speed_retimed"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    return speed_ratios(results)
-
-
 def speed_ratios(results: dict) -> dict:
     row = {(r["model"], r["type"]): r for r in results["llama_cpp"]}
     for tensor_type in ("f16", "q8_0"):
@@ -331,8 +305,9 @@ def render(results: dict) -> str:
         "",
         *(
             [
-                f"Speeds timed again on {results['speed_retimed']} (`--retime`: the files rebuilt, byte for byte the "
-                "scored ones, and timed on a quiet machine).",
+                f"Speeds timed again on {results['speed_retimed']} (`benchmarks.engines.retime`: the files "
+                f"{results.get('speed_retimed_files', 'rebuilt')}, byte for byte the scored ones, and timed on a "
+                "quiet machine).",
                 "",
             ]
             if "speed_retimed" in results
@@ -413,31 +388,29 @@ def _windows(results: dict) -> str:
     )
 
 
+def write_outputs(results: dict, out: str, doc: str) -> None:
+    """engines.json, engines.md and its figure, and the summary figures into results.json beside them."""
+    write_json(out, results)
+    Path(doc).write_text(render(results))
+    engines_plot(results, Path(doc).with_name(FIGURE))
+    summary = Path(out).with_name("results.json")
+    if summary.is_file():  # the summary figures beside `make bench`'s, where BENCHMARKS.md's targets are read
+        merged = json.loads(summary.read_text()) | {key: results[key] for key in SUMMARY_KEYS}
+        write_json(summary, merged)
+    log(f"wrote {out} and {doc}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--out", default="benchmarks/results/engines.json")
     parser.add_argument("--doc", default="benchmarks/results/engines.md")
-    parser.add_argument(
-        "--retime", action="store_true", help="only the speed phase again, on --out's recorded run"
-    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="masa-engines-") as work:
-        if args.retime:
-            results = retime(json.loads(Path(args.out).read_text()), Path(work))
-        else:
-            results = run(args.ratio, args.max_tokens, Path(work))
-    command = command_line("benchmarks.engines.llama_cpp", argv)
-    results["retime_command" if args.retime else "command"] = command
-    write_json(args.out, results)
-    Path(args.doc).write_text(render(results))
-    engines_plot(results, Path(args.doc).with_name(FIGURE))
-    summary = Path(args.out).with_name("results.json")
-    if summary.is_file():  # the summary figures beside `make bench`'s, where BENCHMARKS.md's targets are read
-        merged = json.loads(summary.read_text()) | {key: results[key] for key in SUMMARY_KEYS}
-        write_json(summary, merged)
-    log(f"wrote {args.out} and {args.doc}")
+        results = run(args.ratio, args.max_tokens, Path(work))
+    results["command"] = command_line("benchmarks.engines.llama_cpp", argv)
+    write_outputs(results, args.out, args.doc)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import statistics
 
+from benchmarks.report.eval_speed import eval_speed_lines
 from benchmarks.report.markdown import difference
 from benchmarks.report.plots import REPO
-from benchmarks.suite.common import machine_signature
 from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -378,38 +378,6 @@ def _sequential_refit() -> list[str]:
     ]
 
 
-def _eval_speed() -> list[str]:
-    """`eval --engine llama.cpp` against transformers on the same windows, per llama.cpp build
-    (`benchmarks/engines/eval_speed.py`): the frontier scores dozens of files in llama.cpp."""
-    path = RESULTS / "eval-speed-smollm2-135m.json"
-    if not path.is_file():
-        return []
-    builds = json.loads(path.read_text())["builds"]
-    said = []
-    for name, build in builds.items():
-        rows = build["rows"]
-        files = ", ".join(
-            f"{kind} {row['seconds_over_transformers']:.2f}x"
-            for kind, row in rows.items()
-            if kind != "transformers"
-        )
-        features = [part.split(" = ")[0].strip() for part in build["llama_cpp"]["system_info"].split("|")]
-        widest = next((f for f in ("AVX512", "AVX2", "AVX") if f in features), "no AVX")
-        said.append(
-            f"{name} ({widest}; transformers {rows['transformers']['seconds']:.1f} s): {files} the transformers time"
-        )
-    first = next(iter(builds.values()))
-    return [
-        f"**Evaluating in llama.cpp** (`eval --engine llama.cpp`, the bundled model's first {first['max_tokens']:,} "
-        f"test tokens, each file in a process of its own, on {machine_signature(first['machine'])}; "
-        "`python -m benchmarks.engines.eval_speed`): "
-        + "; ".join(said)
-        + ". The prebuilt wheel is built for AVX2 and uses no wider vectors; `make llama-cpp-native` builds it "
-        "from source for the machine it runs on.",
-        "",
-    ]
-
-
 def bytes_section() -> list[str]:
     files = sorted(RESULTS.glob("bytes-*.json"))
     if not files:
@@ -426,7 +394,7 @@ def bytes_section() -> list[str]:
         "ours − the mix of the same bytes; an interval holding 0 is a tie.",
         "",
         *body,
-        *_eval_speed(),
+        *eval_speed_lines(RESULTS),
         *_native_form(),
         *_structure_weight(),
         *_structure_error(),

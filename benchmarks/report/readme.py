@@ -348,12 +348,18 @@ def _llama_cpp_eval(results_dir: Path) -> str:
         if "native" in builds
         else ""
     )
+    openblas = (
+        f", {span(builds['native-openblas'])} with OpenBLAS doing its matrix products"
+        if "native-openblas" in builds
+        else ""
+    )
     machine = builds["prebuilt"]["machine"]
     return (
         "- **Scoring a GGUF in llama.cpp is slower than in transformers** (`eval --engine llama.cpp`, the bundled "
         f"model on the same windows, a {machine['usable_cores']}-core {machine['vector_extension']} CPU): "
         f"{span(builds['prebuilt'])} the transformers time with "
-        f"the prebuilt AVX2 wheel{native} (BENCHMARKS.md section 7)."
+        f"the prebuilt AVX2 wheel{native}{openblas}: llama.cpp's own CPU kernels, and the output matrix it applies "
+        "at every position (BENCHMARKS.md section 7 says where the time goes)."
     )
 
 

@@ -1,0 +1,60 @@
+"""BENCHMARKS.md section 7's line on `eval --engine llama.cpp` against transformers, per llama.cpp build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.suite.common import machine_signature
+
+
+def eval_speed_lines(results: Path) -> list[str]:
+    """`eval --engine llama.cpp` against transformers on the same windows, per llama.cpp build
+    (`benchmarks/engines/eval_speed.py`): the frontier scores dozens of files in llama.cpp."""
+    path = results / "eval-speed-smollm2-135m.json"
+    if not path.is_file():
+        return []
+    builds = json.loads(path.read_text())["builds"]
+    said = []
+    for name, build in builds.items():
+        rows = build["rows"]
+        files = ", ".join(
+            f"{kind} {row['seconds_over_transformers']:.2f}x"
+            for kind, row in rows.items()
+            if kind != "transformers"
+        )
+        features = [part.split(" = ")[0].strip() for part in build["llama_cpp"]["system_info"].split("|")]
+        widest = next((f for f in ("AVX512", "AVX2", "AVX") if f in features), "no AVX")
+        blas = [d for d in build["llama_cpp"].get("devices", []) if d.startswith("BLAS")]
+        kind = ", ".join([widest, *(f"matrix products through {d}" for d in blas)])
+        said.append(
+            f"{name} ({kind}; transformers {rows['transformers']['seconds']:.1f} s): {files} the transformers "
+            f"time{_window_breakdown(build)}"
+        )
+    first = next(iter(builds.values()))
+    return [
+        f"**Evaluating in llama.cpp** (`eval --engine llama.cpp`, the bundled model's first {first['max_tokens']:,} "
+        f"test tokens, each file in a process of its own, on {machine_signature(first['machine'])}; "
+        "`python -m benchmarks.engines.eval_speed`): "
+        + "; ".join(said)
+        + ". The prebuilt wheel is built for AVX2 and uses no wider vectors; `make llama-cpp-native` builds it "
+        "from source for the machine it runs on. The hidden states cost more than the prefill because llama.cpp "
+        "applies the output matrix at every position in embedding mode, logits `eval` cannot take from it, and "
+        "`eval` applies it again in torch; the prefill alone is llama.cpp's own kernels "
+        "([eval_speed](benchmarks/engines/eval_speed.py)).",
+        "",
+    ]
+
+
+def _window_breakdown(build: dict) -> str:
+    """Where one f16 window's time goes in llama.cpp, against transformers' time per window ('' if not timed)."""
+    window, transformers = build.get("window"), build["rows"]["transformers"]
+    return (
+        window
+        and (
+            f"; one {window['tokens']}-token window of the f16 file: its hidden states "
+            f"{window['hidden_states_seconds']:.2f} s, its prefill alone {window['prefill_seconds']:.2f} s "
+            f"(transformers {transformers['seconds'] / transformers['windows']:.2f} s a window, head included)"
+        )
+        or ""
+    )
