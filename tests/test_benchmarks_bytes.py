@@ -175,14 +175,14 @@ def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_bui
 
 
 def test_a_retime_on_kept_files_takes_each_timed_file_and_names_a_missing_one(tmp_path):
-    """`benchmarks.engines.llama_cpp --retime --files DIR`: the run's own files, by their names in the run, with
+    """`benchmarks.engines.retime --files DIR`: the run's own files, by their names in the run, with
     their sizes (checked against the recorded rows); the f32 file is never timed; a missing file is named."""
-    from benchmarks.engines.llama_cpp import EXPORTS
+    from benchmarks.engines.llama_cpp import EXPORTS, gguf_name
     from benchmarks.engines.retime import _kept_files
 
     timed = [(kind, t) for kind, t in EXPORTS if t != "f32"]
     for index, (kind, tensor_type) in enumerate(timed):
-        (tmp_path / f"{kind.replace(' ', '-')}-{tensor_type}.gguf").write_bytes(b"x" * (index + 1))
+        (tmp_path / gguf_name(kind, tensor_type)).write_bytes(b"x" * (index + 1))
     files = _kept_files(tmp_path)
     assert list(files) == timed
     assert files[("native uniform", "q8_0")]["bytes"] == timed.index(("native uniform", "q8_0")) + 1

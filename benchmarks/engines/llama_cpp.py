@@ -129,12 +129,17 @@ EXPORTS = [("original", "f16"), ("original", "q8_0"), ("original", "q5_0"), ("or
            ("native uniform", "q4_k_m"), ("mlp only", "f16")]  # fmt: skip
 
 
+def gguf_name(kind: str, tensor_type: str) -> str:
+    """The file name a run gives the GGUF of `kind` (a row's model) at `tensor_type`."""
+    return f"{kind.replace(' ', '-')}-{tensor_type}.gguf"
+
+
 def export_files(sources: dict, work: Path, only_timed: bool = False) -> dict:
     files = {}
     for kind, tensor_type in EXPORTS:
         if only_timed and tensor_type == "f32":
             continue
-        out = work / f"{kind.replace(' ', '-')}-{tensor_type}.gguf"
+        out = work / gguf_name(kind, tensor_type)
         log(f"export {sources[kind]} {out.name}")
         files[(kind, tensor_type)] = export(
             sources[kind], out, tensor_type=tensor_type, progress=False

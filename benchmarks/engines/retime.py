@@ -19,6 +19,7 @@ from benchmarks.engines.llama_cpp import (
     _prompt_ids,
     compress_engine_form,
     export_files,
+    gguf_name,
     measure_speeds,
     speed_ratios,
     write_outputs,
@@ -46,14 +47,16 @@ def retime(results: dict, work: Path, kept: Path | None = None) -> dict:
 
 
 def _kept_files(folder: Path) -> dict:
-    """The timed files of a run, as `export_files` names them, from a folder they were copied to."""
+    """The timed files of a run (every export but f32), by their names in the run, from a folder they were copied
+    to."""
     files = {}
     for kind, tensor_type in EXPORTS:
-        path = folder / f"{kind.replace(' ', '-')}-{tensor_type}.gguf"
-        if tensor_type != "f32":
-            if not path.is_file():
-                raise SystemExit(f"--files: {path} is missing: copy every .gguf of the run's folder there")
-            files[(kind, tensor_type)] = {"out": str(path), "bytes": path.stat().st_size}
+        path = folder / gguf_name(kind, tensor_type)
+        if tensor_type == "f32":
+            continue
+        if not path.is_file():
+            raise SystemExit(f"--files: {path} is missing: copy every .gguf of the run's folder there")
+        files[(kind, tensor_type)] = {"out": str(path), "bytes": path.stat().st_size}
     return files
 
 
