@@ -48,13 +48,12 @@ def eval_speed_lines(results: Path) -> list[str]:
 
 def _window_breakdown(build: dict) -> str:
     """Where one f16 window's time goes in llama.cpp, against transformers' time per window ('' if not timed)."""
-    window, transformers = build.get("window"), build["rows"]["transformers"]
+    window = build.get("window")
+    if not window:
+        return ""
+    transformers = build["rows"]["transformers"]
     return (
-        window
-        and (
-            f"; one {window['tokens']}-token window of the f16 file: its hidden states "
-            f"{window['hidden_states_seconds']:.2f} s, its prefill alone {window['prefill_seconds']:.2f} s "
-            f"(transformers {transformers['seconds'] / transformers['windows']:.2f} s a window, head included)"
-        )
-        or ""
+        f"; one {window['tokens']}-token window of the f16 file: its hidden states "
+        f"{window['hidden_states_seconds']:.2f} s, its prefill alone {window['prefill_seconds']:.2f} s "
+        f"(transformers {transformers['seconds'] / transformers['windows']:.2f} s a window, head included)"
     )
