@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.engines.bytes_frontier import merged
+from benchmarks.engines.bytes_frontier import check_rebuilt, merged
 from benchmarks.report.bytes import commands
-from benchmarks.report.readme import _size_instead
+from benchmarks.report.readme import _size_decode, _size_instead
 
 PROTOCOL = {"text": "wikipedia:test", "split": "test", "windows": 8, "seq_len": 512, "tokens": 4088}
 
@@ -41,6 +41,25 @@ def test_a_merged_run_keeps_the_earlier_budgets_and_takes_the_new_measurements()
     assert {name: gain["command"] for name, gain in out["imatrix_gain"].items()} == by_type
     assert commands(out) == "`first`, then `second`"
     assert commands(merged(out, _results("third", {}))) == "`first`, then `second`, then `third`"
+
+
+def test_a_retimed_run_names_its_timing_command_and_keeps_it_through_a_merge():
+    timed = _results("first", {"q2_k": 500}) | {"retimed": ["again"]}
+    assert commands(timed) == "`first`; speeds timed again by `again`"
+    assert (
+        commands(merged(timed, _results("second", {})))
+        == "`first`, then `second`; speeds timed again by `again`"
+    )
+
+
+@pytest.mark.parametrize(
+    "rebuilt", [{"bytes": 501, "type_counts": {"Q2_K": 3}}, {"bytes": 500, "type_counts": {"Q3_K": 3}}]
+)
+def test_a_file_rebuilt_for_timing_must_be_the_runs_own(rebuilt):
+    row = {"bytes": 500, "type_counts": {"Q2_K": 3}}
+    check_rebuilt(dict(row), row, "q2_k")  # the same file: timed
+    with pytest.raises(SystemExit, match="q2_k: rebuilt"):
+        check_rebuilt(rebuilt, row, "q2_k")
 
 
 def test_runs_on_other_windows_do_not_merge():
@@ -189,3 +208,31 @@ def test_a_retime_on_kept_files_takes_each_timed_file_and_names_a_missing_one(tm
     (tmp_path / "mlp-only-f16.gguf").unlink()
     with pytest.raises(SystemExit, match="mlp-only-f16.gguf is missing"):
         _kept_files(tmp_path)
+
+
+def test_the_readme_names_the_budgets_where_a_size_file_decodes_slower(tmp_path):
+    def timed(budget: str, ratio: float, structure: bool) -> tuple[dict, list[dict]]:
+        ours = "structure" if structure else "size"
+        rows = [{"type": budget, "imatrix": "calibration", "type_counts": {"Q3_K": 100, "Q4_K": 50, "Q6_K": 1}},
+                {"type": budget, "imatrix": "size", "type_counts": {"Q4_K": 90, "IQ3_S": 60}}]  # fmt: skip
+        if structure:
+            rows.append({"type": budget, "imatrix": "structure", "type_counts": {"Q4_1": 200}})
+        return {"type": budget, "ours": ours, "decode_ratio": ratio, "decode_ratio_2t": ratio}, rows
+
+    for model, budgets in {"qwen2.5-coder-1.5b": [("q4_k_m", 1.1, False), ("q2_k", 0.7, False)],
+                           "smollm2-135m": [("q3_k_m", 0.9, True), ("q6_k", 1.3, True)]}.items():  # fmt: skip
+        pairs = [timed(*budget) for budget in budgets]
+        data = {"frontier": [p[0] for p in pairs], "rows": [r for p in pairs for r in p[1]]}
+        (tmp_path / f"bytes-{model}.json").write_text(json.dumps(data))
+    line = _size_decode(tmp_path)
+    assert "Qwen2.5-Coder-1.5B at q2_k 0.70x (ours 90 Q4_K, 60 IQ3_S; the mix 100 Q3_K, 50 Q4_K)" in line
+    assert (
+        "SmolLM2-135M at q3_k_m 0.90x (ours 200 Q4_1; the mix" in line
+    )  # compress --size's file where it ran
+    assert "at the other timed budgets 1.10-1.30x" in line and "q4_k_m" not in line
+    for path in tmp_path.iterdir():  # every budget at least as fast: no line
+        data = json.loads(path.read_text())
+        path.write_text(
+            json.dumps(data | {"frontier": [r | {"decode_ratio": 1.0} for r in data["frontier"]]})
+        )
+    assert _size_decode(tmp_path) == ""

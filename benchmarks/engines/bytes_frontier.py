@@ -107,6 +107,50 @@ def time_ladder(model: str, files: dict, repeats: int) -> dict:
     return {name: {kind: speeds[(kind, name)] for kind in ("mix", "ours")} for name in budgets}
 
 
+def attach_speeds(frontier: list[dict], speeds: dict) -> None:
+    """Each timed budget's speeds onto its frontier row, with ours / the mix's decode tokens/s (1 and 2 threads)."""
+    for row in frontier:
+        if row["type"] in speeds:
+            row["speeds"] = speeds[row["type"]]
+            mix, ours = speeds[row["type"]]["mix"], speeds[row["type"]]["ours"]
+            row["decode_ratio"] = ours["decode_tokens_per_second"] / mix["decode_tokens_per_second"]
+            row["decode_ratio_2t"] = ours["decode_tokens_per_second_2t"] / mix["decode_tokens_per_second_2t"]
+
+
+def check_rebuilt(written: dict, row: dict, label: str) -> None:
+    """A file built again for timing must be the run's own: the same bytes and the same matrices by type."""
+    if (written["bytes"], written["type_counts"]) != (row["bytes"], row["type_counts"]):
+        raise SystemExit(
+            f"{label}: rebuilt {written['bytes']:,} bytes, {written['type_counts']}; "
+            f"the run's file {row['bytes']:,} bytes, {row['type_counts']}"
+        )
+
+
+def retime(
+    results: dict, types: tuple[str, ...], work: Path, calib_samples: int | None, repeats: int, command: str
+) -> dict:
+    """Time budgets a recorded run left untimed: each budget's importance-weighted mix and `export --size` file
+    built again (deterministic), their bytes and types checked against the run's rows, then timed in turns."""
+    recorded = {(row["type"], row["imatrix"]): row for row in results["rows"]}
+    files = {}
+    for tensor_type in types:
+        log(f"--retime {tensor_type}: its mix and export --size built again")
+        if (tensor_type, "structure") in recorded:
+            raise SystemExit(
+                f"--retime {tensor_type}: the run chose structure there; time it with a full run"
+            )
+        mix = export(results["model"], work / f"{tensor_type}-calibration.gguf", tensor_type=tensor_type,
+                     imatrix="calibration", calib_samples=calib_samples, overwrite=True, progress=False)  # fmt: skip
+        size = export(results["model"], work / f"size-{tensor_type}.gguf", size=mix.details["bytes"], calib_samples=calib_samples,
+                      overwrite=True, progress=False)  # fmt: skip
+        for kind, written in (("calibration", mix.to_dict()), ("size", size.to_dict())):
+            check_rebuilt(written, recorded[(tensor_type, kind)], f"--retime {tensor_type} ({kind})")
+            files[(tensor_type, kind)] = written
+    attach_speeds(results["frontier"], time_ladder(results["model"], files, repeats))
+    results["retimed"] = [*results.get("retimed", []), command]
+    return results
+
+
 def score_files(
     model: str, paths: dict[str, str], max_tokens: int, per_pass: int = 0, split: str = "test"
 ) -> tuple[object, dict]:
@@ -289,11 +333,25 @@ def main(argv: list[str] | None = None) -> None:
         "--merge", action="store_true",
         help="keep the results file's budgets not measured this time (the same windows: refused otherwise)",
     )  # fmt: skip
+    parser.add_argument(
+        "--retime", action="store_true",
+        help="only time --types' budgets of the results file (their files rebuilt and checked), then write it again",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    types = tuple(t.strip() for t in args.types.split(",") if t.strip())
+    if args.retime:
+        out = args.out or RESULTS / f"bytes-{args.model}.json"
+        with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
+            results = retime(
+                json.loads(out.read_text()), types, Path(work), args.calib_samples, args.repeats,
+                command_line("benchmarks.engines.bytes_frontier", argv),
+            )  # fmt: skip
+        write_json(out, results)
+        out.with_suffix(".md").write_text(render(results))
+        return
     if args.summarize:
         summarize(json.loads(args.summarize.read_text()), RESULTS / "results.json")
         return
-    types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     with tempfile.TemporaryDirectory(prefix="masa-bytes-") as work:
         below = tuple(b.strip() for b in args.below.split(",") if b.strip())
         structure_at = None if args.structure_at is None else tuple(args.structure_at.split(","))
@@ -302,12 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         scored, rows = score_ladder(args.model, files, args.max_tokens, args.files_per_pass)
         speeds = time_ladder(args.model, files, args.repeats) if args.repeats else {}
-    for row in scored["frontier"]:
-        if row["type"] in speeds:
-            row["speeds"] = speeds[row["type"]]
-            mix, ours = speeds[row["type"]]["mix"], speeds[row["type"]]["ours"]
-            row["decode_ratio"] = ours["decode_tokens_per_second"] / mix["decode_tokens_per_second"]
-            row["decode_ratio_2t"] = ours["decode_tokens_per_second_2t"] / mix["decode_tokens_per_second_2t"]
+    attach_speeds(scored["frontier"], speeds)
     imatrix = next((r.get("imatrix") for r in files.values() if r.get("imatrix", "none") != "none"), "none")
     results = {
         "command": command_line("benchmarks.engines.bytes_frontier", argv),
@@ -344,6 +397,7 @@ def merged(earlier: dict, latest: dict) -> dict:
 
     return latest | {
         "earlier_commands": [*earlier.get("earlier_commands", []), earlier["command"]],
+        "retimed": earlier.get("retimed", []),
         "imatrix_gain": earlier["imatrix_gain"] | latest["imatrix_gain"],
         "rows": union("rows", lambda row: (row["type"], row["imatrix"])),
         "frontier": sorted(

@@ -103,8 +103,11 @@ def gain_table(data: dict) -> list[str]:
 
 
 def commands(data: dict) -> str:
-    """The command (or, for merged runs, the commands in order) that wrote a bytes results file."""
-    return ", then ".join(f"`{command}`" for command in [*data.get("earlier_commands", []), data["command"]])
+    """The command (or, for merged runs, the commands in order) that wrote a bytes results file, and any that timed
+    its budgets again."""
+    wrote = ", then ".join(f"`{command}`" for command in [*data.get("earlier_commands", []), data["command"]])
+    retimed = ", ".join(f"`{command}`" for command in data.get("retimed", []))
+    return wrote + (f"; speeds timed again by {retimed}" if retimed else "")
 
 
 def _frontier(name: str, data: dict) -> list[str]:

@@ -325,9 +325,56 @@ def limitations(results_dir: Path = RESULTS_DIR) -> str:
         f"- **The model 20% smaller misses the {WHOLE_MODEL_AIMS[0.2]:.2f}x aim**: {ratio['ppl_ratio']:.2f}x the "
         f"original's perplexity on SmolLM2-135M, {large['quality']['ppl_ratio']:.2f}x on Qwen2.5-Coder-1.5B; "
         "the MLP carries most of the loss (docs/method.md, stage 5).",
+        _size_decode(results_dir),
         _llama_cpp_eval(results_dir),
     ]
     return "\n".join(line for line in lines if line)
+
+
+#: The bytes results files and the names the README gives their models.
+BYTES_MODELS = {"qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B", "smollm2-135m": "SmolLM2-135M"}
+
+
+def _size_decode(results_dir: Path) -> str:
+    """Where a `--size` file decodes slower than llama.cpp's mix of the same bytes (1 thread, the bytes runs'
+    timings), each with the two commonest matrix types of both files: the allocation prices bytes and the loss,
+    not the speed of llama.cpp's kernel for each type."""
+    slower, faster = [], []
+    for model, title in BYTES_MODELS.items():
+        path = results_dir / f"bytes-{model}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        files = {(row["type"], row["imatrix"]): row for row in data["rows"]}
+        timed = [row for row in data["frontier"] if "decode_ratio" in row]
+        faster += [row["decode_ratio"] for row in timed if row["decode_ratio"] >= 1]
+        budgets = [
+            f"{row['type']} {row['decode_ratio']:.2f}x (ours {_commonest(_ours(files, row['type']))}; "
+            f"the mix {_commonest(files[(row['type'], 'calibration')])})"
+            for row in timed
+            if row["decode_ratio"] < 1
+        ]
+        if budgets:
+            slower.append(f"on {title} at {', '.join(budgets)}")
+    if not slower:
+        return ""
+    elsewhere = f"; at the other timed budgets {min(faster):.2f}-{max(faster):.2f}x" if faster else ""
+    return (
+        "- **A `--size` file can decode slower than llama.cpp's mix of the same bytes** (llama.cpp on the CPU, 1 "
+        f"thread, ours / the mix's tokens/s): {'; '.join(slower)}{elsewhere}. The allocation prices bytes and the "
+        "predicted loss, not speed: which types llama.cpp's CPU kernels decode fastest it does not know (the bytes "
+        "table, BENCHMARKS.md section 7)."
+    )
+
+
+def _ours(files: dict, budget: str) -> dict:
+    """The `--size` file of a budget: `compress --size`'s where the run has one, else `export --size`'s."""
+    return files.get((budget, "structure")) or files[(budget, "size")]
+
+
+def _commonest(row: dict) -> str:
+    counts = sorted(row["type_counts"].items(), key=lambda item: -item[1])
+    return ", ".join(f"{n} {t}" for t, n in counts[:2])
 
 
 def _llama_cpp_eval(results_dir: Path) -> str:
