@@ -236,3 +236,55 @@ def test_the_readme_names_the_budgets_where_a_size_file_decodes_slower(tmp_path)
             json.dumps(data | {"frontier": [r | {"decode_ratio": 1.0} for r in data["frontier"]]})
         )
     assert _size_decode(tmp_path) == ""
+
+
+def _speeds(decode: float) -> dict:
+    return {"decode_tokens_per_second": decode, "decode_tokens_per_second_2t": 2 * decode}
+
+
+def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_path, monkeypatch):
+    """The size-refit and --only-types runs (`benchmarks/report/byte_choices`): each stream row's paired reading
+    against calibration, each --size file's against the mix and (k-quants alone) against every type, its decode
+    over the mix's; a choice not run renders nothing."""
+    from benchmarks.report import byte_choices
+
+    monkeypatch.setattr(byte_choices, "CHOICES", tmp_path)
+    assert byte_choices._size_refit() == [] and byte_choices._only_types() == []
+    common = {"command": "python -m x", "tokens": 16352, "original_ppl": 17.5}
+    refit = {"size": "84MiB", "bytes": 84 * 2**20, "removed": 1000, "ppl": 21.0, "predicted_rise": 0.05,
+             "measured_rise": 0.07}  # fmt: skip
+    (tmp_path / "size-refit-validation.json").write_text(json.dumps({**common, "rows": [
+        {**refit, "refit": "calibration"},
+        {**refit, "refit": "stream", "ppl": 20.5, "minus_calibration": -0.5, "ci95": [-0.8, -0.2]},
+    ]}))  # fmt: skip
+    lines = byte_choices._size_refit()
+    assert "| 84MiB | calibration | 84.00 | 1,000 | 21.000 |  | 0.0500 · 0.0700 |" in lines
+    assert (
+        "| 84MiB | stream | 84.00 | 1,000 | 20.500 | -0.500 [-0.800, -0.200] better | 0.0500 · 0.0700 |"
+        in lines
+    )
+    file = {"type": "q2_k", "bytes": 700 * 2**20, "type_counts": {"Q4_K": 70, "IQ3_S": 65}}
+    (tmp_path / "only-types-validation.json").write_text(json.dumps({**common, "model": "m", "only_types": "q4_k",
+        "rows": [
+            {**file, "kind": "mix", "ppl": 23.0, "decode_vs_mix": 1.0, "decode_vs_mix_2t": 1.0},
+            {**file, "kind": "every type", "ppl": 20.7, "minus_mix": -2.3, "minus_mix_ci95": [-3.0, -1.5],
+             "decode_vs_mix": 0.67, "decode_vs_mix_2t": 0.75},
+            {**file, "kind": "only types", "ppl": 21.0, "minus_mix": -2.0, "minus_mix_ci95": [-2.6, -1.4],
+             "minus_every_type": 0.3, "minus_every_type_ci95": [-0.1, 0.6], "decode_vs_mix": 0.98,
+             "decode_vs_mix_2t": 1.01},
+        ]}))  # fmt: skip
+    lines = byte_choices._only_types()
+    assert lines[0].startswith("**`--only-types q4_k`** (`python -m x`, m, validation split, 16,352 tokens")
+    assert (
+        "| q2_k | every type | 700.00 | 20.700 | -2.300 [-3.000, -1.500] better |  | 0.67x · 0.75x | "
+        in "".join(lines)
+    )
+    assert (
+        "| q2_k | only types | 700.00 | 21.000 | -2.000 [-2.600, -1.400] better | +0.300 [-0.100, +0.600] tie | "
+        "0.98x · 1.01x | 70 Q4_K, 65 IQ3_S |"
+    ) in lines
+    assert byte_choices.only_types_sentence(tmp_path) == (
+        " `--only-types` restricts the allocation to the types named; with q4_k (on m, validation split; ours / "
+        "the mix's decode, 1 thread, and paired differences): q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
+        "against every type and -2.000 [-2.600, -1.400] better against the mix."
+    )

@@ -12,8 +12,10 @@ from compressor.checkpoint.byte_budget import (
     Option,
     allocate,
     parse_budget,
+    parse_only_types,
     parse_size,
     rounding_errors,
+    within,
 )
 from compressor.checkpoint.gguf_export import write_gguf
 from compressor.checkpoint.gguf_types import describe_gguf, type_counts
@@ -139,6 +141,54 @@ def test_budgeted_file_is_its_planned_bytes_within_the_budget_and_runs(tmp_path,
     assert not (tmp_path / "tiny.gguf").exists()
 
 
+def test_only_types_parse_to_candidate_types_or_say_what_is_wrong():
+    assert parse_only_types(None) is None and parse_only_types(None, budget_given=False) is None
+    assert parse_only_types(" q4_k, Q6_K ,f16") == {"Q4_K", "Q6_K", "F16"}
+    with pytest.raises(UserError, match="--only-types q4_k_m,q4_k: q4_k_m is not a type a matrix can take: "
+                                        "choose among q2_k, iq3_s,"):  # fmt: skip
+        parse_only_types("q4_k_m,q4_k")
+    with pytest.raises(UserError, match="--only-types ,: no type is not a type"):
+        parse_only_types(",")
+    with pytest.raises(UserError, match="restricts the types a --size file chooses from: add --size"):
+        parse_only_types("q4_k", budget_given=False)
+    assert within("m", ["Q4_0", "Q4_1", "F16"], None) == ["Q4_0", "Q4_1", "F16"]
+    assert within("m", ["Q4_0", "Q4_1", "F16"], frozenset({"Q4_1", "Q4_K"})) == ["Q4_1"]
+    with pytest.raises(UserError, match=r"--only-types q4_k: blk.0.ffn_down.weight takes none of them \(its rows "
+                                        r"fit q4_0, f16\): add one of those"):  # fmt: skip
+        within("blk.0.ffn_down.weight", ["Q4_0", "F16"], frozenset({"Q4_K"}))
+
+
+def test_only_types_restrict_each_matrix_to_them(tmp_path, tokenizer_gguf):  # noqa: F811
+    """`--only-types`: every matrix takes one of the types allowed, the plan's predicted rise is at least the
+    unrestricted plan's at the same budget, and the file fits and runs; a set none of whose types a matrix's rows
+    fill (Q4_K for a 96-wide down_proj) is refused naming it, before anything is written."""
+    pytest.importorskip("xllamacpp")
+    from compressor.statistics.importance import measure_importance
+
+    model = k_quant_model(num_hidden_layers=2)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    importance = measure_importance(model, ids, progress=False, gradient_windows=2)
+    allowed = frozenset({"Q3_K", "Q4_K", "Q6_K", "F16"})
+    plans = {}
+    for name, types in (("free", None), ("only", allowed)):
+        chooser = BudgetChooser(model, importance, 700_000, progress=False, allowed=types)
+        written = write_gguf(model, tokenizer_gguf, tmp_path / f"{name}.gguf", importance=importance.weights,
+                             choose_types=chooser)  # fmt: skip
+        assert written.bytes == chooser.plan.bytes <= 700_000
+        assert torch.isfinite(llama_cpp_log_probs(written.path, ids[:1])).all()
+        plans[name] = chooser.plan
+    assert set(plans["only"].types.values()) <= allowed and not set(plans["free"].types.values()) <= allowed
+    assert plans["only"].predicted > plans["free"].predicted
+    narrow = k_quant_model(num_hidden_layers=1, intermediate_size=96)
+    importance = measure_importance(narrow, ids, progress=False, gradient_windows=2)
+    with pytest.raises(UserError, match=r"--only-types q4_k: blk.0.ffn_down.weight takes none of them \(its rows "
+                                        r"fit q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, f16\)"):  # fmt: skip
+        write_gguf(narrow, tokenizer_gguf, tmp_path / "none.gguf", importance=importance.weights,
+                   choose_types=BudgetChooser(narrow, importance, 700_000, progress=False,
+                                              allowed=frozenset({"Q4_K"})))  # fmt: skip
+    assert not (tmp_path / "none.gguf").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
@@ -164,3 +214,12 @@ def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
         "smollm2-135m", EvalSettings(max_tokens=1024, compare=False), progress=False
     ).result.ppl
     assert ppl < 1.15 * original, (ppl, original)
+    # --only-types: the same budget among Q4_0, Q5_0, Q8_0 and F16 (no Q4_1, the grid of most of the matrices
+    # above), recorded in the file; its predicted rise is at least the unrestricted one's
+    main(["export", "smollm2-135m", str(tmp_path / "only.gguf"), "--size", "85MiB", "--calib-samples", "8",
+          "--only-types", "q4_0,q5_0,q8_0,f16", "--json"])  # fmt: skip
+    only = json.loads(capsys.readouterr().out)
+    assert set(only["type_counts"]) <= {"Q4_0", "Q5_0", "Q8_0", "F16"} and only["bytes"] <= 85 * 2**20
+    assert only["predicted_loss_rise"] >= written["predicted_loss_rise"]
+    main(["show", str(tmp_path / "only.gguf")])
+    assert "Types chosen among (--only-types): f16,q4_0,q5_0,q8_0" in capsys.readouterr().out

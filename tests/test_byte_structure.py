@@ -205,11 +205,11 @@ def calibrated(tokenizer_gguf):  # noqa: F811
     return model, windows, stats, importance, planned_fixed_bytes(model, tokenizer_gguf)
 
 
-def compress_to(calibrated, budget: int, weight: float = 1.0):
+def compress_to(calibrated, budget: int, weight: float = 1.0, allowed: frozenset[str] | None = None):
     model, windows, stats, importance, fixed = calibrated
     copied = copy.deepcopy(model)
     outcome = compress_model(copied, get_adapter(copied), stats, NATIVE, 0.5, progress=False, windows=windows,
-                             size=SizeTarget(budget, fixed, importance, weight))  # fmt: skip
+                             size=SizeTarget(budget, fixed, importance, weight, allowed))  # fmt: skip
     return copied, outcome
 
 
@@ -263,6 +263,22 @@ def test_more_bytes_buy_a_lower_predicted_rise_and_a_heavy_structure_weight_keep
     assert first == again
     heavy = compress_to(calibrated, int(least * 1.1), weight=1e6)[1].report["byte_budget"]
     assert heavy["structure_loss_rise"] == 0.0
+
+
+def test_only_types_hold_for_every_unit_and_their_smallest_file_is_larger(calibrated):
+    """`--only-types` under a byte budget: every matrix of every unit (narrowed or whole, the embedding included)
+    takes an allowed type; the smallest file of types alone within them is larger than with every type; the
+    allocation at that file's bytes fits them, narrowing."""
+    original, _, _, _, fixed = calibrated
+    geometry = get_adapter(original).geometry
+    allowed = frozenset({"Q4_K", "Q6_K", "Q8_0", "F16"})
+    least = smallest_matrices(geometry, 3, VOCAB, True, None, 32)  # types alone
+    least_allowed = smallest_matrices(geometry, 3, VOCAB, True, None, 32, allowed)
+    assert least_allowed > least
+    report = compress_to(calibrated, fixed + least_allowed, allowed=allowed)[1].report["byte_budget"]
+    assert set(report["forecast_types"].values()) <= allowed
+    assert report["predicted_bytes"] <= fixed + least_allowed
+    assert min(report["mlp_widths"]) < 512 or min(report["heads_per_kv_group"]) < 2
 
 
 @pytest.mark.slow

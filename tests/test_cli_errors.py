@@ -378,6 +378,21 @@ CASES = [
         "--bits-per-weight 0.5: must lie between 1 and 32",
     ),
     (
+        "--only-types without a byte budget",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--only-types", "q4_k"],
+        "--only-types restricts the types a --size file chooses from: add --size (or drop it)",
+    ),
+    (
+        "a llama.cpp mix as one of --only-types",
+        lambda t, mp: ["plan", "smollm2-135m", "--size", "80MiB", "--only-types", "q4_k_m,q6_k"],
+        "--only-types q4_k_m,q6_k: q4_k_m is not a type a matrix can take: choose among q2_k, iq3_s, q3_k",
+    ),
+    (
+        "--only-types whose blocks a model's rows do not fill",
+        lambda t, mp: ["compress", "smollm2-135m", "--size", "80MiB", "--only-types", "q4_k", "--dry-run"],
+        "--only-types q4_k: a matrix with rows of 576 takes none of them (its rows fit q8_0, q4_0, q4_1",
+    ),
+    (
         "an imatrix file not named .gguf",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--imatrix-out", str(t / "imatrix.dat")],
         "/imatrix.dat: llama.cpp's imatrix file is a GGUF: name it FILE.gguf",

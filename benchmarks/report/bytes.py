@@ -5,20 +5,14 @@ error model checked on the validation split (`results/choices/byte-error-model-v
 from __future__ import annotations
 
 import json
-import statistics
 
+from benchmarks.report.byte_choices import byte_choice_lines
 from benchmarks.report.eval_speed import eval_speed_lines
-from benchmarks.report.markdown import difference
+from benchmarks.report.markdown import difference, reading
 from benchmarks.report.plots import REPO
-from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
 
 RESULTS = REPO / "benchmarks" / "results"
 CHOICES = RESULTS / "choices"
-
-
-def reading(lo: float, hi: float, better: str, worse: str) -> str:
-    """What a paired interval of ours − theirs says: `better` below 0, `worse` above, else a tie."""
-    return better if hi < 0 else worse if lo > 0 else "tie"
 
 
 #: What each model's packaged weights do to its frontier, said beside its figures.
@@ -124,129 +118,6 @@ def _frontier(name: str, data: dict) -> list[str]:
         *gain_table(data),
         "",
     ]
-
-
-def _error_model() -> list[str]:
-    path = RESULTS / "choices" / "byte-error-model-validation.json"
-    if not path.is_file():
-        return []
-    data = json.loads(path.read_text())
-    plans = "; ".join(
-        f"{p['budget'] / 2**20:.1f} MiB: predicted {p['predicted']:.4f}, measured {p['measured']:.4f}"
-        for p in data["plans"]
-    )
-    # Each measured rise has its paired interval, and the KL to the original beside it: what a second-order
-    # predictor estimates, without the text's first-order noise.
-    singles = data["singles"]
-    kl_ratio = statistics.median(s["kl"] / max(s["predicted"], 1e-12) for s in singles)
-    return [
-        f"**The error model** (`{data['command']}`, validation split, {data['tokens']:,} tokens, in transformers "
-        f"with the decoded matrices): over {len(singles)} single changes (one matrix's type) the predicted and "
-        f"measured rises of the loss have a rank correlation (Spearman) of {data['spearman_singles']:.2f}, but "
-        f"only {data['singles_resolved']} of the {len(singles)} measured rises have a 95% interval (paired, over "
-        "windows) that excludes 0: most single changes move the loss by less than its noise on these tokens. "
-        "Against the KL divergence to the original on the same tokens, the quantity the prediction (½ · "
-        "sensitivity · weighted rounding error, a second-order term) estimates, the rank correlation is "
-        f"{data['spearman_singles_kl']:.2f}, KL over predicted median {kl_ratio:.2f}. Whole plans (nats per "
-        "token): " + plans + ". " + _predictors(data),
-        "",
-    ]
-
-
-def _predictors(data: dict) -> str:
-    """The alternatives to the importance statistic tried on the same single changes, where the run has them."""
-    tried = data.get("predictors")
-    if not tried:
-        return ""
-    named = "; ".join(
-        f"{name} {fit['spearman']:.2f} · {fit['spearman_kl']:.2f}" for name, fit in tried.items()
-    )
-    return (
-        "Two other statistics tried on the same points (`benchmarks/experiments/byte_error_model/"
-        f"predictors.py`), Spearman against the loss rise · the KL: {named}."
-    )
-
-
-def _structure_weight() -> list[str]:
-    """κ, the structure's weight in `compress --size`, on the validation split: each file against types alone."""
-    path = RESULTS / "choices" / "structure-weight-validation.json"
-    if not path.is_file():
-        return []
-    data = json.loads(path.read_text())
-    lines = [
-        f"**The structure's weight κ** (`{data['command']}`, validation split, {data['tokens']:,} tokens, llama.cpp; "
-        f"the original {data['original_ppl']:.2f} in transformers): at each size, `compress --size` with each κ "
-        "against `export --size` (types alone) of the same size, paired on the same windows; the predicted rise of "
-        "the loss (structure at κ = 1 plus rounding) against the measured one (nats per token).",
-        "",
-        "| size | κ | MiB | parameters removed | perplexity | − types alone [95%] | predicted · measured rise |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in data["rows"]:
-        kappa = "types alone" if row["weight"] is None else f"{row['weight']:g}"
-        if "refused" in row:
-            lines.append(f"| {row['size']} | {kappa} | | | below the smallest file of types alone | | |")
-            continue
-        versus = ""
-        if "minus_types_only" in row:
-            lo, hi = row["ci95"]
-            versus = (
-                f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
-            )
-        lines.append(
-            f"| {row['size']} | {kappa} | {row['bytes'] / 2**20:.2f} | {row['removed']:,} | {row['ppl']:.3f} | "
-            f"{versus} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
-        )
-    lines += [
-        "",
-        f"Over these files the predicted and measured rises have a rank correlation (Spearman) of "
-        f"{data['spearman_files']:.2f}.",
-        "",
-    ]
-    return lines
-
-
-def _structure_error() -> list[str]:
-    """The structure's predicted error on the calibration against new text, one MLP narrowed at a time
-    (`benchmarks/experiments/structure_error`), and the calibration tokens per neuron that make it hold."""
-    runs = [CHOICES / f"structure-error-{m}-validation.json" for m in ("smollm2-135m", "qwen2.5-coder-1.5b")]
-    tokens_path = CHOICES / "structure-error-tokens-validation.json"
-    if not all(p.is_file() for p in (*runs, tokens_path)):
-        return []
-    lines = [
-        "**The structure's error on new text** (`benchmarks/experiments/structure_error`, validation split): one MLP "
-        "narrowed at a time, its least-squares refit's error on the calibration tokens it was fitted on (what the "
-        "allocation reads) against the same refit's error on validation tokens, and the validation loss rise "
-        "measured with it installed (nats per token) against the rise each error predicts (½ ḡ² · error).",
-        "",
-        "| model | calibration tokens per neuron | layer | neurons kept | new / calibration error | measured rise "
-        "(± s.e.) | predicted from calibration · new text |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for path in runs:
-        data = json.loads(path.read_text())
-        for row in data["rows"]:
-            lines.append(
-                f"| {data['model']} | {data['calibration_tokens'] / row['full']:.1f} | {row['layer']} | "
-                f"{row['width']:,} of {row['full']:,} | {row['held_out'] / row['in_sample']:.2f} | "
-                f"{row['measured']:.4f} ± {row['measured_se']:.4f} | {row['predicted_in_sample']:.4f} · "
-                f"{row['predicted_held_out']:.4f} |"
-            )
-    by_tokens: dict[float, list[float]] = {}
-    for row in json.loads(tokens_path.read_text())["rows"]:
-        by_tokens.setdefault(row["tokens_per_neuron"], []).append(row["ratio"])
-    spans = "; ".join(
-        f"{t:.0f} tokens per neuron {min(r):.2f}-{max(r):.2f}x" for t, r in sorted(by_tokens.items())
-    )
-    lines += [
-        "",
-        f"On the bundled model with fewer calibration windows, new over calibration error: {spans}. A byte budget "
-        f"offers a unit's structure only from {LEAST_TOKENS_PER_INPUT} calibration tokens per input of its refit "
-        "(`byte_structure.LEAST_TOKENS_PER_INPUT`); the 1.5B model's recipe (32 windows) prices neither its MLP "
-        "widths nor its heads, and its `compress --size` file is then `export --size`'s.",
-        "",
-    ]
-    return lines
 
 
 #: The bundled model's `--native` form in llama.cpp, its perplexity over the original's on the whole test split:
@@ -399,7 +270,5 @@ def bytes_section() -> list[str]:
         *body,
         *eval_speed_lines(RESULTS),
         *_native_form(),
-        *_structure_weight(),
-        *_structure_error(),
-        *_error_model(),
+        *byte_choice_lines(),
     ]

@@ -44,3 +44,8 @@ def paired_verdict(diff: dict) -> str:
     if diff["tie"]:
         return f"a tie ({value})"
     return f"{'better' if diff['value'] < 0 else 'worse'} ({value})"
+
+
+def reading(lo: float, hi: float, better: str, worse: str) -> str:
+    """What a paired interval of ours − theirs says: `better` below 0, `worse` above, else a tie."""
+    return better if hi < 0 else worse if lo > 0 else "tie"

@@ -26,7 +26,9 @@ import math
 import re
 from pathlib import Path
 
-from benchmarks.report.bytes import CAVEATS, by_budget, reading
+from benchmarks.report.byte_choices import only_types_sentence
+from benchmarks.report.bytes import CAVEATS, by_budget
+from benchmarks.report.markdown import reading
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
 from benchmarks.report.support import support_matrix
 
@@ -363,7 +365,7 @@ def _size_decode(results_dir: Path) -> str:
         "- **A `--size` file can decode slower than llama.cpp's mix of the same bytes** (llama.cpp on the CPU, 1 "
         f"thread, ours / the mix's tokens/s): {'; '.join(slower)}{elsewhere}. The allocation prices bytes and the "
         "predicted loss, not speed: which types llama.cpp's CPU kernels decode fastest it does not know (the bytes "
-        "table, BENCHMARKS.md section 7)."
+        f"table, BENCHMARKS.md section 7).{only_types_sentence(results_dir / 'choices')}"
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
-from compressor.checkpoint.byte_budget import ByteBudget, parse_budget
+from compressor.checkpoint.byte_budget import ByteBudget, parse_budget, parse_only_types
 from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, write_gguf
 from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
 from compressor.recipes.schema import CalibrationSettings
@@ -23,6 +23,7 @@ from compressor.runtime.hub import check_hub_model
 
 FORMATS = ("gguf", "hf")
 SOURCE_KEY = "masa_compress.source"  # the spec of the original model, in every GGUF this tool writes
+ONLY_TYPES_KEY = "masa_compress.only_types"  # the types a --size file was restricted to (`--only-types`)
 
 
 @dataclass
@@ -47,6 +48,7 @@ def export(
     calib_samples: int | None = None,
     size: int | str | None = None,
     bits_per_weight: float | None = None,
+    only_types: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     record: dict[str, str] | None = None,
@@ -63,7 +65,9 @@ def export(
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
     loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
     calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
-    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `record`: more
+    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `only_types`
+    (`q4_k,q3_k,q6_k`): the types the allocation may choose from (default: every candidate, i-quants included;
+    on a CPU llama.cpp decodes k-quants faster than IQ3_S, and Q4_0 faster than Q4_1). `record`: more
     string fields for the file (`compress --size` records its structure's allocation).
 
     `imatrix_out`: also write the importance weights, measured on the model written as `calibration` measures
@@ -72,6 +76,7 @@ def export(
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
+    allowed = parse_only_types(only_types, budget_given=wanted is not None)
     source = resolve_model(model)
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
@@ -101,10 +106,11 @@ def export(
     if budget is not None:
         from compressor.checkpoint.byte_budget import BudgetChooser
 
-        chooser = BudgetChooser(loaded.model, measured, budget, progress)
+        chooser = BudgetChooser(loaded.model, measured, budget, progress, allowed)
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
-        extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})},
+        extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {}),
+                      **({ONLY_TYPES_KEY: ",".join(sorted(allowed)).lower()} if allowed else {})},
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser,
     )  # fmt: skip

@@ -91,6 +91,8 @@ class CompressOptions:
     # A GGUF of at most this many bytes (`850MiB`, `1.2GB`) or bits per weight: `compress_to_size` (api/size.py)
     size: str | None = None
     bits_per_weight: float | None = None
+    # The types the byte budget's matrices may take (`q4_k,q3_k,q6_k`; None: every candidate type)
+    only_types: str | None = None
     # Set by `compress_to_size`, not an option: the byte budget the method allocates the structure under
     byte_target: object | None = None
 

@@ -36,7 +36,7 @@ from compressor.api.export import (
 from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.preview import read_model_config
 from compressor.api.run_options import NATIVE_FORMS, CompressOptions, EvalSettings
-from compressor.checkpoint.byte_budget import check_fits, parse_budget
+from compressor.checkpoint.byte_budget import check_fits, parse_budget, parse_only_types
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
 from compressor.methods.masa.byte_structure import (
@@ -75,6 +75,7 @@ def check_size_options(options: CompressOptions, ratio_given: bool) -> None:
             raise UserError(f"{flag} chooses the engine-native forms and their sizes itself: drop {option}")
     if options.ratio_of != "targets":
         raise UserError(f"{flag} counts bytes, not a share of the parameters: drop --ratio-of")
+    parse_only_types(options.only_types)
 
 
 def structure_targets(model: str, config, options: CompressOptions) -> tuple[str | None, str]:
@@ -166,7 +167,8 @@ def compress_to_size(
     try:
         exported_from = model
         if structure_options is not None:
-            target = SizeTarget(prepared.budget, prepared.fixed, prepared.measured, structure_weight)
+            target = SizeTarget(prepared.budget, prepared.fixed, prepared.measured, structure_weight,
+                                parse_only_types(options.only_types))  # fmt: skip
             run_options = replace(structure_options, out=str(work), byte_target=target)
             summary = _compress(model, run_options, device, dtype, progress)
             structure |= summary["report"]["byte_budget"]
@@ -177,7 +179,8 @@ def compress_to_size(
         t = time.perf_counter()
         written = export(
             exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples,
-            overwrite=options.overwrite, progress=progress, record={"masa_compress.structure": _record(structure)},
+            only_types=options.only_types, overwrite=options.overwrite, progress=progress,
+            record={"masa_compress.structure": _record(structure)},
         ).details  # fmt: skip
         seconds["export"] = time.perf_counter() - t
     finally:
@@ -218,7 +221,7 @@ def check_source(model: str, options: CompressOptions, wanted):
             f"{source.describe()}: --size writes a GGUF and copies the tokenizer from the model's own GGUF, which "
             "a Hugging Face folder has not: pass the model as its .gguf file"
         )
-    check_least_bytes(config, targets, wanted)
+    check_least_bytes(config, targets, wanted, parse_only_types(options.only_types))
     return source, config, targets, structure_note
 
 
@@ -233,7 +236,7 @@ def measure_original(source, config, targets, wanted, options, device, progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     tokenizer = tokenizer_gguf_of(source, None)
     fixed = planned_fixed_bytes(loaded.model, tokenizer, source.describe(), {SOURCE_KEY: source.spec})
-    check_fits(fixed + smallest_from_config(config, targets), budget)
+    check_fits(fixed + smallest_from_config(config, targets, parse_only_types(options.only_types)), budget)
     measured, _ = measure_for_export(loaded, calibration, calib_text, True, progress)
     return _Prepared(budget, fixed, measured, calibration, calib_text)
 
@@ -270,23 +273,23 @@ def _compress(model, options, device, dtype, progress) -> dict:
     return compress(model, options, device=device, dtype=dtype, progress=progress).summary
 
 
-def smallest_from_config(config, targets: str | None) -> int:
-    """`byte_structure.smallest_matrices` from a model's config (no weights read)."""
+def smallest_from_config(config, targets: str | None, allowed: frozenset[str] | None = None) -> int:
+    """`byte_structure.smallest_matrices` from a model's config (no weights read), within the `allowed` types."""
     from compressor.modeling.adapters import geometry_from_config
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
     return smallest_matrices(
         geometry_from_config(config), config.num_hidden_layers, config.vocab_size, tied, targets,
-        NATIVE_FORMS["width_multiple"],
+        NATIVE_FORMS["width_multiple"], allowed,
     )  # fmt: skip
 
 
-def check_least_bytes(config, targets: str | None, wanted) -> None:
+def check_least_bytes(config, targets: str | None, wanted, allowed: frozenset[str] | None = None) -> None:
     """A one-line error, before any weight is read, when the matrices alone in their smallest types exceed the
     budget (the exact check, metadata and tokenizer counted, follows once the model is loaded)."""
     from compressor.api.preview import model_parameter_count
 
-    least = smallest_from_config(config, targets)
+    least = smallest_from_config(config, targets, allowed)
     budget = wanted.bytes_for(model_parameter_count(config))
     if least > budget:
         raise UserError(
@@ -339,7 +342,9 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
     result = {
         "model": source.describe(), "parameters": parameters, "budget": budget, "budget_flag": wanted.flag,
         "bits_per_weight": 8 * budget / parameters, "f16_bytes": 2 * parameters, "structure": note_,
-        "candidates": {}, "memory": None, "smallest_matrices": smallest_from_config(config, targets),
+        "candidates": {}, "memory": None,
+        "smallest_matrices": smallest_from_config(config, targets, parse_only_types(options.only_types)),
+        "only_types": sorted(parse_only_types(options.only_types) or []),
         "after_calibration": {"attn": "each attention's heads and every matrix's type",
                               "mlp": "each MLP's width and every matrix's type", None: "every matrix's type"}.get(
             targets, "each MLP's width, each attention's heads and every matrix's type"),

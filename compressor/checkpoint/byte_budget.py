@@ -76,6 +76,39 @@ def candidate_types(row_length: int, has_importance: bool) -> list[str]:
     ]  # fmt: skip
 
 
+def parse_only_types(text: str | None, budget_given: bool = True) -> frozenset[str] | None:
+    """`--only-types q4_k,q3_k,q6_k` → the candidate types a byte budget may choose from (None: all of them), or
+    a one-line error naming what is not a candidate type, or that no budget (`budget_given`) was set."""
+    if text is None:
+        return None
+    if not budget_given:
+        raise UserError(
+            "--only-types restricts the types a --size file chooses from: add --size (or drop it)"
+        )
+    names = [name.strip().upper() for name in text.split(",") if name.strip()]
+    unknown = [name.lower() for name in names if name not in CANDIDATE_TYPES]
+    if unknown or not names:
+        raise UserError(
+            f"--only-types {text}: {', '.join(unknown) or 'no type'} is not a type a matrix can take: "
+            f"choose among {', '.join(t.lower() for t in CANDIDATE_TYPES)}"
+        )
+    return frozenset(names)
+
+
+def within(name: str, types: list[str], allowed: frozenset[str] | None) -> list[str]:
+    """`types` (a matrix's candidates) less those outside `allowed` (None: all kept), or a one-line error naming
+    the matrix when none is left."""
+    if allowed is None:
+        return types
+    kept = [t for t in types if t in allowed]
+    if not kept:
+        raise UserError(
+            f"--only-types {','.join(sorted(allowed)).lower()}: {name} takes none of them (its rows fit "
+            f"{', '.join(types).lower()}): add one of those"
+        )
+    return kept
+
+
 def squared_rounding(
     array: np.ndarray, type_name: str, importance: np.ndarray | None, chunk_rows: int = 4096
 ) -> np.ndarray:
@@ -195,10 +228,13 @@ def check_fits(smallest: int, budget: int) -> None:
         )
 
 
-def rows_bytes(array: np.ndarray, has_importance: bool) -> int:
-    """The bytes of `array` in the smallest of its candidate types."""
+def rows_bytes(
+    array: np.ndarray, has_importance: bool, allowed: frozenset[str] | None = None, name: str = "a matrix"
+) -> int:
+    """The bytes of `array` (called `name` in an error) in the smallest of its candidate types within `allowed`."""
     rows, row_length = array.shape
-    return min(rows * row_bytes(t, row_length) for t in candidate_types(row_length, has_importance))
+    types = within(name, candidate_types(row_length, has_importance), allowed)
+    return min(rows * row_bytes(t, row_length) for t in types)
 
 
 def undominated(options: list) -> list:
@@ -338,12 +374,14 @@ _OPTIONS: dict[tuple[str, str], list[Option]] = {}
 
 class BudgetChooser:
     """`write_gguf`'s `choose_types` for a byte budget: every matrix's options measured (progress per matrix), the
-    allocation made; `plan` holds it afterwards."""
+    allocation made among the types in `allowed` (None: every candidate); `plan` holds it afterwards."""
 
-    def __init__(self, model, importance, budget: int, progress: bool = True):
+    def __init__(
+        self, model, importance, budget: int, progress: bool = True, allowed: frozenset[str] | None = None
+    ):
         if importance.gradients is None:
             raise ValueError("a byte budget needs the output sensitivities: measure with gradient_windows")
-        self.importance, self.budget, self.progress = importance, budget, progress
+        self.importance, self.budget, self.progress, self.allowed = importance, budget, progress, allowed
         names = {id(m): n for n, m in model.named_modules()}
         output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         self.head_path = names.get(id(output))
@@ -366,8 +404,8 @@ class BudgetChooser:
         from compressor.runtime.progress import progress_bar
 
         smallest = fixed_bytes + sum(  # refused before any rounding is measured
-            padded(rows_bytes(array, self.importance.weights.get(path) is not None))
-            for _, array, path in matrices
+            padded(rows_bytes(array, self.importance.weights.get(path) is not None, self.allowed, name))
+            for name, array, path in matrices
         )
         check_fits(smallest, self.budget)
         options = {}
@@ -381,5 +419,9 @@ class BudgetChooser:
                     if memo is not None:
                         _OPTIONS[memo] = options[tensor_name]
                 bar.advance(1)
+        if self.allowed is not None:  # measured for every type (kept for other budgets), chosen among these
+            for name, opts in options.items():
+                kept = within(name, [o.type_name for o in opts], self.allowed)
+                options[name] = [o for o in opts if o.type_name in kept]
         self.plan = allocate(options, fixed_bytes, self.budget)
         return self.plan.types

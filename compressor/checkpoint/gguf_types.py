@@ -188,6 +188,7 @@ def describe_gguf(path) -> dict:
         ),
         "imatrix": field("quantize.imatrix.dataset") or "none",
         "structure": json.loads(field("masa_compress.structure") or "null"),
+        "only_types": field("masa_compress.only_types"),
         "type_counts": type_counts(types),
         "other_matrices": {k: v for k, v in types.items() if not k.startswith("blk.")},
         "layers": [{"layer": layer, **by_layer[layer]} for layer in sorted(by_layer)],

@@ -74,6 +74,16 @@ def export_command(
             "(e.g. 4.5).",
         ),
     ] = None,
+    only_types: Annotated[
+        str | None,
+        typer.Option(
+            "--only-types",
+            metavar="TYPES",
+            help="--size: the types the matrices may take (e.g. q4_k,q3_k,q5_k,q6_k,q8_0,f16; default: every "
+            "candidate, i-quants included). On a CPU llama.cpp decodes k-quants faster than IQ3_S, Q4_0 faster "
+            "than Q4_1.",
+        ),
+    ] = None,
     imatrix: Annotated[
         str | None,
         typer.Option(
@@ -135,7 +145,8 @@ def export_command(
 
     result = export(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
-        imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight, overwrite=overwrite,
+        imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight,
+        only_types=only_types, overwrite=overwrite,
         progress=not as_json, imatrix_out=imatrix_out,
     )  # fmt: skip
     if as_json:
@@ -253,6 +264,8 @@ def _show_gguf(path: str, as_json: bool) -> None:
         f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB; importance weights: {info['imatrix']}"
     )
     console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
+    if info.get("only_types"):
+        console.print(f"Types chosen among (--only-types): {info['only_types']}")
     structure = info.get("structure")
     if structure:
         console.print(

@@ -178,6 +178,7 @@ def plan_command(
     layout: o.Layout = None,
     size: o.Size = None,
     bits_per_weight: o.BitsPerWeight = None,
+    only_types: o.OnlyTypes = None,
     as_json: o.Json = False,
 ) -> None:
     """What a run would store, counted exactly: no weights needed.
@@ -191,6 +192,10 @@ def plan_command(
 
         show_size_plan(model, CompressOptions.from_values(locals()), ratio_given, as_json)
         return
+    if only_types is not None:  # a one-line error: it belongs to --size
+        from compressor.checkpoint.byte_budget import parse_only_types
+
+        parse_only_types(only_types, budget_given=False)
     show_plan(model, CompressOptions.from_values(locals()), _parse_layout(layout), as_json)
 
 

@@ -76,6 +76,15 @@ BitsPerWeight = Annotated[
         help="--size as llama.cpp's bits per weight.",
     ),
 ]
+OnlyTypes = Annotated[
+    Opt[str],
+    typer.Option(
+        "--only-types",
+        metavar="TYPES",
+        rich_help_panel=RUN,
+        help="Types --size may use (e.g. q4_k,q5_k,q6_k,q8_0).",
+    ),
+]
 RatioOf = Annotated[
     str,
     typer.Option("--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."),

@@ -49,6 +49,10 @@ def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_j
         f"  every matrix in its smallest type, each unit at its narrowest: {_mib(plan['smallest_matrices'])} "
         "(the file adds its metadata and tokenizer)"
     )
+    if plan["only_types"]:
+        console.print(
+            f"  the types a matrix may take (--only-types): {', '.join(plan['only_types']).lower()}"
+        )
     for name, values in plan["candidates"].items():
         if values:
             console.print(f"  {name.replace('_', ' ')} offered per layer: {', '.join(map(str, values))}")

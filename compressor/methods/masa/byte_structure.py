@@ -33,6 +33,7 @@ from compressor.checkpoint.byte_budget import (
     matrix_options,
     sampled_errors,
     undominated,
+    within,
 )
 from compressor.checkpoint.ggml_quantize import row_bytes
 from compressor.math.accounting import HEADS_READER, HEADS_ROWS, NEURON_READER, CompressionPlan
@@ -68,12 +69,14 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 @dataclass(frozen=True)
 class SizeTarget:
     """What a byte budget gives the method: the file's bytes, the bytes no matrix's type changes (metadata,
-    tokenizer, 1-D tensors), and the original model's importance weights with their output sensitivities."""
+    tokenizer, 1-D tensors), the original model's importance weights with their output sensitivities, and the
+    types a matrix may take (`--only-types`; None: every candidate)."""
 
     budget: int
     fixed_bytes: int
     importance: object  # statistics.importance.Importance, with gradients
     structure_weight: float = STRUCTURE_WEIGHT
+    allowed_types: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,13 +163,21 @@ def candidate_widths(
 
 
 def smallest_matrices(
-    geometry, num_layers: int, vocab: int, tied: bool, targets: str | None, width_multiple: int
+    geometry,
+    num_layers: int,
+    vocab: int,
+    tied: bool,
+    targets: str | None,
+    width_multiple: int,
+    allowed: frozenset[str] | None = None,
 ) -> int:
-    """The bytes of every matrix in its smallest candidate type, each unit the allocation may narrow (`targets`:
-    `mlp`, `attn`, both, or None) at its narrowest candidate: the smallest file less its metadata, from shapes."""
+    """The bytes of every matrix in its smallest candidate type (within `allowed`), each unit the allocation may
+    narrow (`targets`: `mlp`, `attn`, both, or None) at its narrowest candidate: the smallest file less its
+    metadata, from shapes."""
 
     def least(rows: int, row_length: int) -> int:
-        return padded(rows * min(row_bytes(t, row_length) for t in candidate_types(row_length, True)))
+        types = within(f"a matrix with rows of {row_length}", candidate_types(row_length, True), allowed)
+        return padded(rows * min(row_bytes(t, row_length) for t in types))
 
     hidden, head_dim = geometry.hidden_size, geometry.head_dim
     width = geometry.intermediate_size
@@ -197,11 +208,18 @@ def combine(parts: list[list[tuple[int, float, tuple]]]) -> list[tuple[int, floa
     return combined
 
 
-def rows_kept(errors: MatrixErrors, path: str, kept: np.ndarray, row_length: int, gradient: float) -> list:
-    """(bytes, predicted, types) of a matrix keeping the rows `kept`, in every type its rows fit."""
+def rows_kept(
+    errors: MatrixErrors,
+    path: str,
+    kept: np.ndarray,
+    row_length: int,
+    gradient: float,
+    allowed: frozenset[str] | None = None,
+) -> list:
+    """(bytes, predicted, types) of a matrix keeping the rows `kept`, in every type its rows fit (within `allowed`)."""
     sampled = np.isin(errors.rows, kept)
     options = []
-    for type_name in candidate_types(row_length, True):
+    for type_name in within(path, candidate_types(row_length, True), allowed):
         per_row = errors.by_row[type_name][sampled] if sampled.any() else errors.by_row[type_name]
         rise = 0.5 * gradient * len(kept) * float(per_row.mean())
         options.append((padded(len(kept) * row_bytes(type_name, row_length)), rise, ((path, type_name),)))
@@ -209,11 +227,17 @@ def rows_kept(errors: MatrixErrors, path: str, kept: np.ndarray, row_length: int
 
 
 def columns_kept(
-    errors: MatrixErrors, path: str, kept: np.ndarray, importance: np.ndarray, gradient: float
+    errors: MatrixErrors,
+    path: str,
+    kept: np.ndarray,
+    importance: np.ndarray,
+    gradient: float,
+    allowed: frozenset[str] | None = None,
 ) -> list:
-    """(bytes, predicted, types) of a matrix keeping the columns `kept` (its rows that long), in every type they fit."""
+    """(bytes, predicted, types) of a matrix keeping the columns `kept` (its rows that long), in every type they fit
+    (within `allowed`)."""
     options = []
-    for type_name in candidate_types(len(kept), True):
+    for type_name in within(path, candidate_types(len(kept), True), allowed):
         if type_name not in errors.by_column:  # a block that fits the kept width but not the full one
             continue
         rise = 0.5 * gradient * float(errors.by_column[type_name][kept] @ importance[kept])
@@ -235,7 +259,7 @@ class SizeAllocation:
     def __init__(self, ctx: MethodContext, target: SizeTarget):
         self.ctx, self.target = ctx, target
         self.paths = {id(m): n for n, m in ctx.model.named_modules()}
-        self.importance = target.importance
+        self.importance, self.allowed = target.importance, target.allowed_types
 
     def path(self, layer: int, projection: str) -> str:
         return self.paths[id(self.ctx.adapter.projection(layer, projection))]
@@ -258,7 +282,7 @@ class SizeAllocation:
         """A matrix that keeps its shape: its types only."""
         path, errors = self.matrix_errors(layer, projection)
         rows, row_length = self.ctx.adapter.projection(layer, projection).weight.shape
-        options = rows_kept(errors, path, np.arange(rows), row_length, self.gradient(path))
+        options = rows_kept(errors, path, np.arange(rows), row_length, self.gradient(path), self.allowed)
         return [Candidate(b, p, None, t) for b, p, t in pareto(options)]
 
     def mlp(self, layer: int, found: NeuronTail) -> list[Candidate]:
@@ -270,8 +294,8 @@ class SizeAllocation:
         candidates = []
         for width in candidate_widths(full, self.ctx.settings.width_multiple or 1):
             kept = found.kept(width).numpy()
-            parts = [rows_kept(e, path, kept, hidden, self.gradient(path)) for path, e in gated]
-            parts.append(columns_kept(down, down_path, kept, down_importance, down_gradient))
+            parts = [rows_kept(e, path, kept, hidden, self.gradient(path), self.allowed) for path, e in gated]
+            parts.append(columns_kept(down, down_path, kept, down_importance, down_gradient, self.allowed))
             # Measured from the full width's (a refit's damping leaves a hair there): whole, the MLP is the original.
             lost = float(found.tail[width] - found.tail[full])
             structure = self.target.structure_weight * 0.5 * down_gradient * lost
@@ -289,8 +313,8 @@ class SizeAllocation:
         for per_group in range(per_group_full, -(-per_group_full // 2) - 1, -1):
             kept = head_columns(found.kept(per_group), geometry.head_dim).numpy()
             parts = [
-                rows_kept(q, q_path, kept, geometry.hidden_size, self.gradient(q_path)),
-                columns_kept(o, o_path, kept, o_importance, o_gradient),
+                rows_kept(q, q_path, kept, geometry.hidden_size, self.gradient(q_path), self.allowed),
+                columns_kept(o, o_path, kept, o_importance, o_gradient, self.allowed),
             ]
             lost = float(found.tail[per_group - 1] - found.tail[per_group_full - 1])
             structure = self.target.structure_weight * 0.5 * o_gradient * lost
@@ -302,7 +326,12 @@ class SizeAllocation:
         memo = (self.importance.key, "outside the layers")
         if memo not in _OUTSIDE or not self.importance.key:
             _OUTSIDE[memo] = self._outside_layers()
-        return dict(_OUTSIDE[memo])
+        units = dict(_OUTSIDE[memo])
+        if self.allowed is not None:  # measured for every type (kept for other budgets), chosen among these
+            for name, candidates in units.items():
+                kept = within(name, [c.types[0][1] for c in candidates], self.allowed)
+                units[name] = [c for c in candidates if c.types[0][1] in kept]
+        return units
 
     def _outside_layers(self) -> dict[str, list[Candidate]]:
         model = self.ctx.model

@@ -1,0 +1,221 @@
+"""The validation runs behind `--size`'s defaults and options (`benchmarks/results/choices/`), as BENCHMARKS.md
+section 7 shows them: the error model, the structure's weight κ, the structure's error on new text, the refit
+under a byte budget, and `--only-types`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.report.markdown import reading
+from benchmarks.report.plots import REPO
+from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
+
+CHOICES = REPO / "benchmarks" / "results" / "choices"
+
+
+def byte_choice_lines() -> list[str]:
+    return [*_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types()]
+
+
+def _paired(row: dict, key: str, better: str = "better", worse: str = "worse") -> str:
+    """`+0.123 [+0.010, +0.240] worse` for a row's paired difference `key` (its interval at `key`_ci95 or ci95)."""
+    if key not in row:
+        return ""
+    lo, hi = row.get(f"{key}_ci95") or row["ci95"]
+    return f"{row[key]:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, better, worse)}"
+
+
+def _size_refit() -> list[str]:
+    """`compress --size`'s refit, `calibration` against `stream`, on the validation split."""
+    path = CHOICES / "size-refit-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**The structure's refit under a byte budget** (`{data['command']}`, validation split, {data['tokens']:,} "
+        f"tokens, llama.cpp; the original {data['original_ppl']:.2f} in transformers): `compress --size` with each "
+        "kept matrix refit on the original's statistics (`--refit calibration`, the default there) or on the "
+        "compressed model's own inputs (`stream`, `--native`'s default at a fixed ratio), paired on the same windows.",
+        "",
+        "| size | refit | MiB | parameters removed | perplexity | stream − calibration [95%] | predicted · measured "
+        "rise |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        lines.append(
+            f"| {row['size']} | {row['refit']} | {row['bytes'] / 2**20:.2f} | {row['removed']:,} | {row['ppl']:.3f} | "
+            f"{_paired(row, 'minus_calibration')} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
+        )
+    return [*lines, ""]
+
+
+def _only_types() -> list[str]:
+    """`--only-types` (k-quants alone) against every candidate type and llama.cpp's mix of the same bytes."""
+    path = CHOICES / "only-types-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**`--only-types {data['only_types']}`** (`{data['command']}`, {data['model']}, validation split, "
+        f"{data['tokens']:,} tokens, llama.cpp; the original {data['original_ppl']:.2f} in transformers): at the "
+        "bytes of llama.cpp's mix with the importance weights, `export --size` choosing among every candidate type "
+        "and among these alone; paired on the same windows; decode tokens/s over the mix's (1 · 2 threads, files "
+        "timed in turns).",
+        "",
+        "| budget | file | MiB | perplexity | − the mix [95%] | − every type [95%] | decode / the mix | matrices by "
+        "type |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        counts = ", ".join(f"{n} {t}" for t, n in sorted(row["type_counts"].items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"| {row['type']} | {row['kind']} | {row['bytes'] / 2**20:.2f} | {row['ppl']:.3f} | "
+            f"{_paired(row, 'minus_mix')} | {_paired(row, 'minus_every_type')} | {row['decode_vs_mix']:.2f}x · "
+            f"{row['decode_vs_mix_2t']:.2f}x | {counts} |"
+        )
+    return [*lines, ""]
+
+
+def _error_model() -> list[str]:
+    path = CHOICES / "byte-error-model-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    plans = "; ".join(
+        f"{p['budget'] / 2**20:.1f} MiB: predicted {p['predicted']:.4f}, measured {p['measured']:.4f}"
+        for p in data["plans"]
+    )
+    # Each measured rise has its paired interval, and the KL to the original beside it: what a second-order
+    # predictor estimates, without the text's first-order noise.
+    singles = data["singles"]
+    kl_ratio = statistics.median(s["kl"] / max(s["predicted"], 1e-12) for s in singles)
+    return [
+        f"**The error model** (`{data['command']}`, validation split, {data['tokens']:,} tokens, in transformers "
+        f"with the decoded matrices): over {len(singles)} single changes (one matrix's type) the predicted and "
+        f"measured rises of the loss have a rank correlation (Spearman) of {data['spearman_singles']:.2f}, but "
+        f"only {data['singles_resolved']} of the {len(singles)} measured rises have a 95% interval (paired, over "
+        "windows) that excludes 0: most single changes move the loss by less than its noise on these tokens. "
+        "Against the KL divergence to the original on the same tokens, the quantity the prediction (½ · "
+        "sensitivity · weighted rounding error, a second-order term) estimates, the rank correlation is "
+        f"{data['spearman_singles_kl']:.2f}, KL over predicted median {kl_ratio:.2f}. Whole plans (nats per "
+        "token): " + plans + ". " + _predictors(data),
+        "",
+    ]
+
+
+def _predictors(data: dict) -> str:
+    """The alternatives to the importance statistic tried on the same single changes, where the run has them."""
+    tried = data.get("predictors")
+    if not tried:
+        return ""
+    named = "; ".join(
+        f"{name} {fit['spearman']:.2f} · {fit['spearman_kl']:.2f}" for name, fit in tried.items()
+    )
+    return (
+        "Two other statistics tried on the same points (`benchmarks/experiments/byte_error_model/"
+        f"predictors.py`), Spearman against the loss rise · the KL: {named}."
+    )
+
+
+def _structure_weight() -> list[str]:
+    """κ, the structure's weight in `compress --size`, on the validation split: each file against types alone."""
+    path = CHOICES / "structure-weight-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**The structure's weight κ** (`{data['command']}`, validation split, {data['tokens']:,} tokens, llama.cpp; "
+        f"the original {data['original_ppl']:.2f} in transformers): at each size, `compress --size` with each κ "
+        "against `export --size` (types alone) of the same size, paired on the same windows; the predicted rise of "
+        "the loss (structure at κ = 1 plus rounding) against the measured one (nats per token).",
+        "",
+        "| size | κ | MiB | parameters removed | perplexity | − types alone [95%] | predicted · measured rise |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        kappa = "types alone" if row["weight"] is None else f"{row['weight']:g}"
+        if "refused" in row:
+            lines.append(f"| {row['size']} | {kappa} | | | below the smallest file of types alone | | |")
+            continue
+        versus = ""
+        if "minus_types_only" in row:
+            lo, hi = row["ci95"]
+            versus = (
+                f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
+            )
+        lines.append(
+            f"| {row['size']} | {kappa} | {row['bytes'] / 2**20:.2f} | {row['removed']:,} | {row['ppl']:.3f} | "
+            f"{versus} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
+        )
+    lines += [
+        "",
+        f"Over these files the predicted and measured rises have a rank correlation (Spearman) of "
+        f"{data['spearman_files']:.2f}.",
+        "",
+    ]
+    return lines
+
+
+def _structure_error() -> list[str]:
+    """The structure's predicted error on the calibration against new text, one MLP narrowed at a time
+    (`benchmarks/experiments/structure_error`), and the calibration tokens per neuron that make it hold."""
+    runs = [CHOICES / f"structure-error-{m}-validation.json" for m in ("smollm2-135m", "qwen2.5-coder-1.5b")]
+    tokens_path = CHOICES / "structure-error-tokens-validation.json"
+    if not all(p.is_file() for p in (*runs, tokens_path)):
+        return []
+    lines = [
+        "**The structure's error on new text** (`benchmarks/experiments/structure_error`, validation split): one MLP "
+        "narrowed at a time, its least-squares refit's error on the calibration tokens it was fitted on (what the "
+        "allocation reads) against the same refit's error on validation tokens, and the validation loss rise "
+        "measured with it installed (nats per token) against the rise each error predicts (½ ḡ² · error).",
+        "",
+        "| model | calibration tokens per neuron | layer | neurons kept | new / calibration error | measured rise "
+        "(± s.e.) | predicted from calibration · new text |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in runs:
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
+            lines.append(
+                f"| {data['model']} | {data['calibration_tokens'] / row['full']:.1f} | {row['layer']} | "
+                f"{row['width']:,} of {row['full']:,} | {row['held_out'] / row['in_sample']:.2f} | "
+                f"{row['measured']:.4f} ± {row['measured_se']:.4f} | {row['predicted_in_sample']:.4f} · "
+                f"{row['predicted_held_out']:.4f} |"
+            )
+    by_tokens: dict[float, list[float]] = {}
+    for row in json.loads(tokens_path.read_text())["rows"]:
+        by_tokens.setdefault(row["tokens_per_neuron"], []).append(row["ratio"])
+    spans = "; ".join(
+        f"{t:.0f} tokens per neuron {min(r):.2f}-{max(r):.2f}x" for t, r in sorted(by_tokens.items())
+    )
+    lines += [
+        "",
+        f"On the bundled model with fewer calibration windows, new over calibration error: {spans}. A byte budget "
+        f"offers a unit's structure only from {LEAST_TOKENS_PER_INPUT} calibration tokens per input of its refit "
+        "(`byte_structure.LEAST_TOKENS_PER_INPUT`); the 1.5B model's recipe (32 windows) prices neither its MLP "
+        "widths nor its heads, and its `compress --size` file is then `export --size`'s.",
+        "",
+    ]
+    return lines
+
+
+def only_types_sentence(choices: Path = CHOICES) -> str:
+    """The README's line on `--only-types` where the run exists: per budget, decode over the mix's and perplexity
+    against every type and the mix, paired (validation split)."""
+    path = choices / "only-types-validation.json"
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())
+    parts = [
+        f"{row['type']} {row['decode_vs_mix']:.2f}x, perplexity {_paired(row, 'minus_every_type')} against every type "
+        f"and {_paired(row, 'minus_mix')} against the mix"
+        for row in data["rows"]
+        if row["kind"] == "only types"
+    ]
+    return (
+        f" `--only-types` restricts the allocation to the types named; with {data['only_types']} (on "
+        f"{data['model']}, validation split; ours / the mix's decode, 1 thread, and paired differences): "
+        f"{'; '.join(parts)}."
+    )
