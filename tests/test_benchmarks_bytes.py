@@ -256,6 +256,7 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
     (tmp_path / "size-refit-validation.json").write_text(json.dumps({**common, "rows": [
         {**refit, "refit": "calibration"},
         {**refit, "refit": "stream", "ppl": 20.5, "minus_calibration": -0.5, "ci95": [-0.8, -0.2]},
+        {**refit, "size": "90MiB", "refit": "stream", "minus_calibration": 0.0, "ci95": [0.0, 0.0]},
     ]}))  # fmt: skip
     lines = byte_choices._size_refit()
     assert "| 84MiB | calibration | 84.00 | 1,000 | 21.000 |  | 0.0500 · 0.0700 |" in lines
@@ -263,6 +264,7 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
         "| 84MiB | stream | 84.00 | 1,000 | 20.500 | -0.500 [-0.800, -0.200] better | 0.0500 · 0.0700 |"
         in lines
     )
+    assert "| 90MiB | stream | 84.00 | 1,000 | 21.000 | 0 (the same scores) | 0.0500 · 0.0700 |" in lines
     file = {"type": "q2_k", "bytes": 700 * 2**20, "type_counts": {"Q4_K": 70, "IQ3_S": 65}}
     (tmp_path / "only-types-validation.json").write_text(json.dumps({**common, "model": "m", "only_types": "q4_k",
         "rows": [

@@ -24,6 +24,8 @@ def _paired(row: dict, key: str, better: str = "better", worse: str = "worse") -
     if key not in row:
         return ""
     lo, hi = row.get(f"{key}_ci95") or row["ci95"]
+    if lo == hi == row[key] == 0:  # every window's loss the same: the two files are one
+        return "0 (the same scores)"
     return f"{row[key]:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, better, worse)}"
 
 

@@ -90,12 +90,7 @@ def export(
     original = original_source(source)
     check_hub_model(source)
     tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
-    calibration, calib_text = None, None
-    if measure:
-        from compressor.calibration.sources import load_documents
-
-        calibration = importance_calibration(source, original, calib_samples)
-        calib_text = load_documents(calibration.source, split="calibration")
+    calibration, calib_text = importance_text(source, original, calib_samples) if measure else (None, None)
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     measured, imatrix_note, chooser = None, "", None
@@ -109,8 +104,7 @@ def export(
         chooser = BudgetChooser(loaded.model, measured, budget, progress, allowed)
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
-        extra_fields={SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {}),
-                      **({ONLY_TYPES_KEY: ",".join(sorted(allowed)).lower()} if allowed else {})},
+        extra_fields=recorded_fields(original, record, allowed),
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser,
     )  # fmt: skip
@@ -121,6 +115,20 @@ def export(
         plan = chooser.plan.to_dict()
         details |= {"type": "size", "budget": budget, "predicted_loss_rise": plan["predicted_loss_rise"]}
     return ExportResult("gguf", written.path, details)
+
+
+def importance_text(source: ModelSource, original: ModelSource, calib_samples: int | None) -> tuple:
+    """(the calibration the importance weights are measured on, its text's documents)."""
+    from compressor.calibration.sources import load_documents
+
+    calibration = importance_calibration(source, original, calib_samples)
+    return calibration, load_documents(calibration.source, split="calibration")
+
+
+def recorded_fields(original: ModelSource, record: dict[str, str] | None, allowed) -> dict[str, str]:
+    """The tool's own fields in a GGUF it writes: the original's spec, `record`, and `--only-types`'s set."""
+    fields = {SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})}
+    return fields | ({ONLY_TYPES_KEY: ",".join(sorted(allowed)).lower()} if allowed else {})
 
 
 def check_export_options(

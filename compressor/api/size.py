@@ -29,7 +29,7 @@ from pathlib import Path
 from compressor.api.export import (
     SOURCE_KEY,
     export,
-    importance_calibration,
+    importance_text,
     measure_for_export,
     tokenizer_gguf_of,
 )
@@ -110,7 +110,8 @@ def native_options(options: CompressOptions, targets: str) -> CompressOptions:
     width down to the floor on offer, no byte budget of its own. Its refit is `calibration` unless `--refit` is
     given: `--native`'s stream refit was chosen on validation at a fixed ratio, and under a byte budget it would
     also rewrite the matrices of the layers the allocation keeps whole (so "remove nothing" would no longer be
-    the types alone); it was not measured there."""
+    the types alone); measured there, on the bundled model's validation split, it tied
+    (`benchmarks/experiments/size_refit`)."""
     return replace(options, ratio=1.0 - STRUCTURE_FLOOR, targets=targets, native=True, allocation="global",
                    size=None, bits_per_weight=None, refit=options.refit or "calibration")  # fmt: skip
 
@@ -228,10 +229,7 @@ def check_source(model: str, options: CompressOptions, wanted):
 def measure_original(source, config, targets, wanted, options, device, progress) -> _Prepared:
     """The budget in bytes, the file's fixed bytes (the smallest file checked against them before any
     calibration), and the original's importance weights with their output sensitivities (cached)."""
-    from compressor.calibration.sources import load_documents
-
-    calibration = importance_calibration(source, source, options.calib_samples)
-    calib_text = load_documents(calibration.source, split="calibration")
+    calibration, calib_text = importance_text(source, source, options.calib_samples)
     loaded = load_model(source, device=device, dtype="float32", progress=progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     tokenizer = tokenizer_gguf_of(source, None)

@@ -146,8 +146,7 @@ def export_command(
     result = export(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight,
-        only_types=only_types, overwrite=overwrite,
-        progress=not as_json, imatrix_out=imatrix_out,
+        only_types=only_types, overwrite=overwrite, progress=not as_json, imatrix_out=imatrix_out,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))

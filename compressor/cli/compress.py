@@ -132,7 +132,7 @@ def compress_command(
 ) -> None:
     """Compress MODEL and write a checkpoint (the main job).
 
-    Removes --ratio of the targets (or fits --size); perplexity before and after.
+    Removes --ratio or fits --size, scores it: smollm2-135m ~5 min on 2 CPU cores.
     """
     ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
     options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
