@@ -67,7 +67,7 @@ def export(
     calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
     per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `only_types`
     (`q4_k,q3_k,q6_k`): the types the allocation may choose from (default: every candidate, i-quants included;
-    on a CPU llama.cpp decodes k-quants faster than IQ3_S, and Q4_0 faster than Q4_1). `record`: more
+    on a CPU llama.cpp decodes k-quants faster than IQ3_S: `benchmarks/experiments/only_types`). `record`: more
     string fields for the file (`compress --size` records its structure's allocation).
 
     `imatrix_out`: also write the importance weights, measured on the model written as `calibration` measures

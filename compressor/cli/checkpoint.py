@@ -80,8 +80,7 @@ def export_command(
             "--only-types",
             metavar="TYPES",
             help="--size: the types the matrices may take (e.g. q4_k,q3_k,q5_k,q6_k,q8_0,f16; default: every "
-            "candidate, i-quants included). On a CPU llama.cpp decodes k-quants faster than IQ3_S, Q4_0 faster "
-            "than Q4_1.",
+            "candidate, i-quants included). On a CPU llama.cpp decodes k-quants faster than IQ3_S.",
         ),
     ] = None,
     imatrix: Annotated[
