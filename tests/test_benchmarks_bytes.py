@@ -266,7 +266,7 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
     )
     assert "| 90MiB | stream | 84.00 | 1,000 | 21.000 | 0 (the same scores) | 0.0500 · 0.0700 |" in lines
     file = {"type": "q2_k", "bytes": 700 * 2**20, "type_counts": {"Q4_K": 70, "IQ3_S": 65}}
-    (tmp_path / "only-types-validation.json").write_text(json.dumps({**common, "model": "m", "only_types": "q4_k",
+    (tmp_path / "only-types-m-validation.json").write_text(json.dumps({**common, "model": "m", "only_types": "q4_k",
         "rows": [
             {**file, "kind": "mix", "ppl": 23.0, "decode_vs_mix": 1.0, "decode_vs_mix_2t": 1.0},
             {**file, "kind": "every type", "ppl": 20.7, "minus_mix": -2.3, "minus_mix_ci95": [-3.0, -1.5],
@@ -286,7 +286,7 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
         "0.98x · 1.01x | 70 Q4_K, 65 IQ3_S |"
     ) in lines
     assert byte_choices.only_types_sentence(tmp_path) == (
-        " `--only-types` restricts the allocation to the types named; with q4_k (on m, validation split; ours / "
-        "the mix's decode, 1 thread, and paired differences): q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
+        " `--only-types` restricts the allocation to the types named (validation split; ours / the mix's decode, "
+        "1 thread, and paired differences): on m with q4_k: q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
         "against every type and -2.000 [-2.600, -1.400] better against the mix."
     )

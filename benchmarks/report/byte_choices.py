@@ -53,12 +53,17 @@ def _size_refit() -> list[str]:
     return [*lines, ""]
 
 
+def _only_types_runs(choices: Path) -> list[dict]:
+    """The `--only-types` runs, one file per model (`only-types-MODEL-validation.json`)."""
+    return [json.loads(path.read_text()) for path in sorted(choices.glob("only-types-*-validation.json"))]
+
+
 def _only_types() -> list[str]:
-    """`--only-types` (k-quants alone) against every candidate type and llama.cpp's mix of the same bytes."""
-    path = CHOICES / "only-types-validation.json"
-    if not path.is_file():
-        return []
-    data = json.loads(path.read_text())
+    """`--only-types` against every candidate type and llama.cpp's mix of the same bytes, per model run."""
+    return [line for data in _only_types_runs(CHOICES) for line in _only_types_table(data)]
+
+
+def _only_types_table(data: dict) -> list[str]:
     lines = [
         f"**`--only-types {data['only_types']}`** (`{data['command']}`, {data['model']}, validation split, "
         f"{data['tokens']:,} tokens, llama.cpp; the original {data['original_ppl']:.2f} in transformers): at the "
@@ -206,18 +211,19 @@ def _structure_error() -> list[str]:
 def only_types_sentence(choices: Path = CHOICES) -> str:
     """The README's line on `--only-types` where the run exists: per budget, decode over the mix's and perplexity
     against every type and the mix, paired (validation split)."""
-    path = choices / "only-types-validation.json"
-    if not path.is_file():
+    runs = _only_types_runs(choices)
+    if not runs:
         return ""
-    data = json.loads(path.read_text())
-    parts = [
-        f"{row['type']} {row['decode_vs_mix']:.2f}x, perplexity {_paired(row, 'minus_every_type')} against every type "
-        f"and {_paired(row, 'minus_mix')} against the mix"
-        for row in data["rows"]
-        if row["kind"] == "only types"
-    ]
+    per_model = []
+    for data in runs:
+        parts = [
+            f"{row['type']} {row['decode_vs_mix']:.2f}x, perplexity {_paired(row, 'minus_every_type')} against "
+            f"every type and {_paired(row, 'minus_mix')} against the mix"
+            for row in data["rows"]
+            if row["kind"] == "only types"
+        ]
+        per_model.append(f"on {data['model']} with {data['only_types']}: {'; '.join(parts)}")
     return (
-        f" `--only-types` restricts the allocation to the types named; with {data['only_types']} (on "
-        f"{data['model']}, validation split; ours / the mix's decode, 1 thread, and paired differences): "
-        f"{'; '.join(parts)}."
+        " `--only-types` restricts the allocation to the types named (validation split; ours / the mix's decode, "
+        f"1 thread, and paired differences): {'. '.join(per_model)}."
     )

@@ -1,13 +1,17 @@
 """What does `--only-types` (k-quants alone) cost and buy at the byte budgets where `export --size` decodes slower
-than llama.cpp's mix of the same bytes? On Qwen2.5-Coder-1.5B and the VALIDATION split.
+than llama.cpp's mix of the same bytes? On the VALIDATION split.
 
 At each of `--types` (a llama.cpp mix): its importance-weighted mix, `export --size` at its bytes choosing among
 every candidate type (the default: IQ3_S included), and the same with `--only-types` (default: the k-quants,
-q8_0 and f16); llama.cpp scores the three on the first `--max-tokens` validation tokens against the original in
+q8_0 and f16, for Qwen2.5-Coder-1.5B, whose rows all take k-quants); llama.cpp scores the three on the first `--max-tokens` validation tokens against the original in
 transformers, paired on the same windows (95% interval; inside it, a tie), and times them in turns (decode and
 prefill tokens/s, 1 and 2 threads, the median of `--repeats`).
 
-    python -m benchmarks.experiments.only_types.run --out benchmarks/results/choices/only-types-validation.json
+    python -m benchmarks.experiments.only_types.run --out benchmarks/results/choices/only-types-qwen2.5-coder-1.5b-validation.json
+
+The bundled model (rows of 576: only its down_proj takes k-quants; the others choose among Q4_0, Q5_0, Q8_0, F16
+without Q4_1): `--model smollm2-135m --only-types q2_k,q3_k,q4_k,q5_k,q6_k,q8_0,q4_0,q5_0,f16 --max-tokens 8192
+--out benchmarks/results/choices/only-types-smollm2-135m-validation.json`.
 """
 
 from __future__ import annotations
