@@ -287,6 +287,6 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
     ) in lines
     assert byte_choices.only_types_sentence(tmp_path) == (
         " `--only-types` restricts the allocation to the types named (validation split; ours / the mix's decode, "
-        "1 thread, and paired differences): on m with q4_k: q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
+        "1 thread, and paired differences). On m with q4_k: q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
         "against every type and -2.000 [-2.600, -1.400] better against the mix."
     )

@@ -222,8 +222,8 @@ def only_types_sentence(choices: Path = CHOICES) -> str:
             for row in data["rows"]
             if row["kind"] == "only types"
         ]
-        per_model.append(f"on {data['model']} with {data['only_types']}: {'; '.join(parts)}")
+        per_model.append(f" On {data['model']} with {data['only_types']}: {'; '.join(parts)}.")
     return (
         " `--only-types` restricts the allocation to the types named (validation split; ours / the mix's decode, "
-        f"1 thread, and paired differences): {'. '.join(per_model)}."
+        f"1 thread, and paired differences).{''.join(per_model)}"
     )
