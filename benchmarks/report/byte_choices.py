@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.report.markdown import reading
+from benchmarks.report.markdown import paired_reading
 from benchmarks.report.plots import REPO
 from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
 
@@ -19,14 +19,11 @@ def byte_choice_lines() -> list[str]:
     return [*_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types()]
 
 
-def _paired(row: dict, key: str, better: str = "better", worse: str = "worse") -> str:
-    """`+0.123 [+0.010, +0.240] worse` for a row's paired difference `key` (its interval at `key`_ci95 or ci95)."""
-    if key not in row:
-        return ""
-    lo, hi = row.get(f"{key}_ci95") or row["ci95"]
-    if lo == hi == row[key] == 0:  # every window's loss the same: the two files are one
+def _paired(row: dict, key: str) -> str:
+    """`paired_reading`, said as one word where both files scored every window alike (the same file)."""
+    if key in row and row[key] == 0 and (row.get(f"{key}_ci95") or row["ci95"]) == [0, 0]:
         return "0 (the same scores)"
-    return f"{row[key]:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, better, worse)}"
+    return paired_reading(row, key)
 
 
 def _size_refit() -> list[str]:
@@ -146,15 +143,9 @@ def _structure_weight() -> list[str]:
         if "refused" in row:
             lines.append(f"| {row['size']} | {kappa} | | | below the smallest file of types alone | | |")
             continue
-        versus = ""
-        if "minus_types_only" in row:
-            lo, hi = row["ci95"]
-            versus = (
-                f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
-            )
         lines.append(
             f"| {row['size']} | {kappa} | {row['bytes'] / 2**20:.2f} | {row['removed']:,} | {row['ppl']:.3f} | "
-            f"{versus} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
+            f"{paired_reading(row, 'minus_types_only')} | {row['predicted_rise']:.4f} · {row['measured_rise']:.4f} |"
         )
     lines += [
         "",

@@ -8,7 +8,7 @@ import json
 
 from benchmarks.report.byte_choices import byte_choice_lines
 from benchmarks.report.eval_speed import eval_speed_lines
-from benchmarks.report.markdown import difference, reading
+from benchmarks.report.markdown import difference, paired_reading, reading
 from benchmarks.report.plots import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -64,8 +64,7 @@ def frontier_table(data: dict) -> list[str]:
 def _versus_types(row: dict) -> str:
     if "minus_types_only" not in row:
         return "nothing removed" if not row.get("removed_parameters") else ""
-    lo, hi = row["minus_types_only_ci95"]
-    return f"{row['minus_types_only']:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, 'better', 'worse')}"
+    return paired_reading(row, "minus_types_only")
 
 
 def below_table(data: dict) -> list[str]:

@@ -49,3 +49,12 @@ def paired_verdict(diff: dict) -> str:
 def reading(lo: float, hi: float, better: str, worse: str) -> str:
     """What a paired interval of ours − theirs says: `better` below 0, `worse` above, else a tie."""
     return better if hi < 0 else worse if lo > 0 else "tie"
+
+
+def paired_reading(row: dict, key: str, better: str = "better", worse: str = "worse") -> str:
+    """`+0.123 [+0.010, +0.240] worse` for a row's paired difference `key` (its interval at `key`_ci95, else at
+    ci95), `reading`'s word after it; empty where the row has none."""
+    if key not in row:
+        return ""
+    lo, hi = row.get(f"{key}_ci95") or row["ci95"]
+    return f"{row[key]:+.3f} [{lo:+.3f}, {hi:+.3f}] {reading(lo, hi, better, worse)}"

@@ -335,14 +335,14 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
             f"model_type '{model_type}': --size writes a GGUF, and llama.cpp has no architecture for it here"
         )
     targets, note_ = structure_targets(model, config, options)
+    allowed = parse_only_types(options.only_types)
     parameters = model_parameter_count(config)
     budget = wanted.bytes_for(parameters)
     result = {
         "model": source.describe(), "parameters": parameters, "budget": budget, "budget_flag": wanted.flag,
         "bits_per_weight": 8 * budget / parameters, "f16_bytes": 2 * parameters, "structure": note_,
         "candidates": {}, "memory": None,
-        "smallest_matrices": smallest_from_config(config, targets, parse_only_types(options.only_types)),
-        "only_types": sorted(parse_only_types(options.only_types) or []),
+        "smallest_matrices": smallest_from_config(config, targets, allowed), "only_types": sorted(allowed or []),
         "after_calibration": {"attn": "each attention's heads and every matrix's type",
                               "mlp": "each MLP's width and every matrix's type", None: "every matrix's type"}.get(
             targets, "each MLP's width, each attention's heads and every matrix's type"),
