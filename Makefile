@@ -44,17 +44,25 @@ demo: install  ## the main job on the bundled model: remove 20% of attention par
 	$(BIN)/masa-compress smollm2-135m --ratio $(RATIO) $(if $(DEMO_EVAL_TOKENS),--eval-max-tokens $(DEMO_EVAL_TOKENS)) --overwrite
 
 # llama.cpp's prebuilt wheel is built for AVX2 and uses no wider vectors. From its own source, with what its build
-# would fetch from the network off (TLS for the server, the grammar library) and AMX off: the rest of -march=native,
-# this CPU's own. The CPU's AMX tiles work here once the process asks for them (a test program's tile product was
-# right), but llama.cpp's AMX matrix product faults at its first tile configuration (ldtilecfg, a general
-# protection fault: ggml-org/llama.cpp#20824, with a fix proposed in #26954: the configuration on the stack).
-LLAMA_CPP_NATIVE_CMAKE = -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF \
-	"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# would fetch from the network off (TLS for the server, the grammar library): -march=native, this CPU's own,
+# AMX included. llama.cpp's AMX matrix product faults at its first tile configuration as released
+# (ggml-org/llama.cpp#20824): the tile data permission is asked for by the main thread only, and the compiler
+# drops the stores to the configuration on the stack. benchmarks/engines/llama-cpp-amx.patch is the fix proposed
+# upstream (#26954); it changes nothing on a CPU without AMX, and a source it does not apply to stops the build.
+# LLAMA_CPP_NATIVE_INTO=DIR installs the build into DIR (pip --target) and leaves the environment's wheel as it is.
+LLAMA_CPP_NATIVE_CMAKE = -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF
+LLAMA_CPP_NATIVE_INTO ?=
 
-llama-cpp-native: install  ## rebuild llama.cpp's package (xllamacpp) from source for this CPU (~7 min on 2 cores): BENCHMARKS.md section 7 says what it buys
+llama-cpp-native: install  ## rebuild llama.cpp's package (xllamacpp) from source for this CPU (~6 min on 2 cores): BENCHMARKS.md section 7 says what it buys
+	set -e; work=$$(mktemp -d); trap 'rm -rf "$$work"' EXIT; \
+	version=$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("xllamacpp"))'); \
+	$(BIN)/pip download -q --disable-pip-version-check --no-deps --no-binary :all: "xllamacpp==$$version" -d "$$work"; \
+	tar xzf "$$work"/xllamacpp-*.tar.gz -C "$$work"; \
+	patch -s -p1 --fuzz=0 --forward -d "$$work/xllamacpp-$$version" < benchmarks/engines/llama-cpp-amx.patch \
+		|| { echo "benchmarks/engines/llama-cpp-amx.patch does not apply to xllamacpp $$version: update the patch"; exit 1; }; \
 	CMAKE_ARGS='$(LLAMA_CPP_NATIVE_CMAKE)' NPROC=$$(nproc) $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir \
-		--force-reinstall --no-deps --no-binary xllamacpp "xllamacpp==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("xllamacpp"))')"
-	$(BIN)/python -c "import xllamacpp; print(xllamacpp.get_system_info())"
+		--no-deps $(if $(LLAMA_CPP_NATIVE_INTO),--target $(LLAMA_CPP_NATIVE_INTO) --upgrade,--force-reinstall) "$$work/xllamacpp-$$version"
+	$(if $(LLAMA_CPP_NATIVE_INTO),PYTHONPATH=$(LLAMA_CPP_NATIVE_INTO) )$(BIN)/python -c "import xllamacpp; print(xllamacpp.get_system_info())"
 
 test: install  ## the test suite: math invariants on tiny models + the bundled model end to end (minutes)
 	$(BIN)/python -m pytest -q -m "not long"

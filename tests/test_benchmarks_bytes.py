@@ -159,8 +159,8 @@ def test_an_eval_speed_run_replaces_its_own_builds_rows_and_keeps_the_others():
 
 
 def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_build(tmp_path, monkeypatch):
-    """BENCHMARKS.md's line on `eval --engine llama.cpp`: each build's widest vectors and its BLAS library where
-    it has one, and the f16 window's hidden states against its prefill alone, beside transformers' time a window;
+    """BENCHMARKS.md's line on `eval --engine llama.cpp`: each build's widest vectors, AMX and its BLAS library
+    where it has them, and the f16 window's hidden states against its prefill alone, beside transformers' time a window;
     a build timed before the breakdown existed still renders, without it."""
     from benchmarks.report.eval_speed import eval_speed_lines
 
@@ -171,6 +171,12 @@ def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_bui
     builds = {
         "native": {
             "llama_cpp": {"system_info": system_info},
+            "rows": rows,
+            "max_tokens": 8192,
+            "machine": machine,
+        },
+        "amx": {
+            "llama_cpp": {"system_info": system_info + "AMX_INT8 = 1 | "},
             "rows": rows,
             "max_tokens": 8192,
             "machine": machine,
@@ -186,6 +192,7 @@ def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_bui
     (tmp_path / "eval-speed-smollm2-135m.json").write_text(json.dumps({"builds": builds}))
     text = " ".join(eval_speed_lines(tmp_path))
     assert "native (AVX512; transformers 8.0 s): f16 2.50x the transformers time;" in text
+    assert "amx (AVX512, AMX; transformers 8.0 s): f16 2.50x" in text
     assert (
         "openblas (AVX512, matrix products through BLAS (OpenBLAS); transformers 8.0 s): f16 2.50x the transformers "
         "time; one 512-token window of the f16 file: its hidden states 1.30 s, its prefill alone 0.95 s "

@@ -7,10 +7,13 @@ first on the path of the llama.cpp processes (`make llama-cpp-native` builds one
 names the rows it gives, so the prebuilt wheel's and a native build's rows sit side by side in one file:
 
     python -m benchmarks.engines.eval_speed --build prebuilt
+    make llama-cpp-native LLAMA_CPP_NATIVE_INTO=/tmp/xllamacpp-native
     python -m benchmarks.engines.eval_speed --build native --xllamacpp /tmp/xllamacpp-native
 
-The `native-openblas` rows: the native build with llama.cpp's BLAS backend on (`-DGGML_BLAS=ON
--DGGML_BLAS_VENDOR=OpenBLAS` added to the Makefile's flags; Debian's libopenblas-dev). xllamacpp's setup links
+The `native` rows are that build: this CPU's vectors and its AMX tiles (the Makefile applies the fix proposed
+upstream for llama.cpp's AMX fault, `llama-cpp-amx.patch` here). The `native-openblas` rows: an earlier native
+build, with AMX off (the Makefile's flags before the fix) and llama.cpp's BLAS backend on (`-DGGML_BLAS=ON
+-DGGML_BLAS_VENDOR=OpenBLAS` added; Debian's libopenblas-dev). xllamacpp's setup links
 that backend only if its library exists before the build starts, so it takes two `pip install --target DIR .` from
 one unpacked source folder (`pip download --no-binary :all: xllamacpp==VERSION`): the second links it, and the
 build probe lists a `BLAS (OpenBLAS)` device.

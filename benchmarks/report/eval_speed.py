@@ -25,8 +25,9 @@ def eval_speed_lines(results: Path) -> list[str]:
         )
         features = [part.split(" = ")[0].strip() for part in build["llama_cpp"]["system_info"].split("|")]
         widest = next((f for f in ("AVX512", "AVX2", "AVX") if f in features), "no AVX")
+        amx = ["AMX"] if "AMX_INT8" in features else []
         blas = [d for d in build["llama_cpp"].get("devices", []) if d.startswith("BLAS")]
-        kind = ", ".join([widest, *(f"matrix products through {d}" for d in blas)])
+        kind = ", ".join([widest, *amx, *(f"matrix products through {d}" for d in blas)])
         said.append(
             f"{name} ({kind}; transformers {rows['transformers']['seconds']:.1f} s): {files} the transformers "
             f"time{_window_breakdown(build)}"
@@ -38,7 +39,9 @@ def eval_speed_lines(results: Path) -> list[str]:
         "`python -m benchmarks.engines.eval_speed`): "
         + "; ".join(said)
         + ". The prebuilt wheel is built for AVX2 and uses no wider vectors; `make llama-cpp-native` builds it "
-        "from source for the machine it runs on. The hidden states cost more than the prefill because llama.cpp "
+        "from source for the machine it runs on, AMX included (with the fix proposed upstream, "
+        "`benchmarks/engines/llama-cpp-amx.patch`: llama.cpp's integer tile products, which quantized types such as "
+        "q8_0 take). The hidden states cost more than the prefill because llama.cpp "
         "applies the output matrix at every position in embedding mode, logits `eval` cannot take from it, and "
         "`eval` applies it again in torch; the prefill alone is llama.cpp's own kernels "
         "([eval_speed](benchmarks/engines/eval_speed.py)).",

@@ -393,12 +393,13 @@ def _llama_cpp_eval(results_dir: Path) -> str:
         return f"{min(ratios):.1f}-{max(ratios):.1f}x"
 
     native = (
-        f", {span(builds['native'])} with llama.cpp built for it (`make llama-cpp-native`)"
+        f", {span(builds['native'])} with llama.cpp built for it, AMX included (`make llama-cpp-native`)"
         if "native" in builds
         else ""
     )
     openblas = (
         f", {span(builds['native-openblas'])} with OpenBLAS doing its matrix products"
+        + ("" if "AMX_INT8" in builds["native-openblas"]["llama_cpp"]["system_info"] else " (AMX off)")
         if "native-openblas" in builds
         else ""
     )
