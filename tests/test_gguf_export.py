@@ -513,6 +513,21 @@ def test_export_options_that_do_not_apply_are_one_line_errors(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_refuses_types_an_original_models_rows_cannot_take_before_reading_a_weight(tmp_path, monkeypatch):
+    """`export --size --only-types`: the bundled model's 576-wide rows fill no Q4_K block; the set is refused
+    from its config, as `compress` and `plan` refuse it, not after the importance weights are measured."""
+    import compressor.api.export as api
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight was read before --only-types was checked")
+
+    monkeypatch.setattr(api, "load_model", no_weights)
+    monkeypatch.setattr(api, "importance_text", no_weights)
+    with pytest.raises(UserError, match="--only-types q4_k: a matrix with rows of 576 takes none of them"):
+        api.export("smollm2-135m", tmp_path / "m.gguf", size="80MiB", only_types="q4_k")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_flap_model_with_its_compensation_biases_runs_in_llama_cpp(tmp_path, tokenizer_gguf, family):
     """`--method flap` adds biases to o_proj and down_proj: llama.cpp reads them (`attn_output.bias`,

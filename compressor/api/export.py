@@ -78,6 +78,7 @@ def export(
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
     allowed = parse_only_types(only_types, budget_given=wanted is not None)
     source = resolve_model(model)
+    check_types_fit(source, allowed)
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
     tensor_type, use_importance = check_quantization(
@@ -250,6 +251,29 @@ def importance_calibration(
             raise UserError(f"--calib-samples {samples}: must be at least 1")
         settings = settings.model_copy(update={"samples": samples})
     return settings
+
+
+def smallest_from_config(config, targets: str | None, allowed: frozenset[str] | None = None) -> int:
+    """`byte_structure.smallest_matrices` from a model's config (no weights read), within the `allowed` types: a
+    set some matrix's rows cannot take is refused here, in one line naming the matrix."""
+    from compressor.api.run_options import NATIVE_FORMS
+    from compressor.methods.masa.byte_structure import smallest_matrices
+    from compressor.modeling.adapters import geometry_from_config
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return smallest_matrices(
+        geometry_from_config(config), config.num_hidden_layers, config.vocab_size, tied, targets,
+        NATIVE_FORMS["width_multiple"], allowed,
+    )  # fmt: skip
+
+
+def check_types_fit(source: ModelSource, allowed: frozenset[str] | None) -> None:
+    """`--only-types` against an original model's shapes, before any weight is read (a compressed checkpoint's
+    shapes are its own: the type choice checks them once it is loaded)."""
+    if allowed and source.kind != "compressed":
+        from compressor.api.preview import read_model_config
+
+        smallest_from_config(read_model_config(source)[0], None, allowed)
 
 
 def original_source(source: ModelSource) -> ModelSource:

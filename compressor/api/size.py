@@ -31,11 +31,12 @@ from compressor.api.export import (
     export,
     importance_text,
     measure_for_export,
+    smallest_from_config,
     tokenizer_gguf_of,
 )
 from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.preview import read_model_config
-from compressor.api.run_options import NATIVE_FORMS, CompressOptions, EvalSettings
+from compressor.api.run_options import CompressOptions, EvalSettings
 from compressor.checkpoint.byte_budget import check_fits, parse_budget, parse_only_types
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
@@ -44,7 +45,6 @@ from compressor.methods.masa.byte_structure import (
     STRUCTURE_WEIGHT,
     UNIT_NAMES,
     SizeTarget,
-    smallest_matrices,
     trusted_targets,
 )
 from compressor.runtime.errors import UserError
@@ -269,17 +269,6 @@ def _compress(model, options, device, dtype, progress) -> dict:
     from compressor.api.run import compress
 
     return compress(model, options, device=device, dtype=dtype, progress=progress).summary
-
-
-def smallest_from_config(config, targets: str | None, allowed: frozenset[str] | None = None) -> int:
-    """`byte_structure.smallest_matrices` from a model's config (no weights read), within the `allowed` types."""
-    from compressor.modeling.adapters import geometry_from_config
-
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    return smallest_matrices(
-        geometry_from_config(config), config.num_hidden_layers, config.vocab_size, tied, targets,
-        NATIVE_FORMS["width_multiple"], allowed,
-    )  # fmt: skip
 
 
 def check_least_bytes(config, targets: str | None, wanted, allowed: frozenset[str] | None = None) -> None:
