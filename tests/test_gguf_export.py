@@ -513,7 +513,7 @@ def test_export_options_that_do_not_apply_are_one_line_errors(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_refuses_types_an_original_models_rows_cannot_take_before_reading_a_weight(tmp_path, monkeypatch):
+def test_export_refuses_types_the_rows_cannot_take_before_reading_a_weight(tmp_path, monkeypatch):
     """`export --size --only-types`: the bundled model's 576-wide rows fill no Q4_K block; the set is refused
     from its config, as `compress` and `plan` refuse it, not after the importance weights are measured."""
     import compressor.api.export as api
