@@ -160,8 +160,9 @@ def test_an_eval_speed_run_replaces_its_own_builds_rows_and_keeps_the_others():
 
 def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_build(tmp_path, monkeypatch):
     """BENCHMARKS.md's line on `eval --engine llama.cpp`: each build's widest vectors, AMX and its BLAS library
-    where it has them, and the f16 window's hidden states against its prefill alone, beside transformers' time a window;
-    a build timed before the breakdown existed still renders, without it."""
+    where it has them, a file's `--flash-attention` row beside its exact one (time and perplexity change), and
+    the f16 window's hidden states against its prefill alone, beside transformers' time a window; a build timed
+    before the breakdown existed still renders, without it."""
     from benchmarks.report.eval_speed import eval_speed_lines
 
     system_info = "CPU : AVX2 = 1 | AVX512 = 1 | OPENMP = 1 | "
@@ -177,7 +178,11 @@ def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_bui
         },
         "amx": {
             "llama_cpp": {"system_info": system_info + "AMX_INT8 = 1 | "},
-            "rows": rows,
+            "rows": rows
+            | {
+                "f16 flash": {"seconds": 12.0, "ppl": 20.5, "seconds_over_transformers": 1.5},
+                "f16": rows["f16"] | {"ppl": 20.0},
+            },  # fmt: skip
             "max_tokens": 8192,
             "machine": machine,
         },
@@ -192,7 +197,9 @@ def test_the_eval_speed_line_says_where_a_windows_time_goes_and_names_a_blas_bui
     (tmp_path / "eval-speed-smollm2-135m.json").write_text(json.dumps({"builds": builds}))
     text = " ".join(eval_speed_lines(tmp_path))
     assert "native (AVX512; transformers 8.0 s): f16 2.50x the transformers time;" in text
-    assert "amx (AVX512, AMX; transformers 8.0 s): f16 2.50x" in text
+    flash = "(1.50x with `--flash-attention`, perplexity +0.5000)"
+    assert f"amx (AVX512, AMX; transformers 8.0 s): f16 2.50x {flash}" in text
+    assert "f16 flash" not in text
     assert (
         "openblas (AVX512, matrix products through BLAS (OpenBLAS); transformers 8.0 s): f16 2.50x the transformers "
         "time; one 512-token window of the f16 file: its hidden states 1.30 s, its prefill alone 0.95 s "
@@ -297,3 +304,23 @@ def test_the_byte_choices_render_each_paired_reading_and_the_decode_ratio(tmp_pa
         "1 thread, and paired differences). On m with q4_k: q2_k 0.98x, perplexity +0.300 [-0.100, +0.600] tie "
         "against every type and -2.000 [-2.600, -1.400] better against the mix."
     )
+
+
+def test_the_readmes_llama_cpp_eval_limitation_gives_each_builds_span_and_its_flash_attention_span(tmp_path):
+    """The README's line: per build, the exact rows' span of times over transformers', and the
+    `--flash-attention` rows' span beside it where the build has them (never mixed into the exact span)."""
+    from benchmarks.report.eval_speed import llama_cpp_eval_limitation
+
+    machine = {"usable_cores": 2, "vector_extension": "AVX512"}
+
+    def build(exact: list[float], flash: list[float], system_info: str = "CPU : AVX512 = 1 | ") -> dict:
+        rows = {"transformers": {"seconds_over_transformers": 1.0}}
+        rows |= {f"t{i}": {"seconds_over_transformers": r} for i, r in enumerate(exact)}
+        rows |= {f"t{i} flash": {"seconds_over_transformers": r} for i, r in enumerate(flash)}
+        return {"rows": rows, "machine": machine, "llama_cpp": {"system_info": system_info}}
+
+    builds = {"prebuilt": build([3.0, 3.7], [2.5, 2.9]), "native": build([1.4, 2.2], [])}
+    (tmp_path / "eval-speed-smollm2-135m.json").write_text(json.dumps({"builds": builds}))
+    text = llama_cpp_eval_limitation(tmp_path)
+    assert "3.0-3.7x (2.5-2.9x with `--flash-attention`) the transformers time with the prebuilt" in text
+    assert "1.4-2.2x with llama.cpp built for it" in text and text.count("--flash-attention") == 1

@@ -383,6 +383,11 @@ CASES = [
         "--only-types restricts the types a --size file chooses from: add --size (or drop it)",
     ),
     (
+        "llama.cpp's flash attention with the transformers engine",
+        lambda t, mp: ["eval", "smollm2-135m", "--flash-attention"],
+        "--flash-attention is llama.cpp's: add --engine llama.cpp (or drop it)",
+    ),
+    (
         "a llama.cpp mix as one of --only-types",
         lambda t, mp: ["plan", "smollm2-135m", "--size", "80MiB", "--only-types", "q4_k_m,q6_k"],
         "--only-types q4_k_m,q6_k: q4_k_m is not a type a matrix can take: choose among q2_k, iq3_s, q3_k",

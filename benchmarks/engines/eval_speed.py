@@ -18,6 +18,10 @@ that backend only if its library exists before the build starts, so it takes two
 one unpacked source folder (`pip download --no-binary :all: xllamacpp==VERSION`): the second links it, and the
 build probe lists a `BLAS (OpenBLAS)` device.
 
+Each file is scored twice: as `eval` scores it by default (exact), and with `--flash-attention` (rows `TYPE flash`:
+llama.cpp's CPU flash attention, faster and not exact; their perplexity beside the exact row's says what it
+changes).
+
 Beside the rows, where one evaluation's time goes (`window`, the f16 file, one 512-token window, the median of
 `WINDOW_REPEATS`): the hidden states of every position, what `eval` asks llama.cpp for, against the prefill of the
 same window with logits for its last position only (llama.cpp's own timing). In embedding mode llama.cpp still
@@ -43,6 +47,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "eval-speed-smollm2-
 MODEL = "smollm2-135m"
 #: What each row keeps of `eval --json`.
 KEPT = ("model", "engine", "ppl", "tokens", "windows", "seconds", "load_seconds")
+#: The suffix of a row scored with `eval --flash-attention` (llama.cpp's flash attention: faster, not exact).
+FLASH = " flash"
 #: The window the breakdown times, and how often (the median is kept).
 WINDOW_TOKENS, WINDOW_REPEATS = 512, 5
 #: Run in a child with the build's environment: `WINDOW_REPEATS` timings of each request for one window.
@@ -108,6 +114,9 @@ def run(types: list[str], max_tokens: int, xllamacpp: Path | None, work: Path) -
         _cli(["export", MODEL, str(path), "--type", gguf_type])
         log(f"llama.cpp: {path.name}")
         rows[gguf_type] = _kept(_cli(["eval", str(path), "--engine", "llama.cpp", *scored], xllamacpp))
+        log(f"llama.cpp: {path.name}, flash attention")
+        fast = ["eval", str(path), "--engine", "llama.cpp", "--flash-attention", *scored]
+        rows[f"{gguf_type}{FLASH}"] = _kept(_cli(fast, xllamacpp))
     base = rows["transformers"]["seconds"]
     for row in rows.values():
         row["seconds_over_transformers"] = row["seconds"] / base

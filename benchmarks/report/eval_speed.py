@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.engines.eval_speed import FLASH
 from benchmarks.suite.common import machine_signature
 
 
@@ -19,9 +20,9 @@ def eval_speed_lines(results: Path) -> list[str]:
     for name, build in builds.items():
         rows = build["rows"]
         files = ", ".join(
-            f"{kind} {row['seconds_over_transformers']:.2f}x"
+            f"{kind} {row['seconds_over_transformers']:.2f}x{_flash(rows, kind)}"
             for kind, row in rows.items()
-            if kind != "transformers"
+            if kind != "transformers" and not kind.endswith(FLASH)
         )
         features = [part.split(" = ")[0].strip() for part in build["llama_cpp"]["system_info"].split("|")]
         widest = next((f for f in ("AVX512", "AVX2", "AVX") if f in features), "no AVX")
@@ -49,6 +50,15 @@ def eval_speed_lines(results: Path) -> list[str]:
     ]
 
 
+def _flash(rows: dict, kind: str) -> str:
+    """The same file scored with `--flash-attention` ('' if it was not): its time and its perplexity's change."""
+    fast = rows.get(kind + FLASH)
+    if fast is None:
+        return ""
+    change = fast["ppl"] - rows[kind]["ppl"]
+    return f" ({fast['seconds_over_transformers']:.2f}x with `--flash-attention`, perplexity {change:+.4f})"
+
+
 def _window_breakdown(build: dict) -> str:
     """Where one f16 window's time goes in llama.cpp, against transformers' time per window ('' if not timed)."""
     window = build.get("window")
@@ -59,4 +69,47 @@ def _window_breakdown(build: dict) -> str:
         f"; one {window['tokens']}-token window of the f16 file: its hidden states "
         f"{window['hidden_states_seconds']:.2f} s, its prefill alone {window['prefill_seconds']:.2f} s "
         f"(transformers {transformers['seconds'] / transformers['windows']:.2f} s a window, head included)"
+    )
+
+
+def llama_cpp_eval_limitation(results_dir: Path) -> str:
+    """The README's limitation line: `eval --engine llama.cpp` against transformers on the same windows, per
+    build (`eval-speed-*.json`)."""
+    path = results_dir / "eval-speed-smollm2-135m.json"
+    if not path.is_file():
+        return ""
+    builds = json.loads(path.read_text())["builds"]
+
+    def span(build: dict, flash: bool = False) -> str:
+        ratios = [
+            row["seconds_over_transformers"]
+            for kind, row in build["rows"].items()
+            if kind != "transformers" and kind.endswith(FLASH) == flash
+        ]
+        if not ratios:
+            return ""
+        return f"{min(ratios):.1f}-{max(ratios):.1f}x" + ("" if flash else flash_span(build))
+
+    def flash_span(build: dict) -> str:
+        fast = span(build, flash=True)
+        return f" ({fast} with `--flash-attention`)" if fast else ""
+
+    native = (
+        f", {span(builds['native'])} with llama.cpp built for it, AMX included (`make llama-cpp-native`)"
+        if "native" in builds
+        else ""
+    )
+    openblas = (
+        f", {span(builds['native-openblas'])} with OpenBLAS doing its matrix products"
+        + ("" if "AMX_INT8" in builds["native-openblas"]["llama_cpp"]["system_info"] else " (AMX off)")
+        if "native-openblas" in builds
+        else ""
+    )
+    machine = builds["prebuilt"]["machine"]
+    return (
+        "- **Scoring a GGUF in llama.cpp is slower than in transformers** (`eval --engine llama.cpp`, the bundled "
+        f"model on the same windows, a {machine['usable_cores']}-core {machine['vector_extension']} CPU): "
+        f"{span(builds['prebuilt'])} the transformers time with "
+        f"the prebuilt AVX2 wheel{native}{openblas}: llama.cpp's own CPU kernels, and the output matrix it applies "
+        "at every position (BENCHMARKS.md section 7 says where the time goes)."
     )

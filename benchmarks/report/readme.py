@@ -28,6 +28,7 @@ from pathlib import Path
 
 from benchmarks.report.byte_choices import only_types_sentence
 from benchmarks.report.bytes import CAVEATS, by_budget
+from benchmarks.report.eval_speed import llama_cpp_eval_limitation
 from benchmarks.report.markdown import reading
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
 from benchmarks.report.support import support_matrix
@@ -328,7 +329,7 @@ def limitations(results_dir: Path = RESULTS_DIR) -> str:
         f"original's perplexity on SmolLM2-135M, {large['quality']['ppl_ratio']:.2f}x on Qwen2.5-Coder-1.5B; "
         "the MLP carries most of the loss (docs/method.md, stage 5).",
         _size_decode(results_dir),
-        _llama_cpp_eval(results_dir),
+        llama_cpp_eval_limitation(results_dir),
     ]
     return "\n".join(line for line in lines if line)
 
@@ -377,40 +378,6 @@ def _ours(files: dict, budget: str) -> dict:
 def _commonest(row: dict) -> str:
     counts = sorted(row["type_counts"].items(), key=lambda item: -item[1])
     return ", ".join(f"{n} {t}" for t, n in counts[:2])
-
-
-def _llama_cpp_eval(results_dir: Path) -> str:
-    """`eval --engine llama.cpp` against transformers on the same windows, per build (`eval-speed-*.json`)."""
-    path = results_dir / "eval-speed-smollm2-135m.json"
-    if not path.is_file():
-        return ""
-    builds = json.loads(path.read_text())["builds"]
-
-    def span(build: dict) -> str:
-        ratios = [
-            row["seconds_over_transformers"] for kind, row in build["rows"].items() if kind != "transformers"
-        ]
-        return f"{min(ratios):.1f}-{max(ratios):.1f}x"
-
-    native = (
-        f", {span(builds['native'])} with llama.cpp built for it, AMX included (`make llama-cpp-native`)"
-        if "native" in builds
-        else ""
-    )
-    openblas = (
-        f", {span(builds['native-openblas'])} with OpenBLAS doing its matrix products"
-        + ("" if "AMX_INT8" in builds["native-openblas"]["llama_cpp"]["system_info"] else " (AMX off)")
-        if "native-openblas" in builds
-        else ""
-    )
-    machine = builds["prebuilt"]["machine"]
-    return (
-        "- **Scoring a GGUF in llama.cpp is slower than in transformers** (`eval --engine llama.cpp`, the bundled "
-        f"model on the same windows, a {machine['usable_cores']}-core {machine['vector_extension']} CPU): "
-        f"{span(builds['prebuilt'])} the transformers time with "
-        f"the prebuilt AVX2 wheel{native}{openblas}: llama.cpp's own CPU kernels, and the output matrix it applies "
-        "at every position (BENCHMARKS.md section 7 says where the time goes)."
-    )
 
 
 RENDERERS = {

@@ -375,9 +375,11 @@ def gguf_path(source: ModelSource, progress: bool = True) -> Path:
     return Path(source.location) / source.gguf_file
 
 
-def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True) -> LoadedModel:
+def load_with_llama_cpp(
+    source: ModelSource, context: int, progress: bool = True, flash_attention: bool = False
+) -> LoadedModel:
     """A GGUF file (a user's, an export, a packaged model's) run by llama.cpp, behind the faces evaluation reads
-    (`evaluation/llama_cpp.py`)."""
+    (`evaluation/llama_cpp.py`; `flash_attention`: llama.cpp's, faster and not exact)."""
     from compressor.evaluation.llama_cpp import LlamaCppCausalLM, LlamaCppTokenizer, build_note
 
     if source.kind not in ("gguf", "bundled"):
@@ -389,7 +391,7 @@ def load_with_llama_cpp(source: ModelSource, context: int, progress: bool = True
     if (slower := build_note()) is not None:
         note(f"[yellow]note:[/] {slower}", progress)
     start = time.perf_counter()
-    model = LlamaCppCausalLM(path, context)
+    model = LlamaCppCausalLM(path, context, flash_attention=flash_attention)
     tokenizer = LlamaCppTokenizer(model.server, path)
     cpu = torch.device("cpu")
     return LoadedModel(model, tokenizer, source, cpu, torch.float32, time.perf_counter() - start)

@@ -84,6 +84,7 @@ class Evaluation:
         payload = {
             "model": self.loaded.source.describe(),
             "engine": self.engine,
+            "flash_attention": getattr(self.loaded.model, "flash_attention", False),  # llama.cpp's
             **self.result.to_dict(),
             "split": self.evaluation.split,
             "device": str(self.loaded.device),
@@ -161,6 +162,8 @@ def evaluate(
     settings = settings or EvalSettings()
     if settings.engine not in ENGINES:
         raise UserError(f"--engine {settings.engine}: unknown engine: choose one of {', '.join(ENGINES)}")
+    if settings.flash_attention and settings.engine != "llama.cpp":
+        raise UserError("--flash-attention is llama.cpp's: add --engine llama.cpp (or drop it)")
     source = resolve_model(model)
     evaluation = resolve_eval_settings(settings, source.recipe)
     # Everything the user named is checked before any weights are read: the model first.
@@ -170,7 +173,7 @@ def evaluate(
     if reference is not None:
         check_hub_model(reference)
     if settings.engine == "llama.cpp":
-        loaded = load_with_llama_cpp(source, evaluation.seq_len, progress)
+        loaded = load_with_llama_cpp(source, evaluation.seq_len, progress, settings.flash_attention)
     else:
         loaded = load_model(source, device=device, dtype=dtype, progress=progress)
     windows, text_name = evaluation_token_windows(loaded.tokenizer, evaluation, documents)

@@ -127,6 +127,7 @@ class EvalSettings:
     compare: bool = True  # score a compressed checkpoint against its source model
     against: str | None = None  # the reference model (default: the checkpoint's recorded source)
     engine: str = "transformers"  # or "llama.cpp": a GGUF file run by llama.cpp itself
+    flash_attention: bool = False  # llama.cpp's flash attention (faster, not exact: evaluation/llama_cpp.py)
 
 
 def override(settings, options: dict[str, str] | None = None, **values):

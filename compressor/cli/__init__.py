@@ -118,6 +118,14 @@ def eval_command(
             help="transformers, or llama.cpp for a .gguf (needs [gguf]).",
         ),
     ] = "transformers",
+    flash_attention: Annotated[
+        bool,
+        typer.Option(
+            "--flash-attention",
+            rich_help_panel=EVALUATION,
+            help="llama.cpp's flash attention: faster, not exact (docs/options.md says how far).",
+        ),
+    ] = False,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     batch_size: o.BatchSize = 1,
@@ -142,12 +150,18 @@ def eval_command(
         compare=compare,
         against=against,
         engine=engine,
+        flash_attention=flash_attention,
     )
     run = evaluate(model, settings, device=device, dtype=dtype, progress=not (quiet or as_json))
     payload = run.to_dict()
     if as_json:
         print(json.dumps(payload))
         return
+    _print_evaluation(run, payload)
+
+
+def _print_evaluation(run, payload: dict) -> None:
+    """`eval`'s table: the perplexity, what it was compared with, the windows, the engine and the time."""
     result = run.result
     table = Table(title=f"Perplexity of {payload['model']}", show_header=False)
     lo, hi = result.ppl_ci95
@@ -163,7 +177,8 @@ def eval_command(
     table.add_row("windows × seq_len", f"{result.windows} × {result.seq_len}")
     table.add_row("predicted tokens", f"{result.tokens:,}")
     if payload["engine"] == "llama.cpp":
-        table.add_row("engine", "llama.cpp (CPU; the file's tensor types, f32 KV cache, no flash attention)")
+        attention = "flash attention" if payload["flash_attention"] else "no flash attention"
+        table.add_row("engine", f"llama.cpp (CPU; the file's tensor types, f32 KV cache, {attention})")
     else:
         table.add_row("device / dtype", f"{payload['device']} / {payload['dtype']}")
     table.add_row("time", f"{result.seconds:.1f} s (+ {run.loaded.seconds:.1f} s load)")

@@ -5,9 +5,13 @@ llama.cpp's server returns per-token hidden states (its embedding endpoint with 
 the final norm); the logits are those states times the file's own output matrix (or its embedding when tied),
 read from the GGUF and dequantized. Every layer runs in llama.cpp; the last matrix product runs in torch.
 
-Exactness: flash attention is off and the KV cache is f32, so that an f32 file gives transformers'
-log-probabilities (within 1e-3 per token, tested): this scores the file, not llama.cpp's speed options
-(its CPU flash attention rounds through f16, ~1e-2 nats).
+Exactness: by default flash attention is off and the KV cache is f32, so that an f32 file gives transformers'
+log-probabilities (within 1e-3 per token, tested): this scores the file, not llama.cpp's speed options.
+`flash_attention=True` (`eval --flash-attention`) runs llama.cpp's CPU flash attention, KV cache still f32: the
+attention faster (what it saves: `benchmarks/results/eval-speed-smollm2-135m.json`); on a float file each
+token's log-probability within 1e-2 nats of the exact one (tested on the f32 file); on a quantized file, whose
+products llama.cpp computes on activations rounded to 8 bits, single tokens move by as much as that rounding
+moves them, the perplexity by hundredths of a percent (docs/options.md).
 """
 
 from __future__ import annotations
@@ -56,9 +60,15 @@ class LlamaCppServer:
     """llama.cpp's server in this process, on a local port, for one GGUF file; `close()` stops it."""
 
     def __init__(
-        self, gguf_path: str | os.PathLike, context: int, threads: int | None = None, embedding: bool = True
+        self,
+        gguf_path: str | os.PathLike,
+        context: int,
+        threads: int | None = None,
+        embedding: bool = True,
+        flash_attention: bool = False,
     ):
-        """`embedding`: serve hidden states (scoring); off, the server only generates (timing its decode)."""
+        """`embedding`: serve hidden states (scoring); off, the server only generates (timing its decode).
+        `flash_attention`: llama.cpp's CPU kernel, KV cache still f32 (faster; not exact, see the module)."""
         xl = require_llama_cpp()
         path = Path(gguf_path)
         if not path.is_file():
@@ -69,7 +79,9 @@ class LlamaCppServer:
         params.pooling_type = xl.llama_pooling_type.LLAMA_POOLING_TYPE_NONE
         params.embd_normalize = -1  # the states as they are
         params.n_ctx = params.n_batch = params.n_ubatch = int(context)
-        params.flash_attn_type = xl.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = getattr(
+            xl.llama_flash_attn_type, f"LLAMA_FLASH_ATTN_TYPE_{'ENABLED' if flash_attention else 'DISABLED'}"
+        )
         params.cache_type_k = params.cache_type_v = xl.ggml_type.GGML_TYPE_F32
         params.warmup = False
         threads = threads or os.cpu_count() or 1
@@ -139,9 +151,16 @@ def read_output_matrix(gguf_path: str | os.PathLike) -> torch.Tensor:
 class LlamaCppCausalLM(nn.Module):
     """A GGUF file run by llama.cpp, as a causal LM: `model(input_ids=ids).logits` is (B, T, vocab)."""
 
-    def __init__(self, gguf_path: str | os.PathLike, context: int, threads: int | None = None):
+    def __init__(
+        self,
+        gguf_path: str | os.PathLike,
+        context: int,
+        threads: int | None = None,
+        flash_attention: bool = False,
+    ):
         super().__init__()
-        self.server = LlamaCppServer(gguf_path, context, threads)
+        self.flash_attention = flash_attention
+        self.server = LlamaCppServer(gguf_path, context, threads, flash_attention=flash_attention)
         self.output = nn.Parameter(read_output_matrix(gguf_path), requires_grad=False)
 
     @torch.no_grad()
