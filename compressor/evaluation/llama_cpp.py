@@ -46,13 +46,38 @@ def unused_avx512(system_info: str, cpu_capability: str) -> bool:
     return cpu_capability.startswith("AVX512") and "AVX512 = 1" not in system_info
 
 
+def unused_amx(system_info: str, cpu_flags: set[str]) -> bool:
+    """Whether this CPU has AMX's integer tiles (`cpu_flags`: the kernel's flags, `amx_int8`) and the llama.cpp
+    build does not use them (quantized files' matrix products: BENCHMARKS.md section 7)."""
+    return "amx_int8" in cpu_flags and "AMX_INT8 = 1" not in system_info
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere: nothing is then said of AMX)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 def build_note() -> str | None:
-    """A line for the user where the installed llama.cpp leaves this CPU's AVX-512 unused, else None."""
-    if not unused_avx512(require_llama_cpp().get_system_info(), torch.backends.cpu.get_cpu_capability()):
+    """A line for the user where the installed llama.cpp leaves this CPU's AVX-512 or AMX unused, else None."""
+    system_info = require_llama_cpp().get_system_info()
+    unused = [
+        name
+        for name, missing in (
+            ("AVX-512", unused_avx512(system_info, torch.backends.cpu.get_cpu_capability())),
+            ("AMX tiles", unused_amx(system_info, cpu_flags())),
+        )
+        if missing
+    ]
+    if not unused:
         return None
     return (
-        "llama.cpp's build here does not use this CPU's AVX-512 (the prebuilt wheel is built for AVX2): "
-        "`make llama-cpp-native` in the repository builds it for this CPU (docs/options.md, --engine)"
+        f"llama.cpp's build here does not use this CPU's {' or '.join(unused)} (the prebuilt wheel is built for "
+        "AVX2): `make llama-cpp-native` in the repository builds it for this CPU (docs/options.md, --engine)"
     )
 
 
