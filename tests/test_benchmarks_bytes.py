@@ -323,4 +323,5 @@ def test_the_readmes_llama_cpp_eval_limitation_gives_each_builds_span_and_its_fl
     (tmp_path / "eval-speed-smollm2-135m.json").write_text(json.dumps({"builds": builds}))
     text = llama_cpp_eval_limitation(tmp_path)
     assert "3.0-3.7x (2.5-2.9x with `--flash-attention`) the transformers time with the prebuilt" in text
-    assert "1.4-2.2x with llama.cpp built for it" in text and text.count("--flash-attention") == 1
+    assert "1.4-2.2x with llama.cpp built for it (" in text and text.count("--flash-attention") == 1
+    assert "AMX included" not in text  # said only of a build whose own system info lists AMX_INT8

@@ -94,8 +94,11 @@ def llama_cpp_eval_limitation(results_dir: Path) -> str:
         fast = span(build, flash=True)
         return f" ({fast} with `--flash-attention`)" if fast else ""
 
+    def amx(build: dict) -> str:
+        return ", AMX included" if "AMX_INT8" in build["llama_cpp"]["system_info"] else ""
+
     native = (
-        f", {span(builds['native'])} with llama.cpp built for it, AMX included (`make llama-cpp-native`)"
+        f", {span(builds['native'])} with llama.cpp built for it{amx(builds['native'])} (`make llama-cpp-native`)"
         if "native" in builds
         else ""
     )
