@@ -80,19 +80,15 @@ def llama_cpp_eval_limitation(results_dir: Path) -> str:
         return ""
     builds = json.loads(path.read_text())["builds"]
 
-    def span(build: dict, flash: bool = False) -> str:
-        ratios = [
-            row["seconds_over_transformers"]
-            for kind, row in build["rows"].items()
-            if kind != "transformers" and kind.endswith(FLASH) == flash
-        ]
-        if not ratios:
-            return ""
-        return f"{min(ratios):.1f}-{max(ratios):.1f}x" + ("" if flash else flash_span(build))
-
-    def flash_span(build: dict) -> str:
-        fast = span(build, flash=True)
-        return f" ({fast} with `--flash-attention`)" if fast else ""
+    def span(build: dict) -> str:
+        """The exact rows' range of times over transformers', the `--flash-attention` rows' beside it if any."""
+        ranges = {True: [], False: []}
+        for kind, row in build["rows"].items():
+            if kind != "transformers":
+                ranges[kind.endswith(FLASH)].append(row["seconds_over_transformers"])
+        exact, fast = ranges[False], ranges[True]
+        flash = f" ({min(fast):.1f}-{max(fast):.1f}x with `--flash-attention`)" if fast else ""
+        return f"{min(exact):.1f}-{max(exact):.1f}x{flash}"
 
     def amx(build: dict) -> str:
         return ", AMX included" if "AMX_INT8" in build["llama_cpp"]["system_info"] else ""
