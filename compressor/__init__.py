@@ -1,8 +1,9 @@
 """masa-compress: training-free compression of LLM weights (`SUMMARY` says how).
 
 The package reads as the pipeline, bottom to top: `runtime/` (device, cache, progress, errors) → `modeling/`
-(adapters, compressed modules) → `math/` and `evaluation/` → `statistics/` (calibration) → `checkpoint/`,
-`report/` → `methods/` → `api/` (one run, and the public entry point `compressor.api`) → `cli/`.
+(adapters, compressed modules) → `math/` and `evaluation/` → `statistics/` (calibration) → `quantize/`
+(llama.cpp's types) → `checkpoint/`, `report/` → `methods/` → `api/` (one run, and the public entry point
+`compressor.api`) → `cli/`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A GGUF within a byte budget: each matrix's type by one loss-aware allocation (`checkpoint/byte_budget.py`)."""
+"""A GGUF within a byte budget: each matrix's type by one loss-aware allocation (`quantize/byte_budget.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
 
-from compressor.checkpoint.byte_budget import (
+from compressor.checkpoint.gguf_export import write_gguf
+from compressor.quantize.byte_budget import (
     BudgetChooser,
     Option,
     allocate,
@@ -17,8 +18,7 @@ from compressor.checkpoint.byte_budget import (
     rounding_errors,
     within,
 )
-from compressor.checkpoint.gguf_export import write_gguf
-from compressor.checkpoint.gguf_types import describe_gguf, type_counts
+from compressor.quantize.gguf_types import describe_gguf, type_counts
 from compressor.runtime.errors import UserError
 
 
@@ -97,7 +97,7 @@ def test_rounding_errors_are_the_decoded_matrix_minus_the_original():
     import gguf
     from gguf import quants
 
-    from compressor.checkpoint.ggml_quantize import quantize_with_llama_cpp
+    from compressor.quantize.ggml_quantize import quantize_with_llama_cpp
 
     array = np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32)
     weights = np.random.default_rng(2).random(512).astype(np.float32)
@@ -116,7 +116,7 @@ def test_budgeted_file_is_its_planned_bytes_within_the_budget_and_runs(tmp_path,
     pytest.importorskip("xllamacpp")
     import gguf
 
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     model = k_quant_model(num_hidden_layers=4, tie_word_embeddings=tied)
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -163,7 +163,7 @@ def test_only_types_restrict_each_matrix_to_them(tmp_path, tokenizer_gguf):  # n
     unrestricted plan's at the same budget, and the file fits and runs; a set none of whose types a matrix's rows
     fill (Q4_K for a 96-wide down_proj) is refused naming it, before anything is written."""
     pytest.importorskip("xllamacpp")
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     model = k_quant_model(num_hidden_layers=2)
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))

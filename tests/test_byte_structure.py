@@ -12,7 +12,6 @@ from conftest import random_windows
 from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
 
 from compressor.api.pipeline import compress_model
-from compressor.checkpoint.byte_budget import BudgetChooser, rows_bytes
 from compressor.checkpoint.gguf_export import padded, planned_fixed_bytes, write_gguf
 from compressor.methods.masa.byte_structure import (
     LEAST_TOKENS_PER_INPUT,
@@ -24,6 +23,7 @@ from compressor.methods.masa.byte_structure import (
     trusted_targets,
 )
 from compressor.modeling.adapters import get_adapter
+from compressor.quantize.byte_budget import BudgetChooser, rows_bytes
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
@@ -195,7 +195,7 @@ def test_the_smallest_file_from_shapes_is_every_matrix_in_its_smallest_type():
 
 @pytest.fixture(scope="module")
 def calibrated(tokenizer_gguf):  # noqa: F811
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     model = k_quant_model(num_hidden_layers=3)
     windows = random_windows(8, 64, vocab=VOCAB)
@@ -232,7 +232,7 @@ def test_a_tight_budget_narrows_and_its_file_fits_and_runs(calibrated, tokenizer
     the export of what it built (types allocated again on the weights as written) fits it too and runs in
     llama.cpp with per-layer shapes (`deci`)."""
     pytest.importorskip("xllamacpp")
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     original, windows, _, _, fixed = calibrated
     geometry = get_adapter(original).geometry

@@ -431,6 +431,39 @@ CASES = [
         "--size weighs each type's rounding by the calibration: drop --imatrix none",
     ),
     (
+        "compensated rounding of a float type",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "f16",
+            "--rounding",
+            "compensated",
+        ],
+        "--rounding compensated: --type f16 is not rounded into blocks: choose a quantized --type",
+    ),
+    (
+        "compensated rounding without the calibration",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "q4_k_m",
+            "--imatrix",
+            "none",
+            "--rounding",
+            "compensated",
+        ],  # fmt: skip
+        "--rounding compensated reads the calibration's input statistics: drop --imatrix none",
+    ),
+    (
+        "an unknown rounding",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--type", "q4_k_m", "--rounding", "gptq"],
+        "--rounding gptq: unknown: choose nearest or compensated",
+    ),
+    (
         "an unknown GGUF type",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--type", "q3_q"],
         "--type q3_q: unknown GGUF type",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compressor.checkpoint.ggml_quantize import (
+from compressor.quantize.ggml_quantize import (
     K_QUANT_MIXES,
     fitting_type,
     mix_type,

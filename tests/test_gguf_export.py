@@ -15,9 +15,9 @@ from torch import nn
 from compressor.api.pipeline import compress_model
 from compressor.checkpoint.gguf_export import choose_architecture, layer_shapes, write_gguf
 from compressor.checkpoint.gguf_families import llama3_rope_factors, permute_for_rope
-from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
 from compressor.modeling.adapters import get_adapter
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
+from compressor.quantize.gguf_types import check_gguf_type, check_imatrix
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
@@ -506,7 +506,7 @@ def test_k_quant_mix_classes_fused_and_expert_tensors_as_llama_quantize_does(
 
 
 def test_eight_experts_get_llama_quantizes_extra_bits_in_the_attention():
-    from compressor.checkpoint.ggml_quantize import mix_type
+    from compressor.quantize.ggml_quantize import mix_type
 
     def of(name, mix="q4_k_m", n_expert=8):
         return mix_type(name, mix, 32, True, n_expert=n_expert)
@@ -565,7 +565,7 @@ def test_importance_weights_are_each_matrix_inputs_mean_squares():
     """The imatrix is, per matrix, the mean over the calibration tokens of the square of each input column: q/k/v
     read the input norm's output, the head the final norm's; with tied embeddings the embedding's entry is the
     head's (llama.cpp multiplies the final hidden state by that matrix)."""
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     model = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
     windows = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -599,7 +599,7 @@ def test_importance_weights_bring_llama_cpp_closer_to_the_model_on_its_calibrati
     )
     import gguf
 
-    from compressor.statistics.importance import measure_importance
+    from compressor.quantize.importance import measure_importance
 
     model = k_quant_model(num_hidden_layers=4)
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 
 from compressor.checkpoint.imatrix_file import importance_by_tensor, read_imatrix, write_imatrix
-from compressor.statistics.importance import measure_importance
+from compressor.quantize.importance import measure_importance
 
 VOCAB = 96
 
@@ -136,8 +136,8 @@ def test_bundled_export_writes_the_imatrix_its_own_gguf_was_quantized_with(tmp_p
     import gguf
 
     from compressor.api.model_loading import load_model, resolve_model
-    from compressor.checkpoint.ggml_quantize import quantize_with_llama_cpp
     from compressor.cli import main
+    from compressor.quantize.ggml_quantize import quantize_with_llama_cpp
 
     out, imatrix = tmp_path / "q4.gguf", tmp_path / "q4.imatrix.gguf"
     main(["export", "smollm2-135m", str(out), "--type", "q4_k_m", "--imatrix-out", str(imatrix),

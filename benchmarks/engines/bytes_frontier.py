@@ -30,11 +30,11 @@ from compressor.api.run_options import CompressOptions
 from compressor.api.session import evaluation_token_windows
 from compressor.api.size import compress_to_size
 from compressor.calibration.sources import load_documents
-from compressor.checkpoint.byte_budget import parse_size
-from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, NEEDS_IMATRIX
-from compressor.checkpoint.gguf_types import BELOW_8_BITS
 from compressor.evaluation.intervals import paired_difference
 from compressor.evaluation.perplexity import evaluate_against
+from compressor.quantize.byte_budget import parse_size
+from compressor.quantize.ggml_quantize import K_QUANT_MIXES, NEEDS_IMATRIX
+from compressor.quantize.gguf_types import BELOW_8_BITS
 from compressor.recipes.schema import EvaluationSettings
 from compressor.runtime.errors import UserError
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
-from compressor.checkpoint.byte_budget import ByteBudget, parse_budget, parse_only_types
 from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, write_gguf
-from compressor.checkpoint.gguf_types import check_gguf_type, check_imatrix
+from compressor.quantize.byte_budget import ByteBudget, parse_budget, parse_only_types
+from compressor.quantize.gguf_types import check_gguf_type, check_imatrix
+from compressor.quantize.rounding import check_rounding
 from compressor.recipes.schema import CalibrationSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
@@ -24,6 +25,7 @@ from compressor.runtime.hub import check_hub_model
 FORMATS = ("gguf", "hf")
 SOURCE_KEY = "masa_compress.source"  # the spec of the original model, in every GGUF this tool writes
 ONLY_TYPES_KEY = "masa_compress.only_types"  # the types a --size file was restricted to (`--only-types`)
+ROUNDING_KEY = "masa_compress.rounding"  # `--rounding compensated` (absent: llama.cpp's own, nearest)
 
 
 @dataclass
@@ -53,26 +55,26 @@ def export(
     progress: bool = True,
     record: dict[str, str] | None = None,
     imatrix_out: str | os.PathLike | None = None,
+    rounding: str | None = None,
+    rounding_stream: str = "original",
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
     checked before any weight is read.
 
     `imatrix`: `calibration` weighs each quantized matrix's rounding by the mean square of its inputs over the
-    calibration text (llama.cpp's importance matrix, measured here on the model written; cached), `none` does
-    not; None: `calibration` for the types below 8 bits. The calibration is the checkpoint's own (its text,
-    window length and seed), else the recipe's; `calib_samples` windows (default: its `samples`).
+    calibration text (llama.cpp's importance matrix, measured on the model written; cached), `none` does not;
+    None: `calibration` below 8 bits. The calibration is the checkpoint's own, else the recipe's;
+    `calib_samples` windows (default: its `samples`). `imatrix_out`: also write those weights as llama.cpp's
+    imatrix file (`checkpoint/imatrix_file.py`), for `llama-quantize --imatrix`.
 
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
-    loss-aware allocation of `checkpoint/byte_budget.py` (importance weights and output sensitivities from the
-    calibration), instead of a `tensor_type` mix. `bits_per_weight` (B) sets that budget as llama.cpp counts bits
-    per weight: B × the model's parameters / 8 bytes, the file's metadata and tokenizer included. `only_types`
-    (`q4_k,q3_k,q6_k`): the types the allocation may choose from (default: every candidate, i-quants included;
-    on a CPU llama.cpp decodes k-quants faster than IQ3_S: `benchmarks/experiments/only_types`). `record`: more
-    string fields for the file (`compress --size` records its structure's allocation).
+    loss-aware allocation of `quantize/byte_budget.py`, instead of a `tensor_type` mix; `bits_per_weight` (B):
+    B × the model's parameters / 8 bytes, as llama.cpp counts; `only_types` (`q4_k,q3_k,q6_k`): the types it may
+    choose from (default: every candidate). `record`: more string fields for the file.
 
-    `imatrix_out`: also write the importance weights, measured on the model written as `calibration` measures
-    them (whatever `imatrix` is), as llama.cpp's imatrix file (`checkpoint/imatrix_file.py`), for
-    `llama-quantize --imatrix`."""
+    `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (GPTQ's error feedback from the inputs'
+    autocorrelations on the same calibration windows, `quantize/rounding.py`); the same types either way;
+    `rounding_stream`: where its statistics come from (`compensated_blocks`' `stream`)."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
@@ -81,41 +83,66 @@ def export(
     check_types_fit(source, allowed)
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
-    tensor_type, use_importance = check_quantization(
-        tensor_type, imatrix, wanted, calib_samples, imatrix_out is not None
-    )
+    tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples, imatrix_out)
+    rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
     if imatrix_out is not None:
         imatrix_out = check_imatrix_output(imatrix_out, out, overwrite)
-    measure = use_importance or imatrix_out is not None
+    measure = use_importance or imatrix_out is not None or rounding == "compensated"
     original = original_source(source)
     check_hub_model(source)
     tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
     calibration, calib_text = importance_text(source, original, calib_samples) if measure else (None, None)
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
-    measured, imatrix_note, chooser = None, "", None
+    measured, imatrix_note = None, ""
     if measure:
         measured, imatrix_note = measure_for_export(
             loaded, calibration, calib_text, budget is not None, progress
         )
-    if budget is not None:
-        from compressor.checkpoint.byte_budget import BudgetChooser
-
-        chooser = BudgetChooser(loaded.model, measured, budget, progress, allowed)
+    chooser = None if budget is None else budget_chooser(loaded.model, measured, budget, progress, allowed)
+    rounder = None
+    if rounding == "compensated":
+        rounder = CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream)
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
-        extra_fields=recorded_fields(original, record, allowed),
+        extra_fields=recorded_fields(original, record, allowed, rounding),
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
-        choose_types=chooser,
+        choose_types=chooser, rounding=rounder,
     )  # fmt: skip
-    details = written.as_dict()
+    details = written.as_dict() | ({"rounding": rounder.record.to_dict()} if rounder else {})
     if imatrix_out is not None:
         details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
     if chooser is not None:
-        plan = chooser.plan.to_dict()
-        details |= {"type": "size", "budget": budget, "predicted_loss_rise": plan["predicted_loss_rise"]}
+        details |= {"type": "size", "budget": budget, "predicted_loss_rise": chooser.plan.predicted}
     return ExportResult("gguf", written.path, details)
+
+
+def budget_chooser(model, measured, budget: int, progress: bool, allowed):
+    """`write_gguf`'s `choose_types` for a byte budget (`quantize/byte_budget.py`)."""
+    from compressor.quantize.byte_budget import BudgetChooser
+
+    return BudgetChooser(model, measured, budget, progress, allowed)
+
+
+class CompensatedRounder:
+    """`write_gguf`'s `rounding` for `--rounding compensated`, on the calibration windows the importance weights
+    were measured on, its statistics from the `stream` of `compensated_blocks`; `record` says what it did."""
+
+    def __init__(self, loaded, calibration: CalibrationSettings, calib_text, progress: bool, stream: str):
+        from compressor.api.session import calibration_token_windows
+
+        self.model, self.progress, self.stream = loaded.model, progress, stream
+        self.windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
+        self.record = None
+
+    def __call__(self, matrices):
+        from compressor.quantize.rounding import compensated_blocks
+
+        blocks, self.record = compensated_blocks(
+            self.model, self.windows, matrices, self.progress, stream=self.stream
+        )
+        return blocks
 
 
 def importance_text(source: ModelSource, original: ModelSource, calib_samples: int | None) -> tuple:
@@ -126,9 +153,13 @@ def importance_text(source: ModelSource, original: ModelSource, calib_samples: i
     return calibration, load_documents(calibration.source, split="calibration")
 
 
-def recorded_fields(original: ModelSource, record: dict[str, str] | None, allowed) -> dict[str, str]:
-    """The tool's own fields in a GGUF it writes: the original's spec, `record`, and `--only-types`'s set."""
+def recorded_fields(
+    original: ModelSource, record: dict[str, str] | None, allowed, rounding: str = "nearest"
+) -> dict[str, str]:
+    """The tool's own fields in a GGUF it writes: the original's spec, `record`, `--only-types`'s set, and
+    `--rounding` where it is not llama.cpp's own."""
     fields = {SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})}
+    fields |= {ROUNDING_KEY: rounding} if rounding != "nearest" else {}
     return fields | ({ONLY_TYPES_KEY: ",".join(sorted(allowed)).lower()} if allowed else {})
 
 
@@ -164,14 +195,14 @@ def check_quantization(
     imatrix: str | None,
     wanted: ByteBudget | None,
     calib_samples: int | None,
-    writes_imatrix: bool = False,
+    writes_imatrix=None,
 ) -> tuple[str, bool]:
     """(the --type written, whether its quantization uses importance weights), or a one-line error for options
     that do not go together. With a byte budget every matrix's type is the budget's: f16 is the type
-    `write_gguf` is handed, its `choose_types` decides. `writes_imatrix`: the weights are measured for an imatrix
-    file anyway, so `calib_samples` applies."""
+    `write_gguf` is handed, its `choose_types` decides. `writes_imatrix`: an imatrix file's path (the weights
+    are then measured for it anyway, so `calib_samples` applies)."""
     if wanted is not None:
-        from compressor.checkpoint.ggml_quantize import check_quantizer
+        from compressor.quantize.ggml_quantize import check_quantizer
 
         if tensor_type is not None:
             raise UserError(f"{wanted.flag} chooses every matrix's type: drop --type {tensor_type}")
@@ -184,7 +215,7 @@ def check_quantization(
     else:
         tensor_type = check_gguf_type(tensor_type or "f16")
         use_importance = check_imatrix(tensor_type, imatrix)
-    if calib_samples is not None and not (use_importance or writes_imatrix):
+    if calib_samples is not None and not (use_importance or writes_imatrix is not None):
         raise UserError(
             "--calib-samples sets the importance weights' windows: it needs --imatrix calibration or --imatrix-out"
         )
@@ -221,8 +252,8 @@ def measure_for_export(
     """The importance weights of the loaded model on its calibration windows (cached), with the output
     sensitivities a byte budget reads; and the line the GGUF records of where they came from."""
     from compressor.api.session import calibration_token_windows
-    from compressor.checkpoint.byte_budget import GRADIENT_WINDOWS
-    from compressor.statistics.importance import cached_importance
+    from compressor.quantize.byte_budget import GRADIENT_WINDOWS
+    from compressor.quantize.importance import cached_importance
 
     windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
     gradient_windows = GRADIENT_WINDOWS if sensitivities else 0

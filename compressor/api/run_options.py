@@ -93,6 +93,8 @@ class CompressOptions:
     bits_per_weight: float | None = None
     # The types the byte budget's matrices may take (`q4_k,q3_k,q6_k`; None: every candidate type)
     only_types: str | None = None
+    # How the byte budget's GGUF is rounded: `nearest` (llama.cpp's own; None) or `compensated` (quantize/rounding)
+    rounding: str | None = None
     # Set by `compress_to_size`, not an option: the byte budget the method allocates the structure under
     byte_target: object | None = None
 

@@ -37,7 +37,6 @@ from compressor.api.export import (
 from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings
-from compressor.checkpoint.byte_budget import check_fits, parse_budget, parse_only_types
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
 from compressor.methods.masa.byte_structure import (
@@ -47,6 +46,7 @@ from compressor.methods.masa.byte_structure import (
     SizeTarget,
     trusted_targets,
 )
+from compressor.quantize.byte_budget import check_fits, parse_budget, parse_only_types
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 from compressor.runtime.progress import note
@@ -180,7 +180,7 @@ def compress_to_size(
         t = time.perf_counter()
         written = export(
             exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples,
-            only_types=options.only_types, overwrite=options.overwrite, progress=progress,
+            only_types=options.only_types, rounding=options.rounding, overwrite=options.overwrite, progress=progress,
             record={"masa_compress.structure": _record(structure)},
         ).details  # fmt: skip
         seconds["export"] = time.perf_counter() - t

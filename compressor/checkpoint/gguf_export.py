@@ -12,7 +12,7 @@ Weights go through `gguf`'s pure-Python writer. Matrices are stored in the reque
 rows do not fill whole quantization blocks (q8_0/q5_0/q4_0: 32 values) it falls back to f16, and every such
 tensor is listed in the result. llama.cpp's mixes (q2_k ... q6_k, the i-quants) are quantized by llama.cpp's own
 code, with `llama-quantize`'s choice of type per tensor and its fallbacks (`ggml_quantize.py`). With importance
-weights (`importance`: the tool's own imatrix, `statistics/importance.py`) every quantized matrix goes through
+weights (`importance`: the tool's own imatrix, `quantize/importance.py`) every quantized matrix goes through
 llama.cpp's quantizer with its vector, as `llama-quantize --imatrix` quantizes it.
 """
 
@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from compressor.checkpoint import gguf_families as fam
-from compressor.checkpoint.ggml_quantize import K_QUANT_MIXES, needs_imatrix, quantize_with_llama_cpp
 from compressor.checkpoint.gguf_file import gguf_writer
-from compressor.checkpoint.gguf_types import (
+from compressor.modeling.adapters import geometry_from_config, get_adapter
+from compressor.modeling.families import FAMILIES
+from compressor.quantize.ggml_quantize import K_QUANT_MIXES, needs_imatrix, padded, quantize_with_llama_cpp
+from compressor.quantize.gguf_types import (
     GGUF_TYPES,
     check_gguf_type,
     check_some_matrix_fits,
@@ -38,8 +40,7 @@ from compressor.checkpoint.gguf_types import (
     matrix_types,
     type_counts,
 )
-from compressor.modeling.adapters import geometry_from_config, get_adapter
-from compressor.modeling.families import FAMILIES
+from compressor.quantize.rounding import Rounder
 from compressor.runtime.errors import UserError
 
 # model_type → llama.cpp architecture when all layers share their shapes; Q/K rows are permuted for those whose
@@ -164,19 +165,23 @@ def write_gguf(
     importance: Mapping[str, torch.Tensor] | None = None,
     imatrix_note: str = "",
     choose_types: Callable[[list[tuple[str, np.ndarray, str]], int], dict[str, str]] | None = None,
+    rounding: Rounder | None = None,
 ) -> GgufExport:
     """Write `model` (plain projections, any per-layer widths and head counts) as a GGUF file at `out`,
     atomically (a temporary sibling renamed into place), with the tokenizer of `tokenizer_gguf` and the string
     fields `extra_fields` (e.g. the source model's name).
 
     `importance`: per module path (`model.layers.3.mlp.down_proj`), the mean square of each input column over
-    calibration text (`statistics.importance`); every quantized matrix that has one is quantized by llama.cpp
+    calibration text (`quantize.importance`); every quantized matrix that has one is quantized by llama.cpp
     with it, and `imatrix_note` (the text and windows it came from) is recorded in the file, as
     `llama-quantize --imatrix` records its dataset.
 
     `choose_types`: given the matrices (GGUF name, fp32 array, module path) and the bytes of everything else
     (metadata, tokenizer, 1-D tensors, as written, padded), each matrix's GGML type (`byte_budget`): the file is
-    then exactly those bytes plus the matrices' padded blocks."""
+    then exactly those bytes plus the matrices' padded blocks.
+
+    `rounding`: given every matrix (GGUF name, fp32 array, module path, GGML type), the blocks of those it rounds
+    itself (`quantize/rounding.py`, `--rounding compensated`); the others are rounded here."""
 
     tensor_type = check_gguf_type(tensor_type)
     out = check_gguf_output(out, overwrite)
@@ -219,7 +224,7 @@ def write_gguf(
         return matrix_types(tensor_name, array, tensor_type, len(widths), has_output, mix_context)
 
     fallbacks, types, parameters = _write_file(
-        out, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor
+        out, architecture, add_fields, tensors, type_of, (importance, rounding), by_llama_cpp, on_tensor
     )
     return GgufExport(
         path=out, architecture=architecture, tensor_type=tensor_type, bytes=out.stat().st_size,
@@ -270,19 +275,30 @@ def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", 
     return fixed_bytes(add_fields, architecture, tensors)
 
 
-def _write_file(out: Path, architecture, add_fields, tensors, type_of, importance, by_llama_cpp, on_tensor):
+def _write_file(out: Path, architecture, add_fields, tensors, type_of, rounding, by_llama_cpp, on_tensor):
     """Write the GGUF at `out` through a temporary sibling renamed into place (nothing half-written is left):
-    (fallbacks, every matrix's type, parameters)."""
+    (fallbacks, every matrix's type, parameters). `rounding`: (the importance weights by module path, the
+    `Rounder` or None)."""
+    importance, rounder = rounding
+    matrices = [(n, a, p, type_of(n, a)[1]) for n, a, p in tensors if a.ndim == 2]
+    rounded = {} if rounder is None else rounder(matrices)
     fallbacks: dict[str, str] = {}
     types: dict[str, str] = {}
     parameters = 0
+    import gguf
+
     with gguf_writer(out, architecture) as writer:
         add_fields(writer)
         for tensor_name, array, module_path in tensors:
             parameters += 0 if tensor_name.startswith("rope_freqs") else array.size  # a table, not weights
             wanted, stored = type_of(tensor_name, array)
             weights = None if importance is None else importance.get(module_path)
-            _store(writer, tensor_name, array, stored, by_llama_cpp=by_llama_cpp, importance=weights)
+            if tensor_name in rounded:
+                writer.add_tensor(
+                    tensor_name, rounded[tensor_name], raw_dtype=gguf.GGMLQuantizationType[stored]
+                )
+            else:
+                _store(writer, tensor_name, array, stored, by_llama_cpp=by_llama_cpp, importance=weights)
             if array.ndim >= 2:
                 types[tensor_name] = stored
             if stored != wanted:
@@ -297,11 +313,6 @@ def fixed_bytes(add_fields: Callable, architecture: str, tensors: list) -> int:
     return metadata_bytes(add_fields, architecture, tensors) + sum(
         padded(array.size * 4) for _, array, _ in tensors if array.ndim == 1
     )
-
-
-def padded(nbytes: int, alignment: int = 32) -> int:
-    """Bytes a tensor (or the metadata) takes in a GGUF file: rounded up to the file's alignment (gguf's 32)."""
-    return -(-nbytes // alignment) * alignment
 
 
 def metadata_bytes(add_fields: Callable, architecture: str, tensors: list) -> int:

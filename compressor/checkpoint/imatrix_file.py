@@ -6,7 +6,7 @@ The format is the one `llama-imatrix` writes and `llama-quantize` reads (llama.c
 `imatrix.chunk_count` and `imatrix.chunk_size` (u32), and per matrix, under its GGUF tensor name, two F32 tensors:
 `NAME.in_sum2`, the sum over the tokens of each input column's square (ggml shape [n_in, n_mat]: one row per
 expert, one row for a dense matrix), and `NAME.counts`, the tokens summed ([1, n_mat]). The quantizer divides
-one by the other: the mean squares `statistics.importance` measures, what `export --imatrix calibration` hands
+one by the other: the mean squares `quantize.importance` measures, what `export --imatrix calibration` hands
 to `ggml_quantize_chunk` itself.
 """
 

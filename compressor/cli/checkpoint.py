@@ -112,6 +112,7 @@ def export_command(
             "(e.g. with --type f16).",
         ),
     ] = None,
+    rounding: o.Rounding = None,
     tokenizer_from: Annotated[
         str | None,
         typer.Option(
@@ -146,6 +147,7 @@ def export_command(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight,
         only_types=only_types, overwrite=overwrite, progress=not as_json, imatrix_out=imatrix_out,
+        rounding=rounding,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))
@@ -153,9 +155,13 @@ def export_command(
     if result.format == "hf":
         _print_dense(result.to_dict())
         return
-    info = result.details
+    _print_gguf(result.path, result.details)
+
+
+def _print_gguf(path, info: dict) -> None:
+    """What `export` wrote as a GGUF, in a few lines."""
     console.print(
-        f"Wrote {result.path}: llama.cpp architecture {info['architecture']}, {info['type']}, "
+        f"Wrote {path}: llama.cpp architecture {info['architecture']}, {info['type']}, "
         f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB."
     )
     if info.get("budget") is not None:
@@ -168,6 +174,13 @@ def export_command(
     if len(counts) > 1 or info.get("imatrix", "none") != "none":
         mix = ", ".join(f"{n} {t}" for t, n in counts.items())
         console.print(f"Matrices: {mix}; importance weights: {info.get('imatrix', 'none')}.")
+    compensated = info.get("rounding", {})
+    if compensated.get("rounding") == "compensated":
+        damped = f", {len(compensated['damped'])} needing more damping" if compensated["damped"] else ""
+        console.print(
+            f"Rounding compensated: {compensated['matrices']} matrices, on {compensated['windows']} calibration "
+            f"windows ({compensated['seconds']:.0f} s{damped}); the embedding and output matrix rounded nearest."
+        )
     if info.get("imatrix_file"):
         written = info["imatrix_file"]
         console.print(
@@ -250,7 +263,7 @@ def show_command(
 
 
 def _show_gguf(path: str, as_json: bool) -> None:
-    from compressor.checkpoint.gguf_types import describe_gguf
+    from compressor.quantize.gguf_types import describe_gguf
 
     info = describe_gguf(path)
     if as_json:
@@ -264,6 +277,8 @@ def _show_gguf(path: str, as_json: bool) -> None:
     console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
     if info.get("only_types"):
         console.print(f"Types chosen among (--only-types): {info['only_types']}")
+    if info.get("rounding", "nearest") != "nearest":
+        console.print(f"Rounding: {info['rounding']} (the decoder layers' matrices; see docs/options.md)")
     structure = info.get("structure")
     if structure:
         console.print(

@@ -17,6 +17,7 @@ from compressor.cli.inspect import show_plan
 from compressor.cli.size import compress_to_size_command
 from compressor.math.accounting import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type
+from compressor.runtime.errors import UserError
 
 console = Console()
 
@@ -112,6 +113,7 @@ def compress_command(
     size: o.Size = None,
     bits_per_weight: o.BitsPerWeight = None,
     only_types: o.OnlyTypes = None,
+    rounding: o.Rounding = None,
     layerwise: Annotated[
         bool,
         typer.Option(
@@ -130,9 +132,8 @@ def compress_command(
         ),
     ] = None,
 ) -> None:
-    """Compress MODEL and write a checkpoint (the main job).
-
-    Removes --ratio or fits --size, scores it: smollm2-135m ~5 min on 2 CPU cores.
+    """Compress MODEL and write a checkpoint (the main job): removes --ratio or fits --size, scores it;
+    smollm2-135m ~5 min on 2 CPU cores.
     """
     ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
     options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
@@ -140,9 +141,11 @@ def compress_command(
         compress_to_size_command(model, options, ratio_given, dry_run, as_json, device, dtype, quiet)
         return
     if only_types is not None:  # a one-line error: it belongs to --size
-        from compressor.checkpoint.byte_budget import parse_only_types
+        from compressor.quantize.byte_budget import parse_only_types
 
         parse_only_types(only_types, budget_given=False)
+    if rounding is not None:
+        raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
     if dry_run:
         show_plan(model, options, layout=None, as_json=as_json)
         return

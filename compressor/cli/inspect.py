@@ -193,7 +193,7 @@ def plan_command(
         show_size_plan(model, CompressOptions.from_values(locals()), ratio_given, as_json)
         return
     if only_types is not None:  # a one-line error: it belongs to --size
-        from compressor.checkpoint.byte_budget import parse_only_types
+        from compressor.quantize.byte_budget import parse_only_types
 
         parse_only_types(only_types, budget_given=False)
     show_plan(model, CompressOptions.from_values(locals()), _parse_layout(layout), as_json)

@@ -85,6 +85,15 @@ OnlyTypes = Annotated[
         help="Types --size may use (e.g. q4_k,q5_k,q6_k,q8_0).",
     ),
 ]
+Rounding = Annotated[
+    Opt[str],
+    typer.Option(
+        "--rounding",
+        metavar="HOW",
+        rich_help_panel=RUN,
+        help="--size: nearest (default) or compensated rounding.",
+    ),
+]
 RatioOf = Annotated[
     str,
     typer.Option("--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."),

@@ -100,3 +100,21 @@ def paired_difference(
     diffs = _resampled_ppl(a, tokens, indices) - _resampled_ppl(b, tokens, indices)
     value = float(np.exp(a.sum() / tokens.sum()) - np.exp(b.sum() / tokens.sum()))
     return Difference(value=value, ci95=_percentiles(diffs, level))
+
+
+def paired_mean_difference(
+    sums_a: Sequence[float],
+    sums_b: Sequence[float],
+    window_tokens: Sequence[int],
+    *,
+    seed: int = DEFAULT_SEED,
+    n_resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+) -> Difference:
+    """The per-token mean of model a minus that of model b (e.g. the KL to the original), from per-window sums on
+    the same windows (paired bootstrap over windows, as `paired_difference`)."""
+    a, tokens = _as_arrays(sums_a, window_tokens)
+    b, _ = _as_arrays(sums_b, window_tokens)
+    indices = resample_indices(len(a), n_resamples, seed)
+    diffs = (a[indices].sum(axis=1) - b[indices].sum(axis=1)) / tokens[indices].sum(axis=1)
+    return Difference(value=float((a.sum() - b.sum()) / tokens.sum()), ci95=_percentiles(diffs, level))

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,6 +60,12 @@ class Faithfulness:
     kl_to_original: float  # mean KL(p_original ‖ p_compressed) per predicted token (nats)
     top1_agreement: float  # fraction of predicted positions where both argmaxes agree
     ppl_ratio: float  # ppl_compressed / ppl_original
+    window_kl: list[float] = field(
+        default_factory=list, repr=False
+    )  # summed KL per window (paired intervals)
+    kl_percentiles: dict[str, float] = field(
+        default_factory=dict
+    )  # per-token KL's p99 and p99.9, as llama.cpp's
 
     def to_dict(self) -> dict:
         return {
@@ -135,15 +142,19 @@ def evaluate_perplexity(
     return _result(window_nll, tokens, int(windows.shape[1]), time.perf_counter() - start)
 
 
-def kl_and_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per window: summed KL(reference ‖ candidate) (fp64) and the count of equal argmaxes.
+def kl_and_agreement(
+    reference: torch.Tensor, candidate: torch.Tensor, per_token: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per window: summed KL(reference ‖ candidate) (fp64; with `per_token`, each token's, (B, T)) and the count
+    of equal argmaxes.
 
     Both inputs are next-token log-probabilities ``(B, T, V)``. KL in this direction (the original as the
     true distribution) is the faithfulness measure used for quantized models (llama.cpp's KLD).
     """
     kl = (reference.exp() * (reference - candidate)).sum(dim=-1)  # (B, T)
     agree = (reference.argmax(dim=-1) == candidate.argmax(dim=-1)).sum(dim=1)
-    return kl.to(statistics_device(kl.device)).double().sum(dim=1), agree
+    kl = kl.to(statistics_device(kl.device)).double()
+    return (kl if per_token else kl.sum(dim=1)), agree
 
 
 @torch.no_grad()
@@ -164,7 +175,7 @@ def evaluate_against(
     n, seq_len = windows.shape
     ref_nll: list[float] = []
     cand_nll: dict[str, list[float]] = {name: [] for name in candidates}
-    cand_kl: dict[str, float] = dict.fromkeys(candidates, 0.0)  # summed KL over predicted tokens
+    cand_kl: dict[str, list[torch.Tensor]] = {name: [] for name in candidates}  # per-token KL, per window
     cand_agree: dict[str, int] = dict.fromkeys(candidates, 0)
     seconds: dict[str, float] = dict.fromkeys(["reference", *candidates], 0.0)
     with progress_bar(description, total=n, enabled=progress) as bar:
@@ -182,9 +193,9 @@ def evaluate_against(
                 lp = _next_token_log_probs(model, cand_batch)
                 nll = _window_nll(lp, cand_batch)
                 _check_finite(nll, first, f"model {name}")
-                kl, agree = kl_and_agreement(ref_lp, lp.to(ref_lp.device))
+                kl, agree = kl_and_agreement(ref_lp, lp.to(ref_lp.device), per_token=True)
                 cand_nll[name].extend(nll.tolist())
-                cand_kl[name] += float(kl.sum())
+                cand_kl[name].extend(kl.cpu())
                 cand_agree[name] += int(agree.sum())
                 seconds[name] += time.perf_counter() - t
             bar.advance(len(batch))
@@ -193,10 +204,17 @@ def evaluate_against(
     scored = {}
     for name in candidates:
         result = _result(cand_nll[name], tokens, seq_len, seconds[name])
+        window_kl = [float(kl.sum()) for kl in cand_kl[name]]
+        token_kl = torch.cat(cand_kl[name]).numpy() if cand_kl[name] else np.zeros(1)
         faith = Faithfulness(
-            kl_to_original=cand_kl[name] / result.tokens,
+            kl_to_original=sum(window_kl) / result.tokens,
             top1_agreement=cand_agree[name] / result.tokens,
             ppl_ratio=result.ppl / ref.ppl,
+            window_kl=window_kl,
+            kl_percentiles={
+                "p99": float(np.percentile(token_kl, 99)),
+                "p99.9": float(np.percentile(token_kl, 99.9)),
+            },
         )
         scored[name] = (result, faith)
     return ref, scored

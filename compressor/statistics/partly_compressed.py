@@ -121,6 +121,38 @@ class LayerRunner:
     def advance(self, layer_index: int) -> None:
         self.hidden = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
 
+    @torch.no_grad()
+    def advance_measuring(
+        self, layer_index: int, modules: dict[str, nn.Module], advance: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """`advance` through layer `layer_index` (unless not `advance`: the hidden states stay), and Σ xᵀx / T
+        (fp64, as `autocorr`) of the input of each of `modules` (name → a module of that layer) over all
+        windows, measured in that same pass."""
+        totals = {
+            name: float64_zeros(m.in_features, m.in_features, device=self.hidden[0].device)
+            for name, m in modules.items()
+        }
+        tokens = dict.fromkeys(modules, 0)
+
+        def on_input(name: str):
+            def hook(_, args):
+                add_gram(totals[name], args[0].detach())
+                tokens[name] += args[0].numel() // args[0].shape[-1]
+
+            return hook
+
+        handles = [m.register_forward_pre_hook(on_input(name)) for name, m in modules.items()]
+        try:
+            outputs = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
+        finally:
+            for handle in handles:
+                handle.remove()
+        if advance:
+            self.hidden = outputs
+        for name, total in totals.items():
+            check_gram(total, f"layer {layer_index} {name}")
+        return {name: token_mean(total, tokens[name]) for name, total in totals.items()}
+
 
 def install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
     """Per layer: whiten q/k/v by the current layer input, install them, then whiten o by the attention output

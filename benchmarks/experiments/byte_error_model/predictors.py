@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compressor.statistics.importance import module_paths_of
+from compressor.quantize.importance import module_paths_of
 
 
 def alternative_statistics(

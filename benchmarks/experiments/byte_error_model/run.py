@@ -1,7 +1,7 @@
 """Is `export --size`'s error model right? Predicted against measured rise of the loss, on the VALIDATION split.
 
 The byte budget predicts each (matrix, type)'s rise of the mean next-token loss as ½ · output sensitivity ·
-importance-weighted rounding error (`compressor/checkpoint/byte_budget.py`). Here, on the bundled model:
+importance-weighted rounding error (`compressor/quantize/byte_budget.py`). Here, on the bundled model:
 
 1. single-tensor changes: a deterministic sample of (matrix, type) pairs (every `--every`-th matrix, its candidate
    types that change it in turn), each matrix replaced by its ggml-decoded quantization alone, the rest kept at fp32;
@@ -31,7 +31,8 @@ from compressor.api.export import importance_calibration, measure_for_export
 from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.session import calibration_token_windows, evaluation_token_windows
 from compressor.calibration.sources import load_documents
-from compressor.checkpoint.byte_budget import (
+from compressor.evaluation.intervals import resample_indices
+from compressor.quantize.byte_budget import (
     GRADIENT_WINDOWS,
     SAMPLE_ROWS,
     BudgetChooser,
@@ -40,8 +41,7 @@ from compressor.checkpoint.byte_budget import (
     parse_size,
     rounding_errors,
 )
-from compressor.checkpoint.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
-from compressor.evaluation.intervals import resample_indices
+from compressor.quantize.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
 from compressor.recipes.schema import EvaluationSettings
 
 MODEL = "smollm2-135m"

@@ -23,8 +23,8 @@ from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
 from compressor.api.run_options import CompressOptions
 from compressor.api.size import compress_to_size
-from compressor.checkpoint.byte_budget import parse_size
 from compressor.evaluation.intervals import paired_difference
+from compressor.quantize.byte_budget import parse_size
 from compressor.runtime.errors import UserError
 
 MODEL = "smollm2-135m"

@@ -25,7 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compressor.checkpoint.byte_budget import (
+from compressor.math.accounting import HEADS_READER, HEADS_ROWS, NEURON_READER, CompressionPlan
+from compressor.math.heads import HeadTail, head_columns
+from compressor.math.neurons import NeuronTail
+from compressor.methods.base import MethodContext
+from compressor.quantize.byte_budget import (
     SAMPLE_ROWS,
     MatrixErrors,
     candidate_types,
@@ -35,11 +39,7 @@ from compressor.checkpoint.byte_budget import (
     undominated,
     within,
 )
-from compressor.checkpoint.ggml_quantize import row_bytes
-from compressor.math.accounting import HEADS_READER, HEADS_ROWS, NEURON_READER, CompressionPlan
-from compressor.math.heads import HeadTail, head_columns
-from compressor.math.neurons import NeuronTail
-from compressor.methods.base import MethodContext
+from compressor.quantize.ggml_quantize import padded, row_bytes
 from compressor.runtime.progress import progress_bar
 
 #: κ: the weight of the structure's predicted rise against the rounding's in one objective. 1 (the two predictions
@@ -74,7 +74,7 @@ class SizeTarget:
 
     budget: int
     fixed_bytes: int
-    importance: object  # statistics.importance.Importance, with gradients
+    importance: object  # quantize.importance.Importance, with gradients
     structure_weight: float = STRUCTURE_WEIGHT
     allowed_types: frozenset[str] | None = None
 
@@ -89,10 +89,6 @@ class Candidate:
     width: int | None
     types: tuple[tuple[str, str], ...]
     structure: float = 0.0
-
-
-def padded(nbytes: int) -> int:
-    return -(-nbytes // 32) * 32
 
 
 #: What a byte budget may narrow, by `--targets` name, as its lines name it.

@@ -8,7 +8,7 @@ import json
 import numpy as np
 from torch import nn
 
-from compressor.checkpoint.ggml_quantize import (
+from compressor.quantize.ggml_quantize import (
     K_QUANT_FALLBACK,
     K_QUANT_MIXES,
     NEEDS_IMATRIX,
@@ -189,6 +189,7 @@ def describe_gguf(path) -> dict:
         "imatrix": field("quantize.imatrix.dataset") or "none",
         "structure": json.loads(field("masa_compress.structure") or "null"),
         "only_types": field("masa_compress.only_types"),
+        "rounding": field("masa_compress.rounding") or "nearest",
         "type_counts": type_counts(types),
         "other_matrices": {k: v for k, v in types.items() if not k.startswith("blk.")},
         "layers": [{"layer": layer, **by_layer[layer]} for layer in sorted(by_layer)],

@@ -311,3 +311,8 @@ def row_bytes(type_name: str, row_length: int) -> int:
 
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     return row_length // block * block_bytes
+
+
+def padded(nbytes: int, alignment: int = 32) -> int:
+    """Bytes a tensor (or the metadata) takes in a GGUF file: rounded up to the file's alignment (gguf's 32)."""
+    return -(-nbytes // alignment) * alignment

@@ -7,7 +7,7 @@ minimize the predicted rise of the calibration loss subject to the file's exact 
 The prediction is the one `--allocation global-loss` makes for low-rank errors (`statistics/sensitivity.py`): a
 matrix's output error e_t = ΔW x_t raises the mean next-token loss by about ½ ḡ² · mean_t ‖e_t‖², ḡ² the mean of
 ‖∂L/∂y_t‖² / d_out over calibration tokens. Quantization noise is close to uncorrelated across input columns, so
-mean_t ‖e_t‖² = tr(ΔW R ΔWᵀ) ≈ Σ_i R_ii ‖ΔW_{:,i}‖², R_ii the importance weights (`statistics/importance.py`) —
+mean_t ‖e_t‖² = tr(ΔW R ΔWᵀ) ≈ Σ_i R_ii ‖ΔW_{:,i}‖², R_ii the importance weights (`quantize/importance.py`) —
 and ΔW is measured, not modelled: each candidate type is quantized by ggml's own code with those weights and
 decoded again. The embedding's rows are looked up, not multiplied: its error raises the loss by ½ ḡ²_emb ·
 Σ_v share_v ‖ΔE_v‖², share_v the token's share of the calibration tokens; a tied matrix carries both terms.
@@ -23,14 +23,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from compressor.checkpoint.ggml_quantize import (
+from compressor.quantize.ggml_quantize import (
     NEEDS_IMATRIX,
     dequantize_with_llama_cpp,
     ggml_block,
+    padded,
     quantize_with_llama_cpp,
     row_bytes,
 )
-from compressor.checkpoint.gguf_types import type_counts
+from compressor.quantize.gguf_types import type_counts
 from compressor.runtime.errors import UserError
 
 #: The types a matrix may take, as llama.cpp runs them on every backend: k-quants and i-quants for rows of 256s,
@@ -251,10 +252,8 @@ def allocate(
 ) -> BytePlan:
     """Each matrix's type, minimizing the summed predicted rise with Σ padded bytes + `fixed_bytes` ≤ `budget`;
     a one-line error naming the smallest file when even the smallest types do not fit (`choose`)."""
-    padded = {
-        name: [replace(o, bytes=-(-o.bytes // pad) * pad) for o in opts] for name, opts in options.items()
-    }
-    choice = choose(padded, fixed_bytes, budget, pad, max_units)
+    aligned = {name: [replace(o, bytes=padded(o.bytes, pad)) for o in opts] for name, opts in options.items()}
+    choice = choose(aligned, fixed_bytes, budget, pad, max_units)
     return BytePlan(
         types={name: o.type_name for name, o in choice.items()},
         bytes=fixed_bytes + sum(o.bytes for o in choice.values()),
@@ -400,7 +399,6 @@ class BudgetChooser:
         return matrix_options(array, vector, head_gradient, lookup)
 
     def __call__(self, matrices: list[tuple[str, np.ndarray, str]], fixed_bytes: int) -> dict[str, str]:
-        from compressor.checkpoint.gguf_export import padded
         from compressor.runtime.progress import progress_bar
 
         smallest = fixed_bytes + sum(  # refused before any rounding is measured

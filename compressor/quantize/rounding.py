@@ -1,0 +1,189 @@
+"""`--rounding`: how a GGUF's quantized matrices are rounded into their types.
+
+`nearest` (the default) is llama.cpp's own: every block of every row rounded on its own by ggml's quantizer,
+weighing each column by the mean square of its input (the importance matrix). `compensated` rounds the decoder
+layers' matrices with GPTQ's error feedback (`compensated.py`), from each input's full autocorrelation over the
+calibration windows: the windows run through the model one layer at a time (the hidden states of all windows
+kept: N·T·hidden numbers, one layer's autocorrelations at a time), each matrix is rounded once its layer's inputs
+are measured, and the file is still exactly llama.cpp's format. The embedding (looked up, not multiplied), the
+output matrix and experts' stacked matrices keep `nearest`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.modeling.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS, get_adapter
+from compressor.quantize.compensated import DAMPING, compensated_quantize, inverse_factor
+from compressor.quantize.ggml_quantize import ggml_block
+from compressor.runtime.errors import UserError
+from compressor.runtime.progress import progress_bar
+from compressor.statistics.partly_compressed import LayerRunner
+
+ROUNDING_CHOICES = ("nearest", "compensated")
+#: Where each layer's statistics come from (`compensated_blocks`'s `stream`).
+STREAMS = ("original", "quantized")
+#: Types whose rounding error is negligible or not ggml's to make: never compensated.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def check_rounding(rounding: str | None, tensor_type: str | None, imatrix: str | None) -> str:
+    """The `--rounding` value (default `nearest`), or a one-line error: an unknown name, `compensated` for a float
+    `--type`, or without the calibration it reads (`--imatrix none`)."""
+    if rounding is None:
+        return "nearest"
+    if rounding not in ROUNDING_CHOICES:
+        raise UserError(f"--rounding {rounding}: unknown: choose {' or '.join(ROUNDING_CHOICES)}")
+    if rounding == "compensated" and tensor_type in ("f32", "f16", "bf16"):
+        raise UserError(
+            f"--rounding compensated: --type {tensor_type} is not rounded into blocks: choose a quantized --type "
+            "(q8_0 ... q2_k, the i-quants) or --size"
+        )
+    if rounding == "compensated" and imatrix == "none":
+        raise UserError(
+            "--rounding compensated reads the calibration's input statistics: drop --imatrix none"
+        )
+    return rounding
+
+
+@dataclass
+class RoundingRecord:
+    """What `compensated` did: matrices compensated, the damping each needed beyond the default (tensor name →
+    relative damping), the windows and tokens its statistics came from, and its seconds."""
+
+    matrices: int = 0
+    windows: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    damped: dict[str, float] = field(default_factory=dict)
+    input_zero: list[str] = field(default_factory=list)
+    stream: str = "original"
+
+    def to_dict(self) -> dict:
+        return {
+            "rounding": "compensated", "matrices": self.matrices, "windows": self.windows, "tokens": self.tokens,
+            "seconds": round(self.seconds, 1), "damped": dict(self.damped), "input_zero": list(self.input_zero),
+            "stream": self.stream,
+        }  # fmt: skip
+
+
+def layer_projections(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Module path → (layer, projection name) of every plain projection of the decoder layers."""
+    adapter = get_adapter(model)
+    by_id = {}
+    for index in range(adapter.num_layers):
+        for name in (*PROJECTIONS, *MLP_PROJECTIONS):
+            module = adapter.find_projection(index, name)
+            if isinstance(module, nn.Linear):
+                by_id[id(module)] = (index, name)
+    return {path: by_id[id(m)] for path, m in model.named_modules() if id(m) in by_id}
+
+
+def compensated_blocks(
+    model: nn.Module,
+    windows: torch.Tensor,
+    matrices: list[tuple[str, np.ndarray, str, str]],
+    progress: bool = True,
+    damping: float = DAMPING,
+    stream: str = "original",
+) -> tuple[dict[str, np.ndarray], RoundingRecord]:
+    """ggml's blocks of every decoder-layer matrix of `matrices` (GGUF name, fp32 array as written, module path
+    whose input it reads, GGML type) that a quantized type holds, rounded with compensation on the statistics of
+    `windows` (N, T); the others are left to `nearest` (absent from the result).
+
+    `stream`: each layer's statistics measured on the inputs the `original` model's earlier layers produce, or on
+    those of the earlier layers already `quantized` (so a layer compensates what the ones below it lost: one
+    more pass per layer; the model's weights are restored afterwards)."""
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    start = time.perf_counter()
+    by_layer = _by_layer(model, matrices)
+    record = RoundingRecord(windows=len(windows), tokens=int(windows.numel()), stream=stream)
+    blocks: dict[str, np.ndarray] = {}
+    if not by_layer:
+        return blocks, record
+    adapter = get_adapter(model)
+    runner = LayerRunner(model, adapter, windows)
+    last, originals = max(by_layer), {}
+    try:
+        with progress_bar("Compensated rounding", total=last + 1, enabled=progress) as bar:
+            for layer in range(last + 1):
+                wanted = by_layer.get(layer, {})
+                readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in wanted}  # one module per input
+                autocorrs = runner.advance_measuring(layer, readers, advance=stream == "original")
+                decoded = {}
+                for projection, tensors in wanted.items():
+                    autocorr = autocorrs[INPUT_OF[projection]].cpu()
+                    decoded |= _round_all(tensors, autocorr, damping, blocks, record)
+                if stream == "quantized":
+                    originals |= _install_rounded(adapter, layer, decoded)
+                    runner.advance(layer)
+                bar.advance(1)
+    finally:
+        for module, weight in originals.items():
+            module.weight.data = weight
+    record.seconds = time.perf_counter() - start
+    return blocks, record
+
+
+def _by_layer(model: nn.Module, matrices) -> dict[int, dict[str, list[tuple[str, np.ndarray, str]]]]:
+    """The matrices compensation rounds, by layer and by the projection whose input they read."""
+    where = layer_projections(model)
+    by_layer: dict[int, dict[str, list[tuple[str, np.ndarray, str]]]] = {}
+    for tensor_name, array, path, type_name in matrices:
+        if path in where and array.ndim == 2 and type_name not in FLOAT_TYPES:
+            if array.shape[1] % ggml_block(type_name) == 0:
+                layer, projection = where[path]
+                by_layer.setdefault(layer, {}).setdefault(projection, []).append(
+                    (tensor_name, array, type_name)
+                )
+    return by_layer
+
+
+def _round_all(tensors, autocorr: torch.Tensor, damping: float, blocks: dict, record: RoundingRecord) -> dict:
+    """Round `tensors` (name, array, type) on one input's autocorrelation into `blocks`: {array's id: (the
+    array, what it decodes to)} of those rounded."""
+    factor = inverse_factor(autocorr, damping)
+    decoded = {}
+    for tensor_name, array, type_name in tensors:
+        if factor is None:  # the input is zero at every token: no output error to compensate
+            record.input_zero.append(tensor_name)
+            continue
+        blocks[tensor_name], rounded = compensated_quantize(array, type_name, factor)
+        decoded[id(array)] = (array, rounded)
+        record.matrices += 1
+        if factor.attempts > 1:
+            record.damped[tensor_name] = factor.damping
+    return decoded
+
+
+def _install_rounded(adapter, layer: int, decoded: dict) -> dict:
+    """Give each projection of `layer` whose rows the rounded arrays hold the rows they decode to (the arrays
+    as written may order them otherwise, or hold several projections: rows are found by value, and equal rows
+    round alike); {module: its original weight} of those changed. The weight is replaced, not written into:
+    the arrays may share its memory."""
+    rows = {}
+    for array, rounded in decoded.values():
+        for index, row in enumerate(array):
+            rows[row.tobytes()] = rounded[index]
+    changed = {}
+    for name in (*PROJECTIONS, *MLP_PROJECTIONS):
+        module = adapter.find_projection(layer, name)
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = module.weight.detach().to(torch.float32).cpu().numpy()
+        found = [rows.get(row.tobytes()) for row in weight]
+        if found and all(r is not None for r in found):
+            changed[module] = module.weight.data
+            module.weight.data = torch.from_numpy(np.stack(found)).to(module.weight.dtype)
+    return changed
+
+
+#: `write_gguf`'s `rounding`: the matrices (GGUF name, array, module path, type) → blocks of those it rounded.
+Rounder = Callable[[list[tuple[str, np.ndarray, str, str]]], dict[str, np.ndarray]]
