@@ -163,8 +163,9 @@ def input_grams(model, ids) -> dict[str, torch.Tensor]:
 def test_a_tiny_models_compensated_file_holds_matrices_closer_in_output(tmp_path):
     """`write_gguf` with the compensated rounder: the same types as `nearest`, a file llama.cpp runs, and its layer
     matrices, read back from the file and decoded by ggml, have well below the summed output error on the
-    calibration tokens of llama.cpp's own rounding with the same importance weights (0.13x measured, q4_0). The
-    Q/K rows are permuted for llama.cpp's rope in the file: the error is the same for rows in any order."""
+    calibration tokens of llama.cpp's own rounding with the same importance weights (q4_0; attn_v, rounded
+    `nearest` in both, counted in both). The Q/K rows are permuted for llama.cpp's rope in the file: the error is
+    the same for rows in any order."""
     import gguf
 
     from compressor.checkpoint.gguf_export import write_gguf
@@ -189,7 +190,9 @@ def test_a_tiny_models_compensated_file_holds_matrices_closer_in_output(tmp_path
         for name in ("nearest", "compensated")
     }  # fmt: skip
     assert written["compensated"].types == written["nearest"].types
-    assert records[0].matrices == 2 * 7 and records[0].windows == 8 and not records[0].damped
+    assert (
+        records[0].matrices == 2 * 6 and records[0].windows == 8 and not records[0].damped
+    )  # attn_v: nearest
     grams, modules = input_grams(model, ids), dict(model.named_modules())
     errors = dict.fromkeys(written, 0.0)
     for name, result in written.items():
@@ -205,7 +208,7 @@ def test_a_tiny_models_compensated_file_holds_matrices_closer_in_output(tmp_path
                 np.array(tensor.data), tensor.tensor_type.name, original.shape
             )
             errors[name] += output_error(original, decoded, grams[path])
-    assert errors["compensated"] < 0.3 * errors["nearest"], errors
+    assert errors["compensated"] < 0.5 * errors["nearest"], errors
     ids_scored = ids[:1, :32]
     with torch.no_grad():
         expected = torch.log_softmax(model(ids_scored).logits.float(), dim=-1)
@@ -220,13 +223,96 @@ def test_statistics_on_the_quantized_stream_change_the_layers_above_the_first_on
     model = correlated_model()
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    matrices = [(path, m.weight.detach().numpy(), path, "Q4_0") for path, m in model.named_modules()
-                if path in layer_projections(model)]  # fmt: skip
+    role_of = {suffix: role for role, suffix in ROLES.items()}
+    matrices = [
+        (f"blk.{layer}.{role_of[f'{block}.{name}']}.weight", m.weight.detach().numpy(), path, "Q4_0")
+        for path, m in model.named_modules() if path in layer_projections(model)
+        for layer, block, name in [path.split(".")[2:5]]
+    ]  # fmt: skip
     original, _ = compensated_blocks(model, ids, matrices, progress=False)
     quantized, record = compensated_blocks(model, ids, matrices, progress=False, stream="quantized")
-    assert record.stream == "quantized" and record.matrices == len(matrices) == 14
-    for path in original:
-        same = np.array_equal(original[path], quantized[path])
-        assert same == path.startswith("model.layers.0."), path
+    assert record.stream == "quantized" and record.matrices == len(original) == 12  # attn_v: nearest
+    for name in original:
+        assert np.array_equal(original[name], quantized[name]) == name.startswith("blk.0."), name
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, before[name]), name
+
+
+def test_errors_the_allocation_prices_are_the_compensated_roundings_own():
+    """`compensated_errors`: with every row sampled (rows ≤ SAMPLE_ROWS), each type's error is exactly the
+    output error of the matrix rounded compensated, on the autocorrelation of its input over the windows."""
+    from compressor.quantize.compensated import DAMPING
+    from compressor.quantize.rounding import compensated_errors
+
+    model = correlated_model()
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    down = model.model.layers[1].mlp.down_proj
+    array = down.weight.detach().numpy().copy()
+    matrices = [("blk.1.ffn_down.weight", array, "model.layers.1.mlp.down_proj")]
+    errors = compensated_errors(model, ids, matrices, lambda a: ["Q4_K", "Q8_0", "F16"], progress=False)
+    autocorr = input_grams(model, ids)["model.layers.1.mlp.down_proj"] / ids.numel()
+    _, decoded = compensated_quantize(array, "Q4_K", inverse_factor(autocorr, DAMPING))
+    expected = output_error(array, decoded, autocorr)
+    assert errors["blk.1.ffn_down.weight"]["Q4_K"] == pytest.approx(expected, rel=1e-2)  # H: fp32 products
+    assert 0 < errors["blk.1.ffn_down.weight"]["F16"] < errors["blk.1.ffn_down.weight"]["Q8_0"] < expected
+
+
+def test_a_budget_priced_on_compensated_errors_fits_and_predicts_less(tmp_path):
+    """A byte budget whose allocation prices the compensated errors: the file fits, its layer matrices are the
+    rounder's, and at the same bytes the predicted rise is below the plan that prices `nearest`'s errors (inputs
+    correlated: compensation lowers every quantized type's error)."""
+    from compressor.checkpoint.gguf_export import write_gguf
+    from compressor.quantize.byte_budget import BudgetChooser
+    from compressor.quantize.importance import measure_importance
+    from compressor.quantize.rounding import compensated_blocks, compensated_errors
+
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    model = correlated_model()
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    importance = measure_importance(model, ids, progress=False, gradient_windows=2)
+    budget = 700_000
+    plans = {}
+
+    def errors(matrices, types_of):
+        return compensated_errors(model, ids, matrices, types_of, progress=False)
+
+    for name in ("nearest", "compensated"):
+        chooser = BudgetChooser(model, importance, budget, progress=False,
+                                compensated=errors if name == "compensated" else None)  # fmt: skip
+        rounder = (
+            (lambda m: compensated_blocks(model, ids, m, progress=False)[0])
+            if name == "compensated"
+            else None
+        )
+        written = write_gguf(model, tokenizer, tmp_path / f"{name}.gguf", importance=importance.weights,
+                             choose_types=chooser, rounding=rounder)  # fmt: skip
+        assert written.bytes <= budget
+        plans[name] = chooser.plan
+    assert plans["compensated"].predicted < 0.8 * plans["nearest"].predicted, plans
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_bundled_q2_k_mix_compensated_is_closer_to_the_original_in_llama_cpp(tmp_path):
+    """The bundled model's q2_k mix, rounded compensated on 16 calibration windows: the same types, and on held-out
+    validation windows scored by llama.cpp a mean KL to the original well below llama.cpp's own rounding with the
+    same importance weights (measured here: see the bound; the validation experiment's run in
+    benchmarks/results/choices/compensated-rounding-smollm2-135m-validation.json)."""
+    from compressor.api import EvalSettings, evaluate
+    from compressor.api.export import export
+
+    written = {
+        rounding: export("smollm2-135m", tmp_path / f"{rounding}.gguf", tensor_type="q2_k", calib_samples=16,
+                         rounding=rounding, progress=False).details
+        for rounding in ("nearest", "compensated")
+    }  # fmt: skip
+    assert written["compensated"]["type_counts"] == written["nearest"]["type_counts"]
+    assert written["compensated"]["rounding"]["matrices"] == 30 * 6  # attn_v: nearest
+    settings = EvalSettings(split="validation", seq_len=512, max_tokens=2048, engine="llama.cpp")
+    kl = {
+        rounding: evaluate(
+            str(tmp_path / f"{rounding}.gguf"), settings, progress=False
+        ).faithfulness.kl_to_original
+        for rounding in written
+    }
+    assert kl["compensated"] < 0.85 * kl["nearest"], kl

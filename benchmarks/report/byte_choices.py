@@ -1,6 +1,6 @@
 """The validation runs behind `--size`'s defaults and options (`benchmarks/results/choices/`), as BENCHMARKS.md
 section 7 shows them: the error model, the structure's weight κ, the structure's error on new text, the refit
-under a byte budget, and `--only-types`."""
+under a byte budget, `--only-types`, and `--rounding compensated`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ CHOICES = REPO / "benchmarks" / "results" / "choices"
 
 
 def byte_choice_lines() -> list[str]:
-    return [*_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types()]
+    return [
+        *_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types(),
+        *_compensated_rounding(), *_rounding_by_projection(),
+    ]  # fmt: skip
 
 
 def _paired(row: dict, key: str) -> str:
@@ -80,6 +83,77 @@ def _only_types_table(data: dict) -> list[str]:
             f"{row['decode_vs_mix_2t']:.2f}x | {counts} |"
         )
     return [*lines, ""]
+
+
+#: Each file of a `--rounding` run and what it is paired with: its nearest twin, and llama.cpp's mix rounded
+#: nearest (the baseline).
+ROUNDING_TWINS = {
+    "mix compensated": ("minus_mix_nearest", None),
+    "size nearest": (None, "minus_mix_nearest"),
+    "size compensated": ("minus_size_nearest", "minus_mix_nearest"),
+    "size compensated quantized stream": ("minus_size_compensated", None),
+}
+
+
+def _compensated_rounding(choices: Path = CHOICES) -> list[str]:
+    """`--rounding compensated` against `nearest` (the same types) and against llama.cpp's mix, per model run."""
+    lines = []
+    for path in sorted(choices.glob("compensated-rounding-*-validation.json")):
+        data = json.loads(path.read_text())
+        lines += [
+            f"**`--rounding compensated`** (`{data['command']}`, {data['model']}, validation split, "
+            f"{data['tokens']:,} tokens, llama.cpp; the original {data['original_ppl']:.2f} in transformers): "
+            "llama.cpp's importance-weighted mix and `export --size` at its bytes, each rounded `nearest` "
+            "(llama.cpp's own) and `compensated`; the KL is to the original per token (mean, and its 99.9th "
+            "percentile over tokens); each difference paired on the same windows, perplexity then KL.",
+            "",
+            "| budget | file | MiB | perplexity | KL (p99.9) | top-1 | − its nearest twin [95%] | − the mix, nearest "
+            "[95%] |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in data["rows"]:
+            twin, mix = ROUNDING_TWINS.get(row["kind"], (None, None))
+            lines.append(
+                f"| {row['type']} | {row['kind']} | {row['bytes'] / 2**20:.2f} | {row['ppl']:.3f} | "
+                f"{row['kl']:.4f} ({row['kl_p999']:.3f}) | {row['top1']:.2%} | {_ppl_and_kl(row, twin)} | "
+                f"{_ppl_and_kl(row, mix)} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _rounding_by_projection(choices: Path = CHOICES) -> list[str]:
+    """Compensated rounding per set of projections, against `nearest` (what made `attn_v` keep `nearest`)."""
+    path = choices / "compensated-rounding-by-projection-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**Compensated rounding, projection by projection** (`{data['command']}`, {data['model']}, validation "
+        f"split, {data['tokens']:,} tokens, in transformers with the decoded weights; calibration "
+        f"{data['calib_windows']} windows; the original {data['original_ppl']:.2f}): each set rounded into the "
+        "q2_k mix's types on its rows, every layer, the rest of the model original; compensated against nearest, "
+        "paired on the same windows.",
+        "",
+        "| rounded | perplexity: nearest · compensated | KL: nearest · compensated | compensated − nearest [95%] |",
+        "|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        lines.append(
+            f"| {row['projections']} | {row['nearest_ppl']:.3f} · {row['compensated_ppl']:.3f} | "
+            f"{row['nearest_kl']:.4f} · {row['compensated_kl']:.4f} | {_ppl_and_kl(row, 'minus_nearest')} |"
+        )
+    return [*lines, ""]
+
+
+def _ppl_and_kl(row: dict, key: str | None) -> str:
+    """A row's paired differences `key` (perplexity) and `kl_`+`key` (the mean KL), each read; empty for none."""
+    if key is None or key not in row:
+        return ""
+    kl = {"value": row[f"kl_{key}"], "ci95": row[f"kl_{key}_ci95"]}
+    return (
+        f"{paired_reading(row, key)} · KL {paired_reading({'kl': kl['value'], 'kl_ci95': kl['ci95']}, 'kl')}"
+    )
 
 
 def _error_model() -> list[str]:

@@ -100,10 +100,12 @@ def export(
         measured, imatrix_note = measure_for_export(
             loaded, calibration, calib_text, budget is not None, progress
         )
-    chooser = None if budget is None else budget_chooser(loaded.model, measured, budget, progress, allowed)
     rounder = None
     if rounding == "compensated":
         rounder = CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream)
+    chooser = (
+        None if budget is None else budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
+    )
     written: GgufExport = write_gguf(
         loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
         extra_fields=recorded_fields(original, record, allowed, rounding),
@@ -118,11 +120,13 @@ def export(
     return ExportResult("gguf", written.path, details)
 
 
-def budget_chooser(model, measured, budget: int, progress: bool, allowed):
-    """`write_gguf`'s `choose_types` for a byte budget (`quantize/byte_budget.py`)."""
+def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounder=None):
+    """`write_gguf`'s `choose_types` for a byte budget (`quantize/byte_budget.py`), pricing the errors of the
+    compensated rounding where the `rounder` is one."""
     from compressor.quantize.byte_budget import BudgetChooser
 
-    return BudgetChooser(model, measured, budget, progress, allowed)
+    compensated = None if rounder is None else rounder.errors
+    return BudgetChooser(model, measured, budget, progress, allowed, compensated)
 
 
 class CompensatedRounder:
@@ -143,6 +147,12 @@ class CompensatedRounder:
             self.model, self.windows, matrices, self.progress, stream=self.stream
         )
         return blocks
+
+    def errors(self, matrices, types_of):
+        """Each decoder-layer matrix's output error per candidate type, rounded compensated (the allocation's)."""
+        from compressor.quantize.rounding import compensated_errors
+
+        return compensated_errors(self.model, self.windows, matrices, types_of, self.progress)
 
 
 def importance_text(source: ModelSource, original: ModelSource, calib_samples: int | None) -> tuple:

@@ -160,6 +160,14 @@ def eval_command(
     _print_evaluation(run, payload)
 
 
+def _kl_line(faithfulness) -> str:
+    """The mean KL per token and, as llama.cpp's `--kl-divergence` prints them, its 99th and 99.9th
+    percentiles over tokens."""
+    tails = faithfulness.kl_percentiles
+    spread = f" (p99 {tails['p99']:.4f}, p99.9 {tails['p99.9']:.4f})" if tails else ""
+    return f"{faithfulness.kl_to_original:.5f} nats/token{spread}"
+
+
 def _print_evaluation(run, payload: dict) -> None:
     """`eval`'s table: the perplexity, what it was compared with, the windows, the engine and the time."""
     result = run.result
@@ -169,7 +177,7 @@ def _print_evaluation(run, payload: dict) -> None:
     if run.faithfulness is not None:
         ref = run.reference
         table.add_row("original's perplexity", f"{ref.ppl:.4f}  ({run.reference_name})")
-        table.add_row("KL from the original", f"{run.faithfulness.kl_to_original:.5f} nats/token")
+        table.add_row("KL from the original", _kl_line(run.faithfulness))
         table.add_row("top-1 agreement", f"{run.faithfulness.top1_agreement:.2%}")
     else:
         table.add_row("compared with", run.compare_note)

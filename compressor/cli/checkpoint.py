@@ -179,7 +179,7 @@ def _print_gguf(path, info: dict) -> None:
         damped = f", {len(compensated['damped'])} needing more damping" if compensated["damped"] else ""
         console.print(
             f"Rounding compensated: {compensated['matrices']} matrices, on {compensated['windows']} calibration "
-            f"windows ({compensated['seconds']:.0f} s{damped}); the embedding and output matrix rounded nearest."
+            f"windows ({compensated['seconds']:.0f} s{damped}); the embedding, output and value matrices rounded nearest."
         )
     if info.get("imatrix_file"):
         written = info["imatrix_file"]

@@ -68,8 +68,12 @@ class Faithfulness:
     )  # per-token KL's p99 and p99.9, as llama.cpp's
 
     def to_dict(self) -> dict:
+        percentiles = {
+            f"kl_{k.replace('.', '')}": v for k, v in self.kl_percentiles.items()
+        }  # kl_p99, kl_p999
         return {
             "kl_to_original": self.kl_to_original,
+            **percentiles,
             "top1_agreement": self.top1_agreement,
             "ppl_ratio": self.ppl_ratio,
         }

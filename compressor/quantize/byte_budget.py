@@ -185,19 +185,21 @@ def matrix_options(
     gradient: float,
     lookup: tuple[float, np.ndarray] | None = None,
     sample_rows: int = SAMPLE_ROWS,
+    weighted: dict[str, float] | None = None,
 ) -> list[Option]:
     """Every candidate type of one matrix with its bytes and predicted loss rise. `importance`: R_ii per column;
     `gradient`: ḡ² at its output (0 for a lookup-only embedding); `lookup`: (ḡ² at the embedding's output, each
     row's token share) when the matrix is also the embedding. Errors are measured on `sample_rows` evenly spaced
-    rows, scaled to the whole matrix (and on the lookup's rows by `lookup_error`)."""
+    rows, scaled to the whole matrix (and on the lookup's rows by `lookup_error`); `weighted`: the output error
+    of each type measured otherwise (`--rounding compensated`: `rounding.compensated_errors`), used instead."""
     rows, row_length = array.shape
     types = candidate_types(row_length, importance is not None)
-    errors = None
-    if gradient and importance is not None:
+    if weighted is None and gradient and importance is not None:
         errors = sampled_errors(array, importance.astype(np.float32), sample_rows, types)
+        weighted = {t: errors.weighted(t) for t in types}
     options = []
     for type_name in types:
-        rise = 0.0 if errors is None else 0.5 * gradient * errors.weighted(type_name)
+        rise = 0.0 if weighted is None else 0.5 * gradient * weighted[type_name]
         if lookup is not None:
             rise += 0.5 * lookup[0] * lookup_error(array, type_name, importance, lookup[1], sample_rows)
         options.append(Option(type_name, rows * row_bytes(type_name, row_length), rise))
@@ -366,9 +368,9 @@ def parse_size(text: str) -> int:
 GRADIENT_WINDOWS = 4
 
 
-#: Each matrix's options by (importance key, tensor name): a second budget for the same model and calibration in
-#: one process (the bytes benchmark's ladder) measures nothing again. Keys without an importance key are not kept.
-_OPTIONS: dict[tuple[str, str], list[Option]] = {}
+#: Each matrix's options by (importance key, rounding, tensor name): a second budget for the same model and
+#: calibration in one process (the bytes benchmark's ladder) measures nothing again. Without a key, none is kept.
+_OPTIONS: dict[tuple[str, str, str], list[Option]] = {}
 
 
 class BudgetChooser:
@@ -376,11 +378,15 @@ class BudgetChooser:
     allocation made among the types in `allowed` (None: every candidate); `plan` holds it afterwards."""
 
     def __init__(
-        self, model, importance, budget: int, progress: bool = True, allowed: frozenset[str] | None = None
-    ):
+        self, model, importance, budget: int, progress: bool = True, allowed: frozenset[str] | None = None,
+        compensated=None,
+    ):  # fmt: skip
+        """`compensated`: (matrices, their candidate types) → each decoder-layer matrix's output error per type
+        when rounded compensated (`rounding.compensated_errors`), priced instead of `nearest`'s."""
         if importance.gradients is None:
             raise ValueError("a byte budget needs the output sensitivities: measure with gradient_windows")
         self.importance, self.budget, self.progress, self.allowed = importance, budget, progress, allowed
+        self.compensated = compensated
         names = {id(m): n for n, m in model.named_modules()}
         output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         self.head_path = names.get(id(output))
@@ -388,12 +394,12 @@ class BudgetChooser:
         self.tied = output is not None and output.weight is embedding.weight
         self.plan: BytePlan | None = None
 
-    def options(self, array: np.ndarray, module_path: str) -> list[Option]:
+    def options(self, array: np.ndarray, module_path: str, weighted: dict | None = None) -> list[Option]:
         imp = self.importance
         vector = imp.weights.get(module_path)
         vector = None if vector is None else vector.numpy().astype(np.float32)
         if module_path != self.embedding_path:
-            return matrix_options(array, vector, imp.gradients.get(module_path, 0.0))
+            return matrix_options(array, vector, imp.gradients.get(module_path, 0.0), weighted=weighted)
         lookup = (imp.gradients.get(self.embedding_path, 0.0), imp.token_share.numpy())
         head_gradient = imp.gradients.get(self.head_path, 0.0) if self.tied else 0.0
         return matrix_options(array, vector, head_gradient, lookup)
@@ -406,14 +412,19 @@ class BudgetChooser:
             for name, array, path in matrices
         )
         check_fits(smallest, self.budget)
+        rounding = "nearest" if self.compensated is None else "compensated"
+        missing = [m for m in matrices if (self.importance.key, rounding, m[0]) not in _OPTIONS]
+        compensated = {}
+        if self.compensated is not None and (missing or not self.importance.key):
+            compensated = self.compensated(matrices, lambda a: candidate_types(a.shape[1], True))
         options = {}
         with progress_bar("Rounding errors per type", total=len(matrices), enabled=self.progress) as bar:
             for tensor_name, array, module_path in matrices:
-                memo = (self.importance.key, tensor_name) if self.importance.key else None
+                memo = (self.importance.key, rounding, tensor_name) if self.importance.key else None
                 if memo is not None and memo in _OPTIONS:
                     options[tensor_name] = _OPTIONS[memo]
                 else:
-                    options[tensor_name] = self.options(array, module_path)
+                    options[tensor_name] = self.options(array, module_path, compensated.get(tensor_name))
                     if memo is not None:
                         _OPTIONS[memo] = options[tensor_name]
                 bar.advance(1)
