@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.report.markdown import paired_reading
+from benchmarks.report.markdown import paired_reading, reading
 from benchmarks.report.plots import REPO
 from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
 
@@ -85,6 +85,7 @@ def _only_types_table(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+BY_PROJECTION = "compensated-rounding-by-projection-validation.json"
 #: Each file of a `--rounding` run and what it is paired with: its nearest twin, and llama.cpp's mix rounded
 #: nearest (the baseline).
 ROUNDING_TWINS = {
@@ -99,6 +100,8 @@ def _compensated_rounding(choices: Path = CHOICES) -> list[str]:
     """`--rounding compensated` against `nearest` (the same types) and against llama.cpp's mix, per model run."""
     lines = []
     for path in sorted(choices.glob("compensated-rounding-*-validation.json")):
+        if path.name == BY_PROJECTION:
+            continue  # one model's projections, `_rounding_by_projection`
         data = json.loads(path.read_text())
         lines += [
             f"**`--rounding compensated`** (`{data['command']}`, {data['model']}, validation split, "
@@ -124,7 +127,7 @@ def _compensated_rounding(choices: Path = CHOICES) -> list[str]:
 
 def _rounding_by_projection(choices: Path = CHOICES) -> list[str]:
     """Compensated rounding per set of projections, against `nearest` (what made `attn_v` keep `nearest`)."""
-    path = choices / "compensated-rounding-by-projection-validation.json"
+    path = choices / BY_PROJECTION
     if not path.is_file():
         return []
     data = json.loads(path.read_text())
@@ -150,10 +153,9 @@ def _ppl_and_kl(row: dict, key: str | None) -> str:
     """A row's paired differences `key` (perplexity) and `kl_`+`key` (the mean KL), each read; empty for none."""
     if key is None or key not in row:
         return ""
-    kl = {"value": row[f"kl_{key}"], "ci95": row[f"kl_{key}_ci95"]}
-    return (
-        f"{paired_reading(row, key)} · KL {paired_reading({'kl': kl['value'], 'kl_ci95': kl['ci95']}, 'kl')}"
-    )
+    lo, hi = row[f"kl_{key}_ci95"]
+    kl = f"{row[f'kl_{key}']:+.4f} [{lo:+.4f}, {hi:+.4f}] {reading(lo, hi, 'better', 'worse')}"
+    return f"{paired_reading(row, key)} · KL {kl}"
 
 
 def _error_model() -> list[str]:

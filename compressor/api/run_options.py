@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from compressor.api.model_defaults import model_defaults
 from compressor.recipes.schema import CalibrationSettings, CompressionSettings, EvaluationSettings, Recipe
 from compressor.runtime.errors import UserError, wording
+
+if TYPE_CHECKING:  # the type alone: the methods are imported where a run needs them
+    from compressor.methods.masa.byte_structure import SizeTarget
 
 #: Option name -> calibration / evaluation setting (the flags carry a prefix; the settings do not).
 CALIBRATION_OPTIONS = {
@@ -96,7 +100,7 @@ class CompressOptions:
     # How the byte budget's GGUF is rounded: `nearest` (llama.cpp's own; None) or `compensated` (quantize/rounding)
     rounding: str | None = None
     # Set by `compress_to_size`, not an option: the byte budget the method allocates the structure under
-    byte_target: object | None = None
+    byte_target: SizeTarget | None = None
 
     @classmethod
     def from_values(cls, values: dict) -> CompressOptions:
