@@ -295,9 +295,8 @@ def test_a_budget_priced_on_compensated_errors_fits_and_predicts_less(tmp_path):
 @pytest.mark.long
 def test_bundled_q2_k_mix_compensated_is_closer_to_the_original_in_llama_cpp(tmp_path):
     """The bundled model's q2_k mix, rounded compensated on 16 calibration windows: the same types, and on held-out
-    validation windows scored by llama.cpp a mean KL to the original well below llama.cpp's own rounding with the
-    same importance weights (measured here: see the bound; the validation experiment's run in
-    benchmarks/results/choices/compensated-rounding-smollm2-135m-validation.json)."""
+    validation windows scored by llama.cpp a mean KL to the original below llama.cpp's own rounding with the same
+    importance weights (the 64-window validation runs: benchmarks/results/choices/compensated-rounding-*.json)."""
     from compressor.api import EvalSettings, evaluate
     from compressor.api.export import export
 
