@@ -482,6 +482,57 @@ CASES = [
         "--type q8_0 does not use importance weights",
     ),
     (
+        "an importance file that is not there",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "q4_k_m",
+            "--imatrix",
+            str(t / "no.dat"),
+        ],
+        "no.dat: no such file: pass llama.cpp's importance file (imatrix.gguf or .dat)",
+    ),
+    (
+        "an importance file that is not one",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "q4_k_m",
+            "--imatrix",
+            str(_junk(t / "junk.dat")),
+        ],  # fmt: skip
+        "not an importance file llama.cpp writes",
+    ),
+    (
+        "an importance file read and another written",
+        lambda t, mp: [
+            "export",
+            "smollm2-135m",
+            str(t / "m.gguf"),
+            "--type",
+            "q4_k_m",
+            "--imatrix",
+            str(_junk(t / "w.dat")),
+            "--imatrix-out",
+            str(t / "i.gguf"),
+        ],  # fmt: skip
+        "--imatrix-out writes the calibration's weights, --imatrix",
+    ),
+    (
+        "a recipe at the model's own path",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--tensor-types-out", str(t / "m.gguf")],
+        "--tensor-types-out",
+    ),
+    (
+        "tensor types of a file that is not a GGUF",
+        lambda t, mp: ["show", str(t / "m.bin"), "--tensor-types"],
+        "not a GGUF file: pass FILE.gguf",
+    ),
+    (
         "a 2-bit i-quant without importance weights",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--type", "iq2_xs", "--imatrix", "none"],
         "--type iq2_xs needs importance weights",
@@ -617,3 +668,9 @@ def test_usage_error_is_short(argv, capsys):
     assert 1 <= len(lines) <= 3, err
     assert lines[0].startswith("error: "), err
     assert "--help" in lines[-1], err
+
+
+def _junk(path):
+    """A file that is no importance file (two bytes)."""
+    path.write_bytes(b"\x05\x00")
+    return path

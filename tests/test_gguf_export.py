@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import byte_tokenizer, random_windows, tiny_model
+from conftest import byte_tokenizer, random_windows, tiny_model, tiny_model_dir
 from torch import nn
 
 from compressor.api.pipeline import compress_model
@@ -132,8 +132,11 @@ def test_importance_weights_apply_below_8_bits_and_are_required_by_the_2_bit_i_q
         check_imatrix("q8_0", "calibration")
     with pytest.raises(UserError, match="--type iq2_xs needs importance weights"):
         check_imatrix("iq2_xs", "none")
-    with pytest.raises(UserError, match="unknown: choose calibration or none"):
-        check_imatrix("q4_k_m", "file.dat")
+    with pytest.raises(UserError, match="unknown: choose calibration, none, or an importance file"):
+        check_imatrix("q4_k_m", "measured")
+    assert check_imatrix("q4_k_m", "imatrix.dat") and check_imatrix("q4_k_m", "out/imatrix.gguf")  # a file
+    with pytest.raises(UserError, match="--type q8_0 does not use importance weights"):
+        check_imatrix("q8_0", "imatrix.gguf")
 
 
 def test_llama3_rope_factors_are_transformers_scaling():
@@ -618,3 +621,37 @@ def test_importance_weights_bring_llama_cpp_closer_to_the_model_on_its_calibrati
         got = llama_cpp_log_probs(result.path, ids)
         errors[name] = float((got.exp() * (got - expected)).sum(-1).mean())  # KL(file || model), nats
     assert errors["weighted"] < 0.9 * errors["plain"], errors
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "extra", "refusal"),
+    [
+        ("gemma", {}, {"tensor_type": "q4_k_m"}, "model_type 'gemma': GGUF export refused: llama.cpp's GELU"),
+        ("gemma3_text", {}, {"size": "2MB"}, "model_type 'gemma3_text': GGUF export refused"),
+        (
+            "llama",
+            {"hidden_act": "gelu"},
+            {"tensor_type": "q4_k_m"},
+            "activation 'gelu': llama.cpp's graph applies silu",
+        ),
+        ("mixtral", {}, {"size": "2MB"}, "a byte budget for a mixture of experts is not implemented"),
+    ],
+)
+def test_export_refusals_come_from_the_config_before_any_weight_or_statistic(
+    tmp_path, monkeypatch, family, overrides, extra, refusal
+):
+    """Every refusal `write_gguf` makes from the config alone is made first: weight loading and calibration are
+    patched to fail here, as a user would otherwise wait minutes for the refusal."""
+    import compressor.api.export as export_module
+    from compressor.api.export import export
+
+    folder = tiny_model_dir(tmp_path / "model", family, **overrides)
+    monkeypatch.setattr(
+        export_module, "load_model", lambda *a, **k: pytest.fail("weights read before the refusal")
+    )
+    monkeypatch.setattr(
+        export_module, "importance_text", lambda *a, **k: pytest.fail("calibration before the refusal")
+    )
+    with pytest.raises(UserError, match=refusal):
+        export(str(folder), tmp_path / "m.gguf", progress=False, **extra)
+    assert not (tmp_path / "m.gguf").exists()

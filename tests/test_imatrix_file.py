@@ -157,3 +157,91 @@ def test_bundled_export_writes_the_imatrix_its_own_gguf_was_quantized_with(tmp_p
     np.testing.assert_array_equal(again.ravel(), np.asarray(stored.data).view(np.uint8).ravel())
     plain = quantize_with_llama_cpp(array, stored.tensor_type.name, None)
     assert not np.array_equal(plain.ravel(), again.ravel())  # the weights changed the blocks
+
+
+def legacy_imatrix(path, means: dict[str, np.ndarray], calls: int, chunks: int, dataset: str):
+    """A `.dat` as `llama-imatrix --output-format dat` writes it (`save_imatrix_legacy`): values stored as the
+    mean squares times the calls."""
+    import struct
+
+    with open(path, "wb") as out:
+        out.write(struct.pack("<i", len(means)))
+        for name, vector in means.items():
+            out.write(struct.pack("<i", len(name)) + name.encode())
+            out.write(struct.pack("<ii", calls, vector.size))
+            out.write((vector.astype(np.float32) * np.float32(calls)).astype("<f4").tobytes())
+        out.write(struct.pack("<i", chunks) + struct.pack("<i", len(dataset)) + dataset.encode())
+    return path
+
+
+def test_both_formats_read_as_llama_quantize_divides_them(tmp_path):
+    from compressor.checkpoint.imatrix_file import read_imatrix_file
+
+    rng = np.random.default_rng(0)
+    means = {"blk.0.attn_q.weight": rng.uniform(0.01, 2, 64), "output.weight": rng.uniform(0.01, 2, 64)}
+    dat = read_imatrix_file(
+        legacy_imatrix(tmp_path / "a.dat", means, calls=10, chunks=10, dataset="wiki.txt")
+    )
+    written = write_imatrix(
+        tmp_path / "a.gguf", means, tokens=1280, chunks=10, chunk_size=128, dataset="wiki.txt"
+    )
+    gguf_file = read_imatrix_file(written.path)
+    for data, form in ((dat, "legacy"), (gguf_file, "gguf")):
+        assert data.format == form and data.datasets == ("wiki.txt",) and data.chunks == 10
+        assert set(data.means) == set(means)
+        for name, vector in means.items():
+            expected = vector.astype(np.float32)
+            np.testing.assert_allclose(data.means[name][0], expected, rtol=2e-7)
+    assert "a.dat (legacy imatrix: wiki.txt; 10 chunks)" == dat.describe()
+
+
+@pytest.fixture
+def tiny_folder_and_tokenizer(tmp_path):
+    from conftest import tiny_model_dir
+    from test_gguf_export import byte_tokenizer_gguf
+
+    return tiny_model_dir(tmp_path / "model"), byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+
+
+def test_export_with_its_own_imatrix_file_writes_the_same_tensors(tmp_path, tiny_folder_and_tokenizer):
+    """--imatrix FILE with the file --imatrix-out wrote: the same blocks as --imatrix calibration (the weights
+    round-trip exactly through the file's float32 sums over a power-of-two token count); only the line saying
+    where the weights came from differs."""
+    import gguf
+
+    from compressor.api.export import export
+
+    folder, tokenizer = tiny_folder_and_tokenizer
+    common = {"tensor_type": "q4_0", "tokenizer_from": str(tokenizer), "progress": False}
+    measured = export(
+        str(folder), tmp_path / "a.gguf", imatrix_out=tmp_path / "w.gguf", calib_samples=2, **common
+    )
+    from_file = export(str(folder), tmp_path / "b.gguf", imatrix=str(tmp_path / "w.gguf"), **common)
+    plain = export(str(folder), tmp_path / "c.gguf", imatrix="none", **common)
+    blocks = [
+        {t.name: bytes(t.data) for t in gguf.GGUFReader(str(r.path)).tensors}
+        for r in (measured, from_file, plain)
+    ]
+    assert blocks[0] == blocks[1] and blocks[0] != blocks[2]
+    assert from_file.details["imatrix"].startswith("w.gguf (gguf imatrix: ")
+
+
+def test_an_importance_file_of_another_model_is_refused_naming_the_first_mismatch(
+    tmp_path, tiny_folder_and_tokenizer
+):
+    from compressor.api.export import export
+    from compressor.runtime.errors import UserError
+
+    folder, tokenizer = tiny_folder_and_tokenizer
+    common = {"tensor_type": "q4_0", "tokenizer_from": str(tokenizer), "progress": False}
+    wider = write_imatrix(tmp_path / "wider.gguf", {"blk.0.ffn_down.weight": np.ones(999)}, tokens=1, chunks=1,
+                          chunk_size=1, dataset="x")  # fmt: skip
+    with pytest.raises(UserError, match=r"entry blk.0.ffn_down.weight has 999 weights for \d+ inputs"):
+        export(str(folder), tmp_path / "m.gguf", imatrix=str(wider.path), **common)
+    deeper = legacy_imatrix(tmp_path / "deeper.dat", {"blk.40.attn_q.weight": np.ones(64)}, 1, 1, "x")
+    with pytest.raises(UserError, match=r"entry blk.40.attn_q.weight names no matrix of this model"):
+        export(str(folder), tmp_path / "m.gguf", imatrix=str(deeper), **common)
+    (tmp_path / "junk.dat").write_bytes(b"\x05\x00")
+    with pytest.raises(UserError, match=r"not an importance file llama.cpp writes"):
+        export(str(folder), tmp_path / "m.gguf", imatrix=str(tmp_path / "junk.dat"), **common)
+    assert not (tmp_path / "m.gguf").exists()

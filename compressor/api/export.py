@@ -9,15 +9,18 @@ dense Hugging Face checkpoint (`checkpoint/export.py`; it expands factored atten
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
-from compressor.checkpoint.gguf_export import GgufExport, check_gguf_output, write_gguf
+from compressor.checkpoint.gguf_export import GgufExport, check_config_exports, check_gguf_output, write_gguf
+from compressor.checkpoint.imatrix_file import as_read_back, importance_from_file, read_imatrix_file
 from compressor.quantize.byte_budget import ByteBudget, parse_budget, parse_only_types
-from compressor.quantize.gguf_types import check_gguf_type, check_imatrix
+from compressor.quantize.gguf_types import check_gguf_type, check_imatrix, is_imatrix_path
+from compressor.quantize.importance import Importance
 from compressor.quantize.rounding import check_rounding
+from compressor.quantize.tensor_types import check_recipe_output, write_recipe
 from compressor.recipes.schema import CalibrationSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
@@ -57,24 +60,22 @@ def export(
     imatrix_out: str | os.PathLike | None = None,
     rounding: str | None = None,
     rounding_stream: str = "original",
+    tensor_types_out: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
     checked before any weight is read.
 
-    `imatrix`: `calibration` weighs each quantized matrix's rounding by the mean square of its inputs over the
-    calibration text (llama.cpp's importance matrix, measured on the model written; cached), `none` does not;
-    None: `calibration` below 8 bits. The calibration is the checkpoint's own, else the recipe's;
-    `calib_samples` windows (default: its `samples`). `imatrix_out`: also write those weights as llama.cpp's
-    imatrix file (`checkpoint/imatrix_file.py`), for `llama-quantize --imatrix`.
+    `imatrix`: `calibration` weighs each quantized matrix's rounding by its inputs' mean squares over the
+    calibration text (the checkpoint's own, else the recipe's, `calib_samples` windows; cached), `none` does not,
+    a path reads llama.cpp's importance file (a byte budget's sensitivities still come from the calibration);
+    None: `calibration` below 8 bits. `imatrix_out`: also write the measured weights as llama.cpp's imatrix file.
 
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
-    loss-aware allocation of `quantize/byte_budget.py`, instead of a `tensor_type` mix; `bits_per_weight` (B):
-    B × the model's parameters / 8 bytes, as llama.cpp counts; `only_types` (`q4_k,q3_k,q6_k`): the types it may
-    choose from (default: every candidate). `record`: more string fields for the file.
+    loss-aware allocation of `quantize/byte_budget.py`; `bits_per_weight` (B): B × the parameters / 8 bytes;
+    `only_types` (`q4_k,q3_k,q6_k`): the types it may choose from. `record`: more string fields for the file.
 
-    `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (GPTQ's error feedback from the inputs'
-    autocorrelations on the same calibration windows, `quantize/rounding.py`); the same types either way;
-    `rounding_stream`: where its statistics come from (`compensated_blocks`' `stream`)."""
+    `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (`quantize/rounding.py`), from the
+    `rounding_stream` statistics; `tensor_types_out`: the types as `llama-quantize`'s `--tensor-type-file`."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
@@ -83,31 +84,28 @@ def export(
     check_types_fit(source, allowed)
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
+    check_hub_model(source)
+    check_config_exports(source_config(source), budgeted=wanted is not None)  # before any weight or statistic
     tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples, imatrix_out)
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
-    out = check_gguf_output(out, overwrite)  # before any weight is read; write_gguf checks it again
-    if imatrix_out is not None:
-        imatrix_out = check_imatrix_output(imatrix_out, out, overwrite)
-    measure = use_importance or imatrix_out is not None or rounding == "compensated"
+    out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)
+    given = read_imatrix_file(imatrix) if is_imatrix_path(imatrix) else None  # llama.cpp's file, read now
+    measure = (use_importance and given is None) or wanted or imatrix_out or rounding == "compensated"
     original = original_source(source)
-    check_hub_model(source)
-    tokenizer_gguf = tokenizer_gguf_of(original, tokenizer_from)
+    check_hub_model(original)
+    tokenizer = tokenizer_source(original, tokenizer_from)
     calibration, calib_text = importance_text(source, original, calib_samples) if measure else (None, None)
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
-    measured, imatrix_note = None, ""
-    if measure:
-        measured, imatrix_note = measure_for_export(
-            loaded, calibration, calib_text, budget is not None, progress
-        )
-    rounder = None
-    if rounding == "compensated":
-        rounder = CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream)
-    chooser = (
-        None if budget is None else budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
+    measured, imatrix_note = export_importance(loaded, given, (calibration, calib_text) if measure else None,
+                                               budget is not None, progress)  # fmt: skip
+    compensate = rounding == "compensated"
+    rounder = (
+        CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream) if compensate else None
     )
+    chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
     written: GgufExport = write_gguf(
-        loaded.model, tokenizer_gguf, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
+        loaded.model, tokenizer, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
         extra_fields=recorded_fields(original, record, allowed, rounding),
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser, rounding=rounder,
@@ -117,7 +115,46 @@ def export(
         details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
     if chooser is not None:
         details |= {"type": "size", "budget": budget, "predicted_loss_rise": chooser.plan.predicted}
+    if tensor_types_out is not None:
+        details["tensor_types_file"] = write_recipe(
+            written.path, tensor_types_out, recipe_importance(use_importance, imatrix, imatrix_out)
+        )
     return ExportResult("gguf", written.path, details)
+
+
+def recipe_importance(use_importance: bool, imatrix: str | None, imatrix_out) -> str | None:
+    """The importance file the recipe's `llama-quantize` command names: "" without importance weights, the file
+    read or written, None (a placeholder) when the weights were measured and not written."""
+    if not use_importance:
+        return ""
+    return str(imatrix) if is_imatrix_path(imatrix) else str(imatrix_out) if imatrix_out is not None else None
+
+
+def check_outputs(out, imatrix_out, tensor_types_out, overwrite: bool, imatrix: str | None) -> tuple:
+    """The GGUF's, the imatrix file's and the recipe's paths, or a one-line error, before any weight is read
+    (`write_gguf` checks the GGUF's again)."""
+    out = check_gguf_output(out, overwrite)
+    if imatrix_out is not None:
+        imatrix_out = check_imatrix_output(imatrix_out, out, overwrite, imatrix)
+    if tensor_types_out is not None:
+        tensor_types_out = check_recipe_output(tensor_types_out, [out, imatrix_out], overwrite)
+    return out, imatrix_out, tensor_types_out
+
+
+def export_importance(loaded, given, calibration: tuple | None, sensitivities: bool, progress: bool) -> tuple:
+    """(the importance weights the export quantizes with, the line the file records of where they came from):
+    llama.cpp's importance file `given` (its names and widths checked against this model before any calibration),
+    the calibration's (`calibration`: its settings and text, or None when nothing is measured), or, under a byte
+    budget, the file's weights with the calibration's output sensitivities."""
+    from_file = None
+    if given is not None:
+        from_file = Importance(importance_from_file(loaded.model, given), 0, 0, 0.0)
+    if calibration is None:
+        return from_file, given.describe() if given is not None else ""
+    measured, note = measure_for_export(loaded, *calibration, sensitivities, progress)
+    if from_file is None:
+        return measured, note
+    return replace(measured, weights=from_file.weights), given.describe()
 
 
 def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounder=None):
@@ -225,16 +262,22 @@ def check_quantization(
     else:
         tensor_type = check_gguf_type(tensor_type or "f16")
         use_importance = check_imatrix(tensor_type, imatrix)
-    if calib_samples is not None and not (use_importance or writes_imatrix is not None):
+    measured = (use_importance and not is_imatrix_path(imatrix)) or wanted is not None
+    if calib_samples is not None and not (measured or writes_imatrix is not None):
         raise UserError(
             "--calib-samples sets the importance weights' windows: it needs --imatrix calibration or --imatrix-out"
         )
     return tensor_type, use_importance
 
 
-def check_imatrix_output(imatrix_out: str | os.PathLike, out: Path, overwrite: bool) -> Path:
-    """The imatrix file's path, or a one-line error: not a .gguf name, the model's own path, or it exists."""
+def check_imatrix_output(imatrix_out: str | os.PathLike, out: Path, overwrite: bool, imatrix=None) -> Path:
+    """The imatrix file's path, or a one-line error: not a .gguf name, the model's own path, it exists, or the
+    weights come from a file already (`--imatrix FILE`)."""
     path = Path(imatrix_out)
+    if is_imatrix_path(imatrix):
+        raise UserError(
+            f"--imatrix-out writes the calibration's weights, --imatrix {imatrix} reads others: drop one"
+        )
     if path.suffix != ".gguf":
         raise UserError(f"--imatrix-out {path}: llama.cpp's imatrix file is a GGUF: name it FILE.gguf")
     if path.resolve() == out.resolve():
@@ -268,6 +311,9 @@ def measure_for_export(
     windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
     gradient_windows = GRADIENT_WINDOWS if sensitivities else 0
     measured = cached_importance(loaded.model, calib_text.fingerprint, windows, progress, gradient_windows)
+    measured = replace(
+        measured, weights=as_read_back(measured.weights, measured.tokens)
+    )  # as the file holds them
     note = (
         f"{calib_text.name}: {windows.shape[0]} windows of {windows.shape[1]} tokens, seed {calibration.seed}"
     )
@@ -308,6 +354,13 @@ def smallest_from_config(config, targets: str | None, allowed: frozenset[str] | 
     )  # fmt: skip
 
 
+def source_config(source: ModelSource):
+    """The model's config, read without its weights."""
+    from compressor.api.preview import read_model_config
+
+    return read_model_config(source)[0]
+
+
 def check_types_fit(source: ModelSource, allowed: frozenset[str] | None) -> None:
     """`--only-types` against an original model's shapes, before any weight is read (a compressed checkpoint's
     shapes are its own: the type choice checks them once it is loaded)."""
@@ -332,8 +385,12 @@ def original_source(source: ModelSource) -> ModelSource:
     return source  # unrecorded or gone: only --tokenizer-from can name the tokenizer then
 
 
-def tokenizer_gguf_of(original: ModelSource, tokenizer_from: str | None) -> Path:
-    """The GGUF whose tokenizer the export copies: `--tokenizer-from`, else the original's own GGUF file."""
+def tokenizer_source(original: ModelSource, tokenizer_from: str | None) -> Path:
+    """Where the export's tokenizer comes from: `--tokenizer-from` (a GGUF), else the original's own GGUF file, else
+    its Hugging Face folder (converted as llama.cpp's converter converts it); checked here, before any weight is
+    read."""
+    from compressor.checkpoint.gguf_tokenizer import tokenizer_fields
+
     if tokenizer_from:
         path = Path(tokenizer_from).expanduser()
         if path.suffix != ".gguf" or not path.is_file():
@@ -343,7 +400,24 @@ def tokenizer_gguf_of(original: ModelSource, tokenizer_from: str | None) -> Path
         return path
     if original.kind in ("bundled", "gguf"):
         return gguf_path(original)
-    raise UserError(
-        f"{original.describe()}: has no GGUF to copy the tokenizer from (building one from a Hugging Face "
-        "tokenizer needs llama.cpp's converter): pass --tokenizer-from MODEL.gguf, a GGUF of the same model"
-    )
+    if original.kind == "hf_dir":
+        folder = Path(original.location)
+    elif original.kind == "hub":
+        folder = hub_tokenizer_folder(original)
+    else:
+        raise UserError(
+            f"{original.describe()}: the model it was compressed from is not recorded or gone: pass "
+            "--tokenizer-from MODEL.gguf, a GGUF of the same model"
+        )
+    tokenizer_fields(folder)  # a tokenizer llama.cpp would not recognize fails here, in one line
+    return folder
+
+
+def hub_tokenizer_folder(source: ModelSource) -> Path:
+    """The local folder of a hub model's tokenizer and config files (downloaded, or from the cache)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "*.jinja"]
+    return Path(snapshot_download(
+        source.location, revision=source.revision, allow_patterns=patterns, local_files_only=source.local_only,
+    ))  # fmt: skip

@@ -32,7 +32,7 @@ from compressor.api.export import (
     importance_text,
     measure_for_export,
     smallest_from_config,
-    tokenizer_gguf_of,
+    tokenizer_source,
 )
 from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.preview import read_model_config
@@ -229,10 +229,12 @@ def check_source(model: str, options: CompressOptions, wanted):
 def measure_original(source, config, targets, wanted, options, device, progress) -> _Prepared:
     """The budget in bytes, the file's fixed bytes (the smallest file checked against them before any
     calibration), and the original's importance weights with their output sensitivities (cached)."""
+    tokenizer = tokenizer_source(
+        source, None
+    )  # a tokenizer llama.cpp cannot take fails before any weight is read
     calibration, calib_text = importance_text(source, source, options.calib_samples)
     loaded = load_model(source, device=device, dtype="float32", progress=progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
-    tokenizer = tokenizer_gguf_of(source, None)
     fixed = planned_fixed_bytes(loaded.model, tokenizer, source.describe(), {SOURCE_KEY: source.spec})
     check_fits(fixed + smallest_from_config(config, targets, parse_only_types(options.only_types)), budget)
     measured, _ = measure_for_export(loaded, calibration, calib_text, True, progress)

@@ -4,9 +4,8 @@ MLPs, fewer heads) as a GGUF file that llama.cpp runs as it is.
 The architecture written follows the shapes: llama.cpp's own (`llama`, `qwen2`) when every layer has the same
 MLP width and head counts, `deci` (the DeciLM / Nemotron-NAS layout, whose MLP width and head counts are arrays
 with one entry per layer under the same tensor names) when they differ. The tokenizer and chat template are
-copied from a GGUF of the source model (the packaged models are GGUFs; a user's GGUF is one): building a
-llama.cpp vocabulary from a Hugging Face tokenizer needs llama.cpp's converter, which no wheel here ships, so a
-source without one fails in one line naming `--tokenizer-from`.
+copied from a GGUF of the source model (the packaged models are GGUFs; a user's GGUF is one), or converted from a
+Hugging Face folder's tokenizer as llama.cpp's converter converts it (`gguf_tokenizer.py`).
 
 Weights go through `gguf`'s pure-Python writer. Matrices are stored in the requested type; where a matrix's
 rows do not fill whole quantization blocks (q8_0/q5_0/q4_0: 32 values) it falls back to f16, and every such
@@ -29,6 +28,7 @@ from torch import nn
 
 from compressor.checkpoint import gguf_families as fam
 from compressor.checkpoint.gguf_file import gguf_writer
+from compressor.checkpoint.gguf_tokenizer import tokenizer_fields as tokenizer_fields_of
 from compressor.modeling.adapters import geometry_from_config, get_adapter
 from compressor.modeling.families import FAMILIES
 from compressor.quantize.ggml_quantize import K_QUANT_MIXES, needs_imatrix, padded, quantize_with_llama_cpp
@@ -122,8 +122,8 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
     return widths, heads, kv_heads
 
 
-def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv_heads: list[int]) -> str:
-    """llama.cpp's own architecture for the family when every layer has the same shapes, else `deci`."""
+def check_family_exports(model_type: str) -> None:
+    """A one-line error for a family llama.cpp does not compute as transformers does, or that has no mapping."""
     if model_type in fam.NOT_EXACT:
         raise UserError(f"model_type '{model_type}': GGUF export refused: {fam.NOT_EXACT[model_type]}")
     if model_type not in UNIFORM_ARCHITECTURE:
@@ -131,30 +131,27 @@ def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv
             f"model_type '{model_type}': GGUF export is not implemented for it (it is for "
             f"{', '.join(UNIFORM_ARCHITECTURE)}): its tensor names and norms need their own llama.cpp mapping"
         )
+
+
+def check_config_exports(config, budgeted: bool = False) -> None:
+    """Every refusal `write_gguf` would make from the model's config alone, made before any weight is read or any
+    statistic measured (the per-layer shapes are checked once the weights are there)."""
+    check_family_exports(config.model_type)
+    fam.check_exportable(config, config.num_hidden_layers, budgeted=budgeted)
+
+
+def choose_architecture(model_type: str, widths: list[int], heads: list[int], kv_heads: list[int]) -> str:
+    """llama.cpp's own architecture for the family when every layer has the same shapes, else `deci`."""
+    check_family_exports(model_type)
     uniform = len(set(widths)) == 1 and len(set(heads)) == 1 and len(set(kv_heads)) == 1
     if not uniform and fam.per_layer_refusal(model_type):
         raise UserError(fam.per_layer_refusal(model_type))
     return UNIFORM_ARCHITECTURE[model_type] if uniform else PER_LAYER_ARCHITECTURE
 
 
-def read_tokenizer_fields(gguf_path: Path) -> list:
-    """The `tokenizer.*` fields of a GGUF file (vocabulary, merges, special tokens, chat template)."""
-    import gguf
-
-    if not gguf_path.is_file():
-        raise UserError(f"{gguf_path}: no such GGUF file to copy the tokenizer from: pass --tokenizer-from")
-    reader = gguf.GGUFReader(str(gguf_path))
-    fields = [f for name, f in reader.fields.items() if name.startswith("tokenizer.")]
-    if not any(f.name == "tokenizer.ggml.tokens" for f in fields):
-        raise UserError(
-            f"{gguf_path}: holds no tokenizer (no tokenizer.ggml.tokens): pass another --tokenizer-from"
-        )
-    return fields
-
-
 def write_gguf(
     model: nn.Module,
-    tokenizer_gguf: Path,
+    tokenizer: Path,
     out: str | os.PathLike,
     *,
     tensor_type: str = "f16",
@@ -168,8 +165,9 @@ def write_gguf(
     rounding: Rounder | None = None,
 ) -> GgufExport:
     """Write `model` (plain projections, any per-layer widths and head counts) as a GGUF file at `out`,
-    atomically (a temporary sibling renamed into place), with the tokenizer of `tokenizer_gguf` and the string
-    fields `extra_fields` (e.g. the source model's name).
+    atomically (a temporary sibling renamed into place), with the tokenizer of `tokenizer` (a GGUF file, or a
+    Hugging Face folder converted as llama.cpp's converter converts it: `gguf_tokenizer.py`) and the string fields
+    `extra_fields` (e.g. the source model's name).
 
     `importance`: per module path (`model.layers.3.mlp.down_proj`), the mean square of each input column over
     calibration text (`quantize.importance`); every quantized matrix that has one is quantized by llama.cpp
@@ -182,7 +180,6 @@ def write_gguf(
 
     `rounding`: given every matrix (GGUF name, fp32 array, module path, GGML type), the blocks of those it rounds
     itself (`quantize/rounding.py`, `--rounding compensated`); the others are rounded here."""
-
     tensor_type = check_gguf_type(tensor_type)
     out = check_gguf_output(out, overwrite)
     adapter = get_adapter(model)
@@ -190,7 +187,7 @@ def write_gguf(
     fam.check_exportable(config, adapter.num_layers, budgeted=choose_types is not None)
     widths, heads, kv_heads = layer_shapes(model)
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
-    tokenizer_fields = read_tokenizer_fields(tokenizer_gguf)
+    tokenizer_fields = tokenizer_fields_of(tokenizer)
     rope_factors = fam.llama3_rope_factors(config)
     file_type = (
         K_QUANT_MIXES[tensor_type].file_type if tensor_type in K_QUANT_MIXES else GGUF_TYPES[tensor_type][1]
@@ -244,7 +241,7 @@ def _field_writer(
         _write_header(writer, config, architecture, *shapes, file_type, name)
         fam.write_family_fields(writer, config, architecture, experts)
         for field_ in tokenizer_fields:
-            _copy_field(writer, field_)
+            field_.write(writer)
         for key, value in (extra_fields or {}).items():
             writer.add_string(key, value)
         if imatrix is not None:
@@ -254,7 +251,7 @@ def _field_writer(
     return add_fields
 
 
-def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", extra_fields=None) -> int:
+def planned_fixed_bytes(model: nn.Module, tokenizer: Path, name: str = "", extra_fields=None) -> int:
     """The bytes of the GGUF `write_gguf` would write for `model` that no matrix's type changes (metadata,
     tokenizer, 1-D tensors, as its shapes are now): what a byte budget leaves to the matrices. No matrix is
     copied: their shapes are enough."""
@@ -264,7 +261,7 @@ def planned_fixed_bytes(model: nn.Module, tokenizer_gguf: Path, name: str = "", 
     architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
     experts = _experts(config) if adapter.family.experts else None
     add_fields = _field_writer(
-            config, architecture, (widths, heads, kv_heads), "MOSTLY_F16", name, read_tokenizer_fields(tokenizer_gguf),
+            config, architecture, (widths, heads, kv_heads), "MOSTLY_F16", name, tokenizer_fields_of(tokenizer),
         extra_fields, experts, (1, ""),
     )  # fmt: skip
     rope_factors = fam.llama3_rope_factors(config)
@@ -360,15 +357,6 @@ def _experts(config) -> tuple[int, int]:
     """(experts per layer, experts per token) of a mixture of experts."""
     count = getattr(config, "num_local_experts", None) or config.num_experts
     return int(count), int(config.num_experts_per_tok)
-
-
-def _copy_field(writer, field_) -> None:
-    """Copy one key-value field of a GGUF reader into the writer, with its own value types."""
-    import gguf
-
-    value_type = field_.types[0]
-    sub_type = field_.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(field_.name, field_.contents(), value_type, sub_type=sub_type)
 
 
 def _gguf_tensors(

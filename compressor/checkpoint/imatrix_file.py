@@ -13,13 +13,16 @@ to `ggml_quantize_chunk` itself.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from compressor.checkpoint.gguf_file import gguf_writer
+from compressor.runtime.errors import UserError
 
 #: The GGUF keys and tensor suffixes of llama.cpp's imatrix file.
 DATASETS_KEY, CHUNK_COUNT_KEY, CHUNK_SIZE_KEY = (
@@ -74,6 +77,19 @@ def write_imatrix(
     return ImatrixFile(out, len(mean_squares), tokens, chunks, chunk_size)
 
 
+def as_read_back(weights: Mapping[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    """`weights` (mean squares over `tokens`) as `llama-quantize` reads them back from the file `write_imatrix`
+    writes: float32 sums divided by the float32 count. The export quantizes with these, so `--imatrix calibration`,
+    `--imatrix FILE` with the file `--imatrix-out` wrote and `llama-quantize --imatrix FILE` give the same blocks."""
+    count = np.float32(tokens)
+    return {
+        path: torch.from_numpy(
+            ((v.double().cpu().numpy() * tokens).astype(np.float32) / count).astype(np.float64)
+        )
+        for path, v in weights.items()
+    }
+
+
 def importance_by_tensor(model, importance: Mapping[str, object]) -> tuple[str, dict[str, np.ndarray]]:
     """(the GGUF architecture, each matrix's importance weights under its GGUF tensor name): the vectors
     `write_gguf` hands to the quantizer for the same model, as llama.cpp's imatrix file keys them; shape (n_in,),
@@ -100,18 +116,142 @@ def importance_by_tensor(model, importance: Mapping[str, object]) -> tuple[str, 
     return architecture, vectors
 
 
+@dataclass(frozen=True)
+class ImatrixData:
+    """What an importance file holds, as `llama-quantize` reads it."""
+
+    path: Path
+    means: dict[
+        str, np.ndarray
+    ]  # tensor name -> each input column's mean square, (n_mat, n_in), float32 values
+    format: str  # "gguf" or "legacy" (`llama-imatrix --output-format dat`, the `.dat` of older llama.cpp)
+    datasets: tuple[str, ...]
+    chunks: int
+
+    def describe(self) -> str:
+        """The line a GGUF records of where its importance weights came from."""
+        text = ", ".join(self.datasets) or "dataset not recorded"
+        return f"{self.path.name} ({self.format} imatrix: {text}; {self.chunks} chunks)"
+
+
 def read_imatrix(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """The mean squares an imatrix file holds, as `llama-quantize` reads them (in_sum2 / counts), by tensor name;
-    shape (n_mat, n_in)."""
+    """The mean squares an imatrix file holds, by tensor name, shape (n_mat, n_in) (`read_imatrix_file`)."""
+    return read_imatrix_file(path).means
+
+
+def read_imatrix_file(path: str | os.PathLike) -> ImatrixData:
+    """An importance file in either format `llama-imatrix` writes (GGUF, or the legacy binary `.dat`), divided as
+    `llama-quantize`'s `load_imatrix` divides it (float32: GGUF sums by their counts, legacy values by their
+    calls); a one-line error for a file that is neither."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"--imatrix {path}: no such file: pass llama.cpp's importance file (imatrix.gguf or .dat)"
+        )
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    try:
+        return _read_gguf_imatrix(path) if magic == b"GGUF" else _read_legacy_imatrix(path)
+    except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
+        raise UserError(
+            f"--imatrix {path}: not an importance file llama.cpp writes ({err}): pass the output of llama-imatrix"
+        ) from None
+
+
+def _read_gguf_imatrix(path: Path) -> ImatrixData:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
     means = {}
     for name, sums in tensors.items():
         if not name.endswith(SUMS):
             continue
         base = name[: -len(SUMS)]
-        counts = tensors[base + COUNTS].reshape(-1, 1)
-        means[base] = np.atleast_2d(sums) / counts
-    return means
+        if base + COUNTS not in tensors:
+            raise ValueError(f"{name} without {base + COUNTS}")
+        counts = np.rint(tensors[base + COUNTS].reshape(-1))  # llama.cpp rounds the counts to integers
+        rows = sums.reshape(counts.size, -1)
+        means[base] = np.where(
+            counts[:, None] > 0, rows / np.maximum(counts, 1).astype(np.float32)[:, None], 1
+        )
+    if not means:
+        raise ValueError(f"no {SUMS} tensors")
+    fields = reader.fields
+    datasets = tuple(fields[DATASETS_KEY].contents()) if DATASETS_KEY in fields else ()
+    chunks = int(fields[CHUNK_COUNT_KEY].contents()) if CHUNK_COUNT_KEY in fields else 0
+    return ImatrixData(path, {k: v.astype(np.float32) for k, v in means.items()}, "gguf", datasets, chunks)
+
+
+def _read_legacy_imatrix(path: Path) -> ImatrixData:
+    """`common_imatrix_load_legacy`: int32 entries; per entry the name's length and bytes, int32 calls, int32
+    values, float32 values (mean squares times calls); then, optionally, int32 chunks and the dataset's name."""
+    data = path.read_bytes()
+    offset = 0
+
+    def take(fmt: str):
+        nonlocal offset
+        if offset + struct.calcsize(fmt) > len(data):
+            raise ValueError(f"it ends early, at byte {len(data)}")
+        values = struct.unpack_from(fmt, data, offset)
+        offset += struct.calcsize(fmt)
+        return values
+
+    (entries,) = take("<i")
+    if entries < 1 or entries > 1_000_000:
+        raise ValueError(f"{entries} entries")
+    means = {}
+    for _ in range(entries):
+        (length,) = take("<i")
+        name = data[offset : offset + length].decode("utf-8")
+        offset += length
+        calls, count = take("<ii")
+        if count < 1:
+            raise ValueError(f"{name}: {count} values")
+        if offset + 4 * count > len(data):
+            raise ValueError(f"it ends early, inside {name}")
+        values = np.frombuffer(data, dtype="<f4", count=count, offset=offset).astype(np.float32)
+        offset += 4 * count
+        means[name] = (values / np.float32(calls) if calls > 0 else values)[None, :]
+    chunks, datasets = 0, ()
+    if offset + 4 <= len(data):
+        (chunks,) = take("<i")
+        if offset + 4 <= len(data):
+            (length,) = take("<i")
+            datasets = (data[offset : offset + length].decode("utf-8", "replace"),) if length > 0 else ()
+    return ImatrixData(path, means, "legacy", datasets, chunks)
+
+
+def importance_from_file(model, imatrix: ImatrixData) -> dict[str, torch.Tensor]:
+    """The file's importance weights by module path (what `write_gguf` hands to the quantizer), or a one-line error
+    naming the first entry that is not this model's (a name it has no matrix of, or another width). An experts
+    tensor's per-expert rows are averaged (the tool holds one vector per experts tensor); matrices the file has
+    no entry for get none, as `llama-quantize` quantizes them."""
+    from compressor.checkpoint import gguf_families as fam
+    from compressor.checkpoint.gguf_export import _gguf_tensors, choose_architecture, layer_shapes
+    from compressor.modeling.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    widths, heads, kv_heads = layer_shapes(model)
+    architecture = choose_architecture(adapter.config.model_type, widths, heads, kv_heads)
+    rope_factors = fam.llama3_rope_factors(adapter.config)
+    matrices = {
+        name: (array.shape[-1], path)
+        for name, array, path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors)
+        if array.ndim >= 2
+    }
+    weights: dict[str, torch.Tensor] = {}
+    for name, rows in sorted(imatrix.means.items()):
+        if name not in matrices:
+            raise UserError(
+                f"--imatrix {imatrix.path}: entry {name} names no matrix of this model ({architecture}, "
+                f"{len(widths)} layers): pass the importance file of this model"
+            )
+        width, module_path = matrices[name]
+        if rows.shape[-1] != width:
+            raise UserError(
+                f"--imatrix {imatrix.path}: entry {name} has {rows.shape[-1]} weights for {width} inputs: pass the "
+                "importance file of this model"
+            )
+        weights[module_path] = torch.from_numpy(rows.astype(np.float64).mean(axis=0))
+    return weights

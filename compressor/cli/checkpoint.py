@@ -13,6 +13,7 @@ from rich.table import Table
 import compressor.cli.options as o
 from compressor.api.inspection import describe_checkpoint
 from compressor.checkpoint import export_dense
+from compressor.cli.gguf_report import print_export_summary, print_tensor_types, show_gguf
 from compressor.cli.help import HelpCommand
 from compressor.math.accounting import NEURON_READER
 from compressor.methods import get_method
@@ -113,12 +114,22 @@ def export_command(
         ),
     ] = None,
     rounding: o.Rounding = None,
+    tensor_types_out: Annotated[
+        str | None,
+        typer.Option(
+            "--tensor-types-out",
+            metavar="FILE",
+            help="Also write each matrix's type as llama-quantize's --tensor-type-file, and print the "
+            "llama-quantize command that applies it to the original (with --imatrix-out's file).",
+        ),
+    ] = None,
     tokenizer_from: Annotated[
         str | None,
         typer.Option(
             "--tokenizer-from",
             metavar="FILE.gguf",
-            help="A GGUF of the same model whose tokenizer to copy (default: the source's own GGUF).",
+            help="A GGUF of the same model whose tokenizer to copy (default: the source's own GGUF; a Hugging "
+            "Face folder's tokenizer is converted as llama.cpp's converter does).",
         ),
     ] = None,
     layout: Annotated[
@@ -147,7 +158,7 @@ def export_command(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight,
         only_types=only_types, overwrite=overwrite, progress=not as_json, imatrix_out=imatrix_out,
-        rounding=rounding,
+        rounding=rounding, tensor_types_out=tensor_types_out,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))
@@ -155,44 +166,7 @@ def export_command(
     if result.format == "hf":
         _print_dense(result.to_dict())
         return
-    _print_gguf(result.path, result.details)
-
-
-def _print_gguf(path, info: dict) -> None:
-    """What `export` wrote as a GGUF, in a few lines."""
-    console.print(
-        f"Wrote {path}: llama.cpp architecture {info['architecture']}, {info['type']}, "
-        f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB."
-    )
-    if info.get("budget") is not None:
-        console.print(
-            f"Within {info['budget']:,} bytes: {info['bytes']:,} written "
-            f"({8 * info['bytes'] / info['parameters']:.2f} bits per weight); predicted rise of the "
-            f"calibration loss {info['predicted_loss_rise']:.4f} nats per token."
-        )
-    counts = info.get("type_counts") or {}
-    if len(counts) > 1 or info.get("imatrix", "none") != "none":
-        mix = ", ".join(f"{n} {t}" for t, n in counts.items())
-        console.print(f"Matrices: {mix}; importance weights: {info.get('imatrix', 'none')}.")
-    compensated = info.get("rounding", {})
-    if compensated.get("rounding") == "compensated":
-        damped = f", {len(compensated['damped'])} needing more damping" if compensated["damped"] else ""
-        console.print(
-            f"Rounding compensated: {compensated['matrices']} matrices, on {compensated['windows']} calibration "
-            f"windows ({compensated['seconds']:.0f} s{damped}); the embedding, output and value matrices rounded nearest."
-        )
-    if info.get("imatrix_file"):
-        written = info["imatrix_file"]
-        console.print(
-            f"Wrote {written['path']}: llama.cpp's importance matrix, {written['entries']} matrices, "
-            f"{written['chunks']} windows of {written['chunk_size']} tokens (llama-quantize --imatrix reads it)."
-        )
-    if info["fallbacks"]:
-        kinds = sorted(set(info["fallbacks"].values()))
-        console.print(
-            f"{len(info['fallbacks'])} matrices are stored as {', '.join(kinds)}: their rows do not fill whole "
-            f"{info['type']} blocks (first: {next(iter(info['fallbacks']))}); --json lists them."
-        )
+    print_export_summary(result.path, result.details)
 
 
 def export_dense_command(
@@ -243,11 +217,22 @@ def show_command(
         str,
         typer.Argument(metavar="CHECKPOINT", help="A checkpoint written by masa-compress, or a .gguf file."),
     ],
+    tensor_types: Annotated[
+        bool,
+        typer.Option(
+            "--tensor-types",
+            help="Of a GGUF file: print each matrix's type as llama-quantize's --tensor-type overrides "
+            "(the lines --tensor-type-file reads).",
+        ),
+    ] = False,
     as_json: o.Json = False,
 ) -> None:
     """What a compressed checkpoint holds: settings, groups, ranks; of a GGUF file, each matrix's type."""
+    if tensor_types:
+        print_tensor_types(path)
+        return
     if path.endswith(".gguf"):
-        _show_gguf(path, as_json)
+        show_gguf(path, as_json)
         return
     info = describe_checkpoint(path)
     if as_json:
@@ -260,44 +245,6 @@ def show_command(
     console.print(_ranks_table(info))
     if info["kept_by_type"]:
         console.print(_kept_table(info["kept_by_type"]))
-
-
-def _show_gguf(path: str, as_json: bool) -> None:
-    from compressor.quantize.gguf_types import describe_gguf
-
-    info = describe_gguf(path)
-    if as_json:
-        print(json.dumps(info))
-        return
-    mix = ", ".join(f"{n} {t}" for t, n in info["type_counts"].items())
-    console.print(
-        f"{info['path']}: llama.cpp architecture {info['architecture']}, {info['file_type']}, "
-        f"{info['parameters']:,} parameters, {info['bytes'] / 2**20:.1f} MiB; importance weights: {info['imatrix']}"
-    )
-    console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
-    if info.get("only_types"):
-        console.print(f"Types chosen among (--only-types): {info['only_types']}")
-    if info.get("rounding", "nearest") != "nearest":
-        console.print(f"Rounding: {info['rounding']} (the decoder layers' matrices; see docs/options.md)")
-    structure = info.get("structure")
-    if structure:
-        console.print(
-            f"Structure chosen with the types (compress --size): {structure.get('note')}; "
-            f"{structure.get('removed_parameters', 0):,} parameters removed; predicted loss rise "
-            f"{structure.get('predicted_loss_rise', 0):.4f} nats (structure {structure.get('structure_loss_rise', 0):.4f})"
-        )
-    roles = sorted(
-        {role for row in info["layers"] for role in row if role not in ("layer", "mlp_width", "q_rows")}
-    )
-    shapes = [k for k in ("mlp_width", "q_rows") if any(k in row for row in info["layers"])]
-    roles = shapes + roles
-    table = Table(title="GGML type per layer (and each layer's MLP width, q_proj rows)")
-    for column in ("layer", *roles):
-        header = {"mlp_width": "width", "q_rows": "q rows"}.get(column, column)
-        table.add_column(header, justify="right" if column in ("layer", *shapes) else "left")
-    for row in info["layers"]:
-        table.add_row(str(row["layer"]), *(str(row.get(role, "")) for role in roles))
-    console.print(table)
 
 
 def _kept_table(rows: list[dict]) -> Table:

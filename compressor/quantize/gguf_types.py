@@ -4,6 +4,7 @@ of `ggml_quantize.py`), when importance weights apply (`--imatrix`), and each ma
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 from torch import nn
@@ -63,15 +64,18 @@ IMATRIX_CHOICES = ("calibration", "none")
 
 
 def check_imatrix(tensor_type: str, imatrix: str | None) -> bool:
-    """Whether the export weighs its quantization by importance (`--imatrix`; None: `calibration` for every type
-    below 8 bits, `none` for the others), or a one-line error where the choice cannot apply."""
+    """Whether the export weighs its quantization by importance (`--imatrix`: `calibration`, `none`, or llama.cpp's
+    importance file; None: `calibration` for every type below 8 bits, `none` for the others), or a one-line error
+    where the choice cannot apply."""
     if imatrix is None:
         return tensor_type in BELOW_8_BITS
-    if imatrix not in IMATRIX_CHOICES:
-        raise UserError(f"--imatrix {imatrix}: unknown: choose calibration or none")
-    if imatrix == "calibration" and tensor_type not in BELOW_8_BITS:
+    if imatrix not in IMATRIX_CHOICES and not is_imatrix_path(imatrix):
         raise UserError(
-            f"--imatrix calibration: --type {tensor_type} does not use importance weights (only the types below "
+            f"--imatrix {imatrix}: unknown: choose calibration, none, or an importance file (FILE.gguf, FILE.dat)"
+        )
+    if imatrix != "none" and tensor_type not in BELOW_8_BITS:
+        raise UserError(
+            f"--imatrix {imatrix}: --type {tensor_type} does not use importance weights (only the types below "
             "8 bits do): drop --imatrix"
         )
     if (
@@ -83,7 +87,16 @@ def check_imatrix(tensor_type: str, imatrix: str | None) -> bool:
             f"--imatrix none: --type {tensor_type} needs importance weights (llama.cpp refuses it without them): "
             "drop --imatrix none"
         )
-    return imatrix == "calibration"
+    return imatrix != "none"
+
+
+def is_imatrix_path(imatrix: str | None) -> bool:
+    """Whether `--imatrix` names a file (llama.cpp's importance file) rather than `calibration` or `none`."""
+    return (
+        imatrix is not None
+        and imatrix not in IMATRIX_CHOICES
+        and ("/" in imatrix or imatrix.endswith((".gguf", ".dat")) or os.path.exists(imatrix))
+    )
 
 
 def block_size(tensor_type: str) -> int:

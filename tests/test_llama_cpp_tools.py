@@ -1,0 +1,99 @@
+"""The tool's files against llama.cpp's own command-line tools, built from the sources the installed xllamacpp
+vendors (`conftest.llama_cpp_tools`): `llama-imatrix`'s importance files read by `export --imatrix FILE`, and the
+`--tensor-types-out` recipe applied by `llama-quantize` reproducing an `export --size` file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.long, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf():
+    from compressor.api.packaged_models import gguf_directory, packaged_model
+
+    model = packaged_model("smollm2-135m")
+    return gguf_directory(model) / model.gguf_file
+
+
+def tensors_of(path) -> dict:
+    import gguf
+
+    return {t.name: (t.tensor_type.name, bytes(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_llama_imatrix_files_in_both_formats_are_read_and_used(
+    tmp_path, llama_cpp_tools, bundled_gguf, capsys
+):
+    pytest.importorskip("xllamacpp")
+    from calibration.sources import load_documents
+    from compressor.api.model_loading import load_model, resolve_model
+    from compressor.checkpoint.imatrix_file import read_imatrix_file
+    from compressor.cli import main
+    from compressor.quantize.ggml_quantize import quantize_with_llama_cpp
+
+    text = tmp_path / "page.txt"
+    text.write_text("\n\n".join(load_documents("wikipedia", "calibration").documents[:3]), encoding="utf-8")
+    files = {}
+    for form in ("gguf", "dat"):
+        files[form] = tmp_path / f"imatrix.{form}"
+        subprocess.run(
+            [str(llama_cpp_tools / "llama-imatrix"), "-m", str(bundled_gguf), "-f", str(text), "-o", str(files[form]),
+             "--output-format", form, "-c", "128", "--chunks", "4", "--no-ppl", "-t", "2"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    read = {form: read_imatrix_file(path) for form, path in files.items()}
+    assert read["gguf"].format == "gguf" and read["dat"].format == "legacy"
+    assert set(read["gguf"].means) == set(read["dat"].means) and len(read["gguf"].means) == 30 * 7
+    for name, rows in read[
+        "gguf"
+    ].means.items():  # the .dat rounds (sum / count) * calls to float32 on the way
+        np.testing.assert_allclose(read["dat"].means[name], rows, rtol=1e-5, atol=1e-12)
+    source = load_model(resolve_model("smollm2-135m"), device="cpu", dtype="float32", progress=False).model
+    array = source.model.layers[3].mlp.down_proj.weight.detach().numpy()
+    for form, path in files.items():
+        out = tmp_path / f"{form}.gguf"
+        main(["export", "smollm2-135m", str(out), "--type", "q4_k_m", "--imatrix", str(path), "--json"])
+        assert json.loads(capsys.readouterr().out)["imatrix"].startswith(f"imatrix.{form} (")
+        stored_type, stored = tensors_of(out)["blk.3.ffn_down.weight"]
+        weights = read[form].means["blk.3.ffn_down.weight"][0]
+        assert bytes(quantize_with_llama_cpp(array, stored_type, weights).ravel()) == stored
+
+
+def test_llama_quantize_applies_the_recipe_to_the_same_types_and_blocks(tmp_path, llama_cpp_tools, capsys):
+    """`export --size --tensor-types-out --imatrix-out`, then `llama-quantize` with that recipe and importance file
+    on the original's f32 GGUF: every tensor in the tool's type, with the very blocks the tool wrote."""
+    pytest.importorskip("xllamacpp")
+    from compressor.cli import main
+
+    ours, recipe, imatrix = tmp_path / "size.gguf", tmp_path / "types.txt", tmp_path / "imatrix.gguf"
+    main(["export", "smollm2-135m", str(ours), "--bits-per-weight", "5.0", "--calib-samples", "8",
+          "--imatrix-out", str(imatrix), "--tensor-types-out", str(recipe), "--json"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    command = summary["tensor_types_file"]["command"].split()
+    assert command[:5] == ["llama-quantize", "--imatrix", str(imatrix), "--tensor-type-file", str(recipe)]
+    assert len(summary["type_counts"]) > 1  # a mix: the recipe has something to reproduce
+    original = tmp_path / "f32.gguf"
+    main(["export", "smollm2-135m", str(original), "--type", "f32", "--json"])
+    capsys.readouterr()
+    theirs = tmp_path / "theirs.gguf"
+    applied = [
+        str(llama_cpp_tools / "llama-quantize"),
+        *command[1:5],
+        str(original),
+        str(theirs),
+        command[-1],
+        "2",
+    ]
+    subprocess.run(applied, check=True, capture_output=True)
+    ours_tensors, their_tensors = tensors_of(ours), tensors_of(theirs)
+    assert ours_tensors.keys() == their_tensors.keys()
+    for name, (type_name, blocks) in ours_tensors.items():
+        assert their_tensors[name][0] == type_name, name
+        assert their_tensors[name][1] == blocks, name
+    assert abs(ours.stat().st_size - theirs.stat().st_size) < 64 * 1024  # the metadata alone differs
