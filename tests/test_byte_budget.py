@@ -223,3 +223,58 @@ def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
     assert only["predicted_loss_rise"] >= written["predicted_loss_rise"]
     main(["show", str(tmp_path / "only.gguf")])
     assert "Types chosen among (--only-types): f16,q4_0,q5_0,q8_0" in capsys.readouterr().out
+
+
+def test_a_second_budget_reads_every_matrix_s_options_from_the_cache(tmp_path, monkeypatch):
+    """Options measured once under an importance key are kept on disk: a later chooser (another process, another
+    budget) rounds nothing and chooses as a fresh measurement would; another key or rounding measures again, and
+    a damaged file is measured again, never trusted."""
+    from compressor.quantize import byte_budget
+    from compressor.quantize.importance import measure_importance
+    from compressor.quantize.options_cache import options_path
+
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    model = k_quant_model(num_hidden_layers=2)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    importance = measure_importance(model, ids, progress=False, gradient_windows=1)
+    importance.key = "k1"
+    matrices = [(f"blk.{i}.{n}.weight", getattr(model.model.layers[i].mlp, p).weight.detach().numpy(), f"model.layers.{i}.mlp.{p}")
+                for i in range(2) for n, p in (("ffn_up", "up_proj"), ("ffn_down", "down_proj"))]  # fmt: skip
+    first = BudgetChooser(model, importance, 700_000, progress=False)
+    first(matrices, 0)
+    assert first.reused == 0 and options_path("k1", "nearest").is_file()
+    calls = []
+    monkeypatch.setattr(byte_budget.BudgetChooser, "options", lambda *a, **k: calls.append(a) or [])
+    second = BudgetChooser(model, importance, 700_000, progress=False)
+    assert second(matrices, 0) == first.plan.types and second.reused == len(matrices) and not calls
+    third = BudgetChooser(model, importance, 500_000, progress=False)  # another budget: still nothing rounded
+    third(matrices, 0)
+    assert third.reused == len(matrices) and not calls
+    options_path("k1", "nearest").write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    again = BudgetChooser(model, importance, 700_000, progress=False)
+    assert again(matrices, 0) == first.plan.types and again.reused == 0
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_ladder_of_exports_measures_the_calibration_once(tmp_path, monkeypatch, capsys):
+    """`export --type` then `export --size` twice on the bundled model (a cache of its own): the importance pass
+    runs once, the second budget rounds no matrix again, and each says so."""
+    from compressor.cli import main
+
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path / "cache"))
+    common = ["--calib-samples", "4"]
+    main(["export", "smollm2-135m", str(tmp_path / "q4.gguf"), "--type", "q4_k_m", *common])
+    first = capsys.readouterr().err
+    assert "from cache" not in first
+    main(["export", "smollm2-135m", str(tmp_path / "a.gguf"), "--size", "80MiB", *common])
+    second = capsys.readouterr().err
+    assert (
+        "Importance weights and sensitivities: from cache" in second and "matrices from cache" not in second
+    )
+    main(["export", "smollm2-135m", str(tmp_path / "b.gguf"), "--size", "75MiB", *common])
+    third = capsys.readouterr().err
+    assert "Importance weights and sensitivities: from cache" in third
+    assert "Rounding errors per type: 211 of 211 matrices from cache" in third

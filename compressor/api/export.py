@@ -97,8 +97,9 @@ def export(
     calibration, calib_text = importance_text(source, original, calib_samples) if measure else (None, None)
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
-    measured, imatrix_note = export_importance(loaded, given, (calibration, calib_text) if measure else None,
-                                               budget is not None, progress)  # fmt: skip
+    measured, imatrix_note = export_importance(
+        loaded, given, (calibration, calib_text) if measure else None, progress
+    )
     compensate = rounding == "compensated"
     rounder = (
         CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream) if compensate else None
@@ -141,7 +142,7 @@ def check_outputs(out, imatrix_out, tensor_types_out, overwrite: bool, imatrix: 
     return out, imatrix_out, tensor_types_out
 
 
-def export_importance(loaded, given, calibration: tuple | None, sensitivities: bool, progress: bool) -> tuple:
+def export_importance(loaded, given, calibration: tuple | None, progress: bool) -> tuple:
     """(the importance weights the export quantizes with, the line the file records of where they came from):
     llama.cpp's importance file `given` (its names and widths checked against this model before any calibration),
     the calibration's (`calibration`: its settings and text, or None when nothing is measured), or, under a byte
@@ -151,10 +152,11 @@ def export_importance(loaded, given, calibration: tuple | None, sensitivities: b
         from_file = Importance(importance_from_file(loaded.model, given), 0, 0, 0.0)
     if calibration is None:
         return from_file, given.describe() if given is not None else ""
-    measured, note = measure_for_export(loaded, *calibration, sensitivities, progress)
+    measured, note = measure_for_export(loaded, *calibration, progress)
     if from_file is None:
         return measured, note
-    return replace(measured, weights=from_file.weights), given.describe()
+    key = f"{measured.key}+imatrix:{given.digest}"  # what was measured with these weights is theirs
+    return replace(measured, weights=from_file.weights, key=key), given.describe()
 
 
 def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounder=None):
@@ -299,21 +301,23 @@ def write_imatrix_of(model, measured, note: str, out: Path) -> dict:
     ).to_dict()  # fmt: skip
 
 
-def measure_for_export(
-    loaded, calibration: CalibrationSettings, calib_text, sensitivities: bool, progress: bool
-):
+def measure_for_export(loaded, calibration: CalibrationSettings, calib_text, progress: bool):
     """The importance weights of the loaded model on its calibration windows (cached), with the output
     sensitivities a byte budget reads; and the line the GGUF records of where they came from."""
     from compressor.api.session import calibration_token_windows
     from compressor.quantize.byte_budget import GRADIENT_WINDOWS
     from compressor.quantize.importance import cached_importance
+    from compressor.runtime.progress import note as note_line
 
     windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
-    gradient_windows = GRADIENT_WINDOWS if sensitivities else 0
-    measured = cached_importance(loaded.model, calib_text.fingerprint, windows, progress, gradient_windows)
-    measured = replace(
-        measured, weights=as_read_back(measured.weights, measured.tokens)
-    )  # as the file holds them
+    # One pass serves every export of this model: the sensitivities a byte budget reads are measured (and cached)
+    # with the importance weights even for a --type, so a --size after it measures nothing again.
+    measured = cached_importance(loaded.model, calib_text.fingerprint, windows, progress, GRADIENT_WINDOWS)
+    if measured.note.startswith("cached in "):
+        note_line(f"Importance weights and sensitivities: from cache ({measured.note.removeprefix('cached in ')})",
+                  enabled=progress)  # fmt: skip
+    weights = as_read_back(measured.weights, measured.tokens)  # as the imatrix file holds them
+    measured = replace(measured, weights=weights, key=f"{measured.key}+read-back")
     note = (
         f"{calib_text.name}: {windows.shape[0]} windows of {windows.shape[1]} tokens, seed {calibration.seed}"
     )

@@ -237,7 +237,7 @@ def measure_original(source, config, targets, wanted, options, device, progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     fixed = planned_fixed_bytes(loaded.model, tokenizer, source.describe(), {SOURCE_KEY: source.spec})
     check_fits(fixed + smallest_from_config(config, targets, parse_only_types(options.only_types)), budget)
-    measured, _ = measure_for_export(loaded, calibration, calib_text, True, progress)
+    measured, _ = measure_for_export(loaded, calibration, calib_text, progress)
     return _Prepared(budget, fixed, measured, calibration, calib_text)
 
 

@@ -12,10 +12,11 @@ to `ggml_quantize_chunk` itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,7 @@ class ImatrixData:
     format: str  # "gguf" or "legacy" (`llama-imatrix --output-format dat`, the `.dat` of older llama.cpp)
     datasets: tuple[str, ...]
     chunks: int
+    digest: str = ""  # sha256 of the file's bytes (what a cache of results measured with it is keyed by)
 
     def describe(self) -> str:
         """The line a GGUF records of where its importance weights came from."""
@@ -151,7 +153,8 @@ def read_imatrix_file(path: str | os.PathLike) -> ImatrixData:
     with path.open("rb") as handle:
         magic = handle.read(4)
     try:
-        return _read_gguf_imatrix(path) if magic == b"GGUF" else _read_legacy_imatrix(path)
+        data = _read_gguf_imatrix(path) if magic == b"GGUF" else _read_legacy_imatrix(path)
+        return replace(data, digest=hashlib.sha256(path.read_bytes()).hexdigest())
     except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
         raise UserError(
             f"--imatrix {path}: not an importance file llama.cpp writes ({err}): pass the output of llama-imatrix"

@@ -32,6 +32,7 @@ from compressor.quantize.ggml_quantize import (
     row_bytes,
 )
 from compressor.quantize.gguf_types import type_counts
+from compressor.quantize.options_cache import load_options, save_options
 from compressor.runtime.errors import UserError
 
 #: The types a matrix may take, as llama.cpp runs them on every backend: k-quants and i-quants for rows of 256s,
@@ -368,11 +369,6 @@ def parse_size(text: str) -> int:
 GRADIENT_WINDOWS = 4
 
 
-#: Each matrix's options by (importance key, rounding, tensor name): a second budget for the same model and
-#: calibration in one process (the bytes benchmark's ladder) measures nothing again. Without a key, none is kept.
-_OPTIONS: dict[tuple[str, str, str], list[Option]] = {}
-
-
 class BudgetChooser:
     """`write_gguf`'s `choose_types` for a byte budget: every matrix's options measured (progress per matrix), the
     allocation made among the types in `allowed` (None: every candidate); `plan` holds it afterwards."""
@@ -393,6 +389,7 @@ class BudgetChooser:
         self.embedding_path = names[id(embedding)]
         self.tied = output is not None and output.weight is embedding.weight
         self.plan: BytePlan | None = None
+        self.reused = 0  # matrices whose options came from the cache (`options_cache.py`)
 
     def options(self, array: np.ndarray, module_path: str, weighted: dict | None = None) -> list[Option]:
         imp = self.importance
@@ -405,7 +402,7 @@ class BudgetChooser:
         return matrix_options(array, vector, head_gradient, lookup)
 
     def __call__(self, matrices: list[tuple[str, np.ndarray, str]], fixed_bytes: int) -> dict[str, str]:
-        from compressor.runtime.progress import progress_bar
+        from compressor.runtime.progress import note, progress_bar
 
         smallest = fixed_bytes + sum(  # refused before any rounding is measured
             padded(rows_bytes(array, self.importance.weights.get(path) is not None, self.allowed, name))
@@ -413,21 +410,32 @@ class BudgetChooser:
         )
         check_fits(smallest, self.budget)
         rounding = "nearest" if self.compensated is None else "compensated"
-        missing = [m for m in matrices if (self.importance.key, rounding, m[0]) not in _OPTIONS]
+        key = self.importance.key
+        known = (
+            {n: [Option(*row) for row in rows] for n, rows in load_options(key, rounding).items()}
+            if key
+            else {}
+        )
+        missing = [m for m in matrices if m[0] not in known]
         compensated = {}
-        if self.compensated is not None and (missing or not self.importance.key):
-            compensated = self.compensated(matrices, lambda a: candidate_types(a.shape[1], True))
-        options = {}
-        with progress_bar("Rounding errors per type", total=len(matrices), enabled=self.progress) as bar:
-            for tensor_name, array, module_path in matrices:
-                memo = (self.importance.key, rounding, tensor_name) if self.importance.key else None
-                if memo is not None and memo in _OPTIONS:
-                    options[tensor_name] = _OPTIONS[memo]
-                else:
-                    options[tensor_name] = self.options(array, module_path, compensated.get(tensor_name))
-                    if memo is not None:
-                        _OPTIONS[memo] = options[tensor_name]
+        if self.compensated is not None and missing:
+            compensated = self.compensated(missing, lambda a: candidate_types(a.shape[1], True))
+        options = {name: known[name] for name, _, _ in matrices if name in known}
+        if options:
+            note(
+                f"Rounding errors per type: {len(options)} of {len(matrices)} matrices from cache",
+                self.progress,
+            )
+        with progress_bar(
+            "Rounding errors per type", total=len(missing), enabled=self.progress and missing
+        ) as bar:
+            for tensor_name, array, module_path in missing:
+                options[tensor_name] = self.options(array, module_path, compensated.get(tensor_name))
                 bar.advance(1)
+        if key and missing:
+            rows = {n: [(o.type_name, o.bytes, o.predicted) for o in options[n]] for n, _, _ in missing}
+            save_options(key, rounding, rows)
+        self.reused = len(matrices) - len(missing)
         if self.allowed is not None:  # measured for every type (kept for other budgets), chosen among these
             for name, opts in options.items():
                 kept = within(name, [o.type_name for o in opts], self.allowed)

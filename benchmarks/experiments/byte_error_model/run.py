@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     model = loaded.model
     calibration = importance_calibration(source, source)
     text = load_documents(calibration.source, split="calibration")
-    importance, _ = measure_for_export(loaded, calibration, text, True, progress=False)
+    importance, _ = measure_for_export(loaded, calibration, text, progress=False)
     calib_windows = calibration_token_windows(loaded.tokenizer, calibration, text)
     alternatives = alternative_statistics(model, calib_windows, GRADIENT_WINDOWS)
     head = "lm_head"
