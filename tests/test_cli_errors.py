@@ -563,9 +563,9 @@ CASES = [
         "--size writes a GGUF",
     ),
     (
-        "a byte budget for a model without a GGUF to copy the tokenizer from",
+        "a byte budget for a folder whose tokenizer llama.cpp would not take",
         lambda t, mp: [_tiny_model_dir(t), "--bits-per-weight", "4", "--out", str(t / "m.gguf")],
-        "pass the model as its .gguf file",
+        "its BPE pre-tokenizer is not one llama.cpp recognizes",
     ),
     (
         "a dry run cannot choose G and B",

@@ -627,7 +627,13 @@ def test_importance_weights_bring_llama_cpp_closer_to_the_model_on_its_calibrati
     ("family", "overrides", "extra", "refusal"),
     [
         ("gemma", {}, {"tensor_type": "q4_k_m"}, "model_type 'gemma': GGUF export refused: llama.cpp's GELU"),
-        ("gemma3_text", {}, {"size": "2MB"}, "model_type 'gemma3_text': GGUF export refused"),
+        ("gemma2", {}, {"size": "2MB"}, "model_type 'gemma2': GGUF export refused"),
+        (
+            "gemma3_text",
+            {},
+            {"tensor_type": "q8_0"},
+            "query_pre_attn_scalar 256: llama.cpp scales the queries",
+        ),
         (
             "llama",
             {"hidden_act": "gelu"},
@@ -655,3 +661,35 @@ def test_export_refusals_come_from_the_config_before_any_weight_or_statistic(
     with pytest.raises(UserError, match=refusal):
         export(str(folder), tmp_path / "m.gguf", progress=False, **extra)
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("extra", [{"tensor_type": "q8_0"}, {"size": "1600KB", "calib_samples": 4}])
+def test_gemma3_exports_and_llama_cpp_runs_it_near_transformers(tmp_path, extra):
+    """Gemma 3 writes llama.cpp's gemma3 (the file its own converter writes: tests/test_llama_cpp_tools.py), at one
+    type and within a size; llama.cpp runs it as transformers does up to its float16 GELU table and the rounding,
+    and the export says the gap is the engine's."""
+    pytest.importorskip("xllamacpp")
+    from compressor.api.export import export
+
+    folder = tiny_model_dir(tmp_path / "gemma3", "gemma3_text", vocab_size=VOCAB, query_pre_attn_scalar=16, hidden_size=128,
+                            intermediate_size=256, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    result = export(str(folder), tmp_path / "m.gguf", tokenizer_from=str(tokenizer), progress=False, **extra)
+    assert result.details["architecture"] == "gemma3" and "float16 table" in result.details["engine_note"]
+    if "size" in extra:
+        assert result.details["bytes"] <= 1_600_000 and len(result.details["type_counts"]) >= 1
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    gap = (llama_cpp_log_probs(result.path, ids) - expected).abs().max()
+    assert gap < 0.1  # measured 0.037 at q8_0 and 0.007 within the size: the rounding, and the engine's GELU
+    from compressor.api.model_loading import check_context
+
+    check_context(result.path, 128)
+    with pytest.raises(
+        UserError, match=r"windows \(129 tokens\) are longer than the model's context \(128 tokens\)"
+    ):
+        check_context(result.path, 129)  # llama.cpp would refuse the first window; said before it runs

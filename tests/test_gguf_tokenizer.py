@@ -25,12 +25,16 @@ ABSENT_AND_DEFAULT = {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add
 @pytest.fixture(scope="module")
 def bundled_tokenizer_folder(tmp_path_factory) -> Path:
     """The bundled model's tokenizer as a Hugging Face folder (transformers' own conversion of its GGUF)."""
+    return bundled_tokenizer_files(tmp_path_factory.mktemp("smollm2-tokenizer"))
+
+
+def bundled_tokenizer_files(folder: Path) -> Path:
+    """The bundled model's tokenizer written into `folder` (a model folder saved without one)."""
     from transformers import AutoTokenizer
 
     from compressor.api.packaged_models import gguf_directory, packaged_model
 
     model = packaged_model("smollm2-135m")
-    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
     AutoTokenizer.from_pretrained(gguf_directory(model), gguf_file=model.gguf_file).save_pretrained(folder)
     return folder
 
@@ -80,7 +84,9 @@ def export_and_compare_tokenization(folder: Path, out: Path) -> tuple[list[int],
 #: its Qwen2Tokenizer, whose own pre-tokenizer splits SmolLM2's vocabulary differently, and llama.cpp's converter
 #: refuses that pairing by its hash, as this tool does.
 FAMILIES = sorted(set(UNIFORM_ARCHITECTURE) - {"qwen2"})
-OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}}  # what llama.cpp's qwen3moe computes
+#: What llama.cpp's architecture computes: qwen3moe renormalizes the chosen experts, gemma3 scales the queries by
+#: the head's width.
+OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}, "gemma3_text": {"query_pre_attn_scalar": 16}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

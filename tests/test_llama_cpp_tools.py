@@ -97,3 +97,53 @@ def test_llama_quantize_applies_the_recipe_to_the_same_types_and_blocks(tmp_path
         assert their_tensors[name][0] == type_name, name
         assert their_tensors[name][1] == blocks, name
     assert abs(ours.stat().st_size - theirs.stat().st_size) < 64 * 1024  # the metadata alone differs
+
+
+#: Keys one file has and the other not, each harmless: llama.cpp reads the rope's dimensions as the head's when
+#: absent and the vocabulary's size from the token list; the tool records its source, the converter's `general.*`
+#: extras are labels.
+OURS_ONLY = {"gemma3.rope.dimension_count", "gemma3.vocab_size", "masa_compress.source"}
+THEIRS_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
+
+
+def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources):
+    """A tiny Gemma 3 folder (the bundled model's tokenizer): the tool's f32 GGUF against the one llama.cpp's own
+    `convert_hf_to_gguf.py` writes from the same folder: the same tensors bit for bit, the same metadata but the
+    keys named above, the same log-probabilities in llama.cpp; and the gap to transformers, the engine's, bounded."""
+    pytest.importorskip("xllamacpp")
+    import sys
+
+    import gguf
+    import torch
+    from conftest import tiny_model
+    from test_gguf_export import llama_cpp_log_probs
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    from compressor.api.export import export
+
+    folder = tmp_path / "gemma3"
+    model = tiny_model("gemma3_text", vocab_size=49152, query_pre_attn_scalar=16)
+    model.save_pretrained(folder)
+    bundled_tokenizer_files(folder)
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run([sys.executable, str(llama_cpp_sources / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                    "--outfile", str(theirs)], check=True, capture_output=True)  # fmt: skip
+    ours = export(str(folder), tmp_path / "ours.gguf", tensor_type="f32", progress=False).path
+    readers = [gguf.GGUFReader(str(p)) for p in (ours, theirs)]
+    tensors = [{t.name: np.asarray(t.data) for t in r.tensors} for r in readers]
+    assert tensors[0].keys() == tensors[1].keys()
+    for name, array in tensors[0].items():
+        np.testing.assert_array_equal(array, tensors[1][name], err_msg=name)
+    fields = [{k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in readers]
+    assert (
+        fields[0].keys() - fields[1].keys() == OURS_ONLY
+        and fields[1].keys() - fields[0].keys() == THEIRS_ONLY
+    )
+    differ = {k for k in fields[0].keys() & fields[1].keys() if fields[0][k] != fields[1][k]}
+    assert differ == {"general.name"}
+    ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    ours_lp, theirs_lp = llama_cpp_log_probs(ours, ids), llama_cpp_log_probs(theirs, ids)
+    assert (ours_lp - theirs_lp).abs().max() < 1e-4
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured)

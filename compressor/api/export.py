@@ -15,6 +15,7 @@ from pathlib import Path
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
 from compressor.checkpoint import export_dense, read_masa_config
 from compressor.checkpoint.gguf_export import GgufExport, check_config_exports, check_gguf_output, write_gguf
+from compressor.checkpoint.gguf_families import ENGINE_GAP
 from compressor.checkpoint.imatrix_file import as_read_back, importance_from_file, read_imatrix_file
 from compressor.quantize.byte_budget import ByteBudget, parse_budget, parse_only_types
 from compressor.quantize.gguf_types import check_gguf_type, check_imatrix, is_imatrix_path
@@ -85,7 +86,7 @@ def export(
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
     check_hub_model(source)
-    check_config_exports(source_config(source), budgeted=wanted is not None)  # before any weight or statistic
+    check_config_exports(config := source_config(source), budgeted=wanted is not None)  # before any weight
     tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples, imatrix_out)
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)
@@ -111,16 +112,25 @@ def export(
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser, rounding=rounder,
     )  # fmt: skip
-    details = written.as_dict() | ({"rounding": rounder.record.to_dict()} if rounder else {})
+    details = export_details(
+        written, rounder, chooser and (budget, chooser.plan.predicted), config.model_type
+    )
     if imatrix_out is not None:
         details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
-    if chooser is not None:
-        details |= {"type": "size", "budget": budget, "predicted_loss_rise": chooser.plan.predicted}
     if tensor_types_out is not None:
         details["tensor_types_file"] = write_recipe(
             written.path, tensor_types_out, recipe_importance(use_importance, imatrix, imatrix_out)
         )
     return ExportResult("gguf", written.path, details)
+
+
+def export_details(written: GgufExport, rounder, budgeted: tuple | None, model_type: str) -> dict:
+    """What `export` reports of a GGUF it wrote: the file, the compensated rounding's record, a byte budget's
+    (bytes, predicted loss rise), and what the engine computes differently for this family (`ENGINE_GAP`)."""
+    details = written.as_dict() | ({"rounding": rounder.record.to_dict()} if rounder else {})
+    if budgeted:
+        details |= {"type": "size", "budget": budgeted[0], "predicted_loss_rise": budgeted[1]}
+    return details | ({"engine_note": ENGINE_GAP[model_type]} if model_type in ENGINE_GAP else {})
 
 
 def recipe_importance(use_importance: bool, imatrix: str | None, imatrix_out) -> str | None:
@@ -389,11 +399,13 @@ def original_source(source: ModelSource) -> ModelSource:
     return source  # unrecorded or gone: only --tokenizer-from can name the tokenizer then
 
 
-def tokenizer_source(original: ModelSource, tokenizer_from: str | None) -> Path:
+def tokenizer_source(original: ModelSource, tokenizer_from: str | None, fix: str | None = None) -> Path:
     """Where the export's tokenizer comes from: `--tokenizer-from` (a GGUF), else the original's own GGUF file, else
     its Hugging Face folder (converted as llama.cpp's converter converts it); checked here, before any weight is
-    read."""
-    from compressor.checkpoint.gguf_tokenizer import tokenizer_fields
+    read. `fix`: what a refusal tells the user to do (default: pass --tokenizer-from)."""
+    from compressor.checkpoint.gguf_tokenizer import FLAG, tokenizer_fields
+
+    fix = fix or f"pass {FLAG}"
 
     if tokenizer_from:
         path = Path(tokenizer_from).expanduser()
@@ -410,10 +422,9 @@ def tokenizer_source(original: ModelSource, tokenizer_from: str | None) -> Path:
         folder = hub_tokenizer_folder(original)
     else:
         raise UserError(
-            f"{original.describe()}: the model it was compressed from is not recorded or gone: pass "
-            "--tokenizer-from MODEL.gguf, a GGUF of the same model"
+            f"{original.describe()}: the model it was compressed from is not recorded or gone: {fix}"
         )
-    tokenizer_fields(folder)  # a tokenizer llama.cpp would not recognize fails here, in one line
+    tokenizer_fields(folder, fix)  # a tokenizer llama.cpp would not recognize fails here, in one line
     return folder
 
 

@@ -388,6 +388,7 @@ def load_with_llama_cpp(
             f"`masa-compress export {source.spec} OUT.gguf`"
         )
     path = gguf_path(source, progress)
+    check_context(path, context)
     if (slower := build_note()) is not None:
         note(f"[yellow]note:[/] {slower}", progress)
     start = time.perf_counter()
@@ -395,6 +396,21 @@ def load_with_llama_cpp(
     tokenizer = LlamaCppTokenizer(model.server, path)
     cpu = torch.device("cpu")
     return LoadedModel(model, tokenizer, source, cpu, torch.float32, time.perf_counter() - start)
+
+
+def check_context(path: Path, context: int) -> None:
+    """A one-line error where the evaluation windows are longer than the context the GGUF says its model was
+    trained for (llama.cpp refuses such a window at the first request)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+    trained = fields.get(f"{architecture}.context_length")
+    if trained is not None and context > int(trained.contents()):
+        raise UserError(
+            f"{path.name}: the evaluation windows ({context} tokens) are longer than the model's context "
+            f"({int(trained.contents())} tokens): evaluate with windows of at most that (--seq-len, --eval-seq-len)"
+        )
 
 
 if __name__ == "__main__":

@@ -204,9 +204,13 @@ def compress_to_size(
     return SizeRun(summary)
 
 
+#: What to do when a folder's tokenizer cannot be converted (compress has no --tokenizer-from).
+GGUF_FIX = "pass the model as its .gguf file (its tokenizer is copied from it)"
+
+
 def check_source(model: str, options: CompressOptions, wanted):
     """(source, config, what the allocation may narrow, why), or a one-line error before any weight is read: a
-    family llama.cpp does not run here, a source without a GGUF tokenizer, a budget below the matrices' least."""
+    family llama.cpp does not run here, a tokenizer llama.cpp would not take, a budget below the matrices' least."""
     source = resolve_model(model)
     check_hub_model(source)
     config = read_model_config(source)[0]
@@ -217,11 +221,9 @@ def check_source(model: str, options: CompressOptions, wanted):
             f": --size writes a GGUF (families with one: {', '.join(UNIFORM_ARCHITECTURE)})"
         )
     targets, structure_note = structure_targets(model, config, options)
-    if source.kind not in ("bundled", "gguf"):
-        raise UserError(
-            f"{source.describe()}: --size writes a GGUF and copies the tokenizer from the model's own GGUF, which "
-            "a Hugging Face folder has not: pass the model as its .gguf file"
-        )
+    tokenizer_source(
+        source, None, GGUF_FIX
+    )  # a tokenizer llama.cpp would not take: refused before any weight
     check_least_bytes(config, targets, wanted, parse_only_types(options.only_types))
     return source, config, targets, structure_note
 
@@ -229,9 +231,7 @@ def check_source(model: str, options: CompressOptions, wanted):
 def measure_original(source, config, targets, wanted, options, device, progress) -> _Prepared:
     """The budget in bytes, the file's fixed bytes (the smallest file checked against them before any
     calibration), and the original's importance weights with their output sensitivities (cached)."""
-    tokenizer = tokenizer_source(
-        source, None
-    )  # a tokenizer llama.cpp cannot take fails before any weight is read
+    tokenizer = tokenizer_source(source, None, GGUF_FIX)  # checked by `check_source` already
     calibration, calib_text = importance_text(source, source, options.calib_samples)
     loaded = load_model(source, device=device, dtype="float32", progress=progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))

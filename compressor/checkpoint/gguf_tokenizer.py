@@ -43,11 +43,11 @@ class TokenizerField:
         writer.add_key_value(self.key, self.value, self.type, sub_type=self.sub_type)
 
 
-def tokenizer_fields(source: Path) -> list[TokenizerField]:
+def tokenizer_fields(source: Path, fix: str = f"pass {FLAG}") -> list[TokenizerField]:
     """The tokenizer fields for a GGUF written with the tokenizer of `source`: a GGUF file (copied) or a Hugging
-    Face folder (converted as llama.cpp's converter converts it)."""
+    Face folder (converted as llama.cpp's converter converts it). `fix`: what a refusal tells the user to do."""
     if source.is_dir():
-        return fields_from_hf(source)
+        return fields_from_hf(source, fix)
     return fields_from_gguf(source)
 
 
@@ -71,23 +71,24 @@ def fields_from_gguf(path: Path) -> list[TokenizerField]:
     return fields
 
 
-def fields_from_hf(folder: Path) -> list[TokenizerField]:
-    """The fields llama.cpp's converter writes for the tokenizer of a Hugging Face folder, or a one-line error."""
+def fields_from_hf(folder: Path, fix: str = f"pass {FLAG}") -> list[TokenizerField]:
+    """The fields llama.cpp's converter writes for the tokenizer of a Hugging Face folder, or a one-line error
+    ending in `fix`."""
     import gguf
 
     tokenizer_json = folder / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise UserError(
-            f"{folder}: no tokenizer.json (llama.cpp's converter reads a fast tokenizer's file): pass {FLAG}"
+            f"{folder}: no tokenizer.json (llama.cpp's converter reads a fast tokenizer's file): {fix}"
         )
     if (folder / "tokenizer.model").is_file():  # the converter would read it with sentencepiece first
         raise UserError(
-            f"{folder}: a SentencePiece tokenizer.model: GGUF export converts BPE tokenizers: pass {FLAG}"
+            f"{folder}: a SentencePiece tokenizer.model: GGUF export converts BPE tokenizers: {fix}"
         )
     model = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("model") or {}
     if model.get("type") != "BPE":
         raise UserError(
-            f"{folder}: a {model.get('type', 'unknown')} tokenizer: GGUF export converts BPE tokenizers: pass {FLAG}"
+            f"{folder}: a {model.get('type', 'unknown')} tokenizer: GGUF export converts BPE tokenizers: {fix}"
         )
     writer = gguf.GGUFWriter(None, "llama")  # a writer that only collects the key-values
     llama_like = _config(folder).get("model_type") in LLAMA_CONVERTER
@@ -98,7 +99,7 @@ def fields_from_hf(folder: Path) -> list[TokenizerField]:
     if llama_like and model.get("byte_fallback"):
         _add_llama_hf(writer, folder)
     else:
-        _add_gpt2(writer, folder)
+        _add_gpt2(writer, folder, fix)
     return [
         TokenizerField(key, value.value, value.type, value.sub_type)
         for key, value in writer.kv_data[0].items()
@@ -106,11 +107,11 @@ def fields_from_hf(folder: Path) -> list[TokenizerField]:
     ]
 
 
-def _add_gpt2(writer, folder: Path) -> None:
+def _add_gpt2(writer, folder: Path, fix: str) -> None:
     """`_set_vocab_gpt2` of llama.cpp's converter: a byte-level BPE vocabulary."""
     import gguf
 
-    tokens, token_types, pre = _vocab_base(folder)
+    tokens, token_types, pre = _vocab_base(folder, fix)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -132,14 +133,14 @@ def _add_llama_hf(writer, folder: Path) -> None:
     gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
-def _vocab_base(folder: Path) -> tuple[list[str], list[int], str]:
+def _vocab_base(folder: Path, fix: str) -> tuple[list[str], list[int], str]:
     """`get_vocab_base` of llama.cpp's converter: (tokens, token types, pre-tokenizer name) of a BPE tokenizer."""
     import gguf
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     vocab_size = _config_vocab_size(folder) or len(tokenizer.vocab)
-    pre = pre_tokenizer_name(tokenizer, folder)
+    pre = pre_tokenizer_name(tokenizer, folder, fix)
     reverse = {id_: token for token, id_ in tokenizer.vocab.items()}
     added = tokenizer.get_added_vocab()
     decoder = tokenizer.added_tokens_decoder
@@ -165,14 +166,14 @@ def _vocab_base(folder: Path) -> tuple[list[str], list[int], str]:
     return tokens, types, pre
 
 
-def pre_tokenizer_name(tokenizer, folder: Path) -> str:
+def pre_tokenizer_name(tokenizer, folder: Path, fix: str = f"pass {FLAG}") -> str:
     """llama.cpp's name for the tokenizer's BPE pre-tokenizer (the converter's hash of `CHECK_TEXT`'s ids)."""
     from compressor.checkpoint.bpe_pre_tokenizers import CHECK_TEXT, PRE_TOKENIZERS
 
     digest = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest not in PRE_TOKENIZERS:
         raise UserError(
-            f"{folder}: its BPE pre-tokenizer is not one llama.cpp recognizes (hash {digest[:12]}...): pass {FLAG}"
+            f"{folder}: its BPE pre-tokenizer is not one llama.cpp recognizes (hash {digest[:12]}...): {fix}"
         )
     return PRE_TOKENIZERS[digest]
 

@@ -43,6 +43,8 @@ def print_export_summary(path, info: dict) -> None:
             f"Wrote {written['path']}: llama.cpp's importance matrix, {written['entries']} matrices, "
             f"{written['chunks']} windows of {written['chunk_size']} tokens (llama-quantize --imatrix reads it)."
         )
+    if info.get("engine_note"):
+        console.print(f"Note: {info['engine_note']}.")
     if info.get("tensor_types_file"):
         recipe = info["tensor_types_file"]
         exact = (

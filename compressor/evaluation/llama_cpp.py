@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,8 +129,11 @@ class LlamaCppServer:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request) as response:
-            payload = json.loads(response.read())
+        try:
+            with urllib.request.urlopen(request) as response:
+                payload = json.loads(response.read())
+        except urllib.error.HTTPError as err:  # the server's own reason, not a traceback of the transport
+            payload = json.loads(err.read() or b"{}") or {"error": {"message": f"HTTP {err.code}"}}
         if isinstance(payload, dict) and "error" in payload:
             raise RuntimeError(f"llama.cpp {endpoint}: {payload['error'].get('message', payload['error'])}")
         return payload

@@ -92,6 +92,7 @@ FAMILIES: dict[str, Family] = {
             "Gemma3TextConfig",
             "Gemma3ForCausalLM",
             qk_norm="per_head",
+            llama_cpp="gemma3",
             block_output_norm=True,
         ),
         Family("smollm3", "SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", llama_cpp="smollm3"),
