@@ -693,3 +693,21 @@ def test_gemma3_exports_and_llama_cpp_runs_it_near_transformers(tmp_path, extra)
         UserError, match=r"windows \(129 tokens\) are longer than the model's context \(128 tokens\)"
     ):
         check_context(result.path, 129)  # llama.cpp would refuse the first window; said before it runs
+
+
+def test_a_tiny_compressed_checkpoint_exports_with_its_original_s_checks(tmp_path):
+    """A checkpoint's config checks are its original's (the same family), made before its weights are read; the
+    GGUF then holds the checkpoint's narrower MLPs. (The bundled long tests exercise this at size; this keeps it in
+    the fast suite.)"""
+    pytest.importorskip("xllamacpp")
+    from compressor.api import CompressOptions, compress
+    from compressor.api.export import export
+
+    folder = tiny_model_dir(tmp_path / "tiny")
+    options = CompressOptions(ratio=0.2, targets="mlp", calib_samples=2, seq_len=32, evaluate=False,
+                              out=str(tmp_path / "ckpt"), stats_cache=False)  # fmt: skip
+    compress(str(folder), options, device="cpu", dtype="float32", progress=False)
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    result = export(str(tmp_path / "ckpt"), tmp_path / "m.gguf", tensor_type="f32", tokenizer_from=str(tokenizer),
+                    progress=False)  # fmt: skip
+    assert result.details["architecture"] == "deci" and min(result.details["mlp_widths"]) < 128

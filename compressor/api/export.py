@@ -86,7 +86,8 @@ def export(
     if format == "hf":
         return _export_hf(source, model, out, overwrite, layout)
     check_hub_model(source)
-    check_config_exports(config := source_config(source), budgeted=wanted is not None)  # before any weight
+    if (config := source_config(source)) is not None:  # before any weight or statistic
+        check_config_exports(config, budgeted=wanted is not None)
     tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples, imatrix_out)
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)
@@ -112,9 +113,7 @@ def export(
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser, rounding=rounder,
     )  # fmt: skip
-    details = export_details(
-        written, rounder, chooser and (budget, chooser.plan.predicted), config.model_type
-    )
+    details = export_details(written, rounder, chooser and (budget, chooser.plan.predicted), loaded.model)
     if imatrix_out is not None:
         details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
     if tensor_types_out is not None:
@@ -124,12 +123,13 @@ def export(
     return ExportResult("gguf", written.path, details)
 
 
-def export_details(written: GgufExport, rounder, budgeted: tuple | None, model_type: str) -> dict:
+def export_details(written: GgufExport, rounder, budgeted: tuple | None, model) -> dict:
     """What `export` reports of a GGUF it wrote: the file, the compensated rounding's record, a byte budget's
     (bytes, predicted loss rise), and what the engine computes differently for this family (`ENGINE_GAP`)."""
     details = written.as_dict() | ({"rounding": rounder.record.to_dict()} if rounder else {})
     if budgeted:
         details |= {"type": "size", "budget": budgeted[0], "predicted_loss_rise": budgeted[1]}
+    model_type = model.config.model_type
     return details | ({"engine_note": ENGINE_GAP[model_type]} if model_type in ENGINE_GAP else {})
 
 
@@ -369,9 +369,14 @@ def smallest_from_config(config, targets: str | None, allowed: frozenset[str] | 
 
 
 def source_config(source: ModelSource):
-    """The model's config, read without its weights."""
+    """The model's config, read without its weights (a checkpoint's, its original's: the same family); None for a
+    checkpoint whose original is not recorded or gone (`write_gguf` checks the family once it is loaded)."""
     from compressor.api.preview import read_model_config
 
+    if source.kind == "compressed":
+        source = original_source(source)
+        if source.kind == "compressed":
+            return None
     return read_model_config(source)[0]
 
 

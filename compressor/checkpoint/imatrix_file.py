@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from compressor.checkpoint.gguf_file import gguf_writer
+from compressor.modeling.adapters import get_adapter
 from compressor.runtime.errors import UserError
 
 #: The GGUF keys and tensor suffixes of llama.cpp's imatrix file.
@@ -91,20 +92,25 @@ def as_read_back(weights: Mapping[str, torch.Tensor], tokens: int) -> dict[str, 
     }
 
 
+def gguf_tensors_of(model):
+    """(the GGUF architecture `write_gguf` writes the model in, its tensors as (GGUF name, array, module path))."""
+    from compressor.checkpoint import gguf_families as fam
+    from compressor.checkpoint.gguf_export import _gguf_tensors, choose_architecture, layer_shapes
+
+    config = get_adapter(model).config
+    widths, heads, kv_heads = layer_shapes(model)
+    architecture = choose_architecture(config.model_type, widths, heads, kv_heads)
+    rope_factors = fam.llama3_rope_factors(config)
+    return architecture, _gguf_tensors(model, architecture, heads, kv_heads, rope_factors)
+
+
 def importance_by_tensor(model, importance: Mapping[str, object]) -> tuple[str, dict[str, np.ndarray]]:
     """(the GGUF architecture, each matrix's importance weights under its GGUF tensor name): the vectors
     `write_gguf` hands to the quantizer for the same model, as llama.cpp's imatrix file keys them; shape (n_in,),
     or (experts, n_in) for an experts tensor (every expert reads the same input's statistics here)."""
-    from compressor.checkpoint import gguf_families as fam
-    from compressor.checkpoint.gguf_export import _gguf_tensors, choose_architecture, layer_shapes
-    from compressor.modeling.adapters import get_adapter
-
-    adapter = get_adapter(model)
-    widths, heads, kv_heads = layer_shapes(model)
-    architecture = choose_architecture(adapter.config.model_type, widths, heads, kv_heads)
-    rope_factors = fam.llama3_rope_factors(adapter.config)
+    architecture, tensors = gguf_tensors_of(model)
     vectors: dict[str, np.ndarray] = {}
-    for tensor_name, array, module_path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors):
+    for tensor_name, array, module_path in tensors:
         vector = importance.get(module_path) if array.ndim >= 2 else None
         if vector is None:
             continue
@@ -230,25 +236,15 @@ def importance_from_file(model, imatrix: ImatrixData) -> dict[str, torch.Tensor]
     naming the first entry that is not this model's (a name it has no matrix of, or another width). An experts
     tensor's per-expert rows are averaged (the tool holds one vector per experts tensor); matrices the file has
     no entry for get none, as `llama-quantize` quantizes them."""
-    from compressor.checkpoint import gguf_families as fam
-    from compressor.checkpoint.gguf_export import _gguf_tensors, choose_architecture, layer_shapes
-    from compressor.modeling.adapters import get_adapter
-
-    adapter = get_adapter(model)
-    widths, heads, kv_heads = layer_shapes(model)
-    architecture = choose_architecture(adapter.config.model_type, widths, heads, kv_heads)
-    rope_factors = fam.llama3_rope_factors(adapter.config)
-    matrices = {
-        name: (array.shape[-1], path)
-        for name, array, path in _gguf_tensors(model, architecture, heads, kv_heads, rope_factors)
-        if array.ndim >= 2
-    }
+    architecture, tensors = gguf_tensors_of(model)
+    matrices = {name: (array.shape[-1], path) for name, array, path in tensors if array.ndim >= 2}
+    layers = len(get_adapter(model).layers)
     weights: dict[str, torch.Tensor] = {}
     for name, rows in sorted(imatrix.means.items()):
         if name not in matrices:
             raise UserError(
                 f"--imatrix {imatrix.path}: entry {name} names no matrix of this model ({architecture}, "
-                f"{len(widths)} layers): pass the importance file of this model"
+                f"{layers} layers): pass the importance file of this model"
             )
         width, module_path = matrices[name]
         if rows.shape[-1] != width:
