@@ -92,7 +92,8 @@ def export(
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)
     given = read_imatrix_file(imatrix) if is_imatrix_path(imatrix) else None  # llama.cpp's file, read now
-    measure = (use_importance and given is None) or wanted or imatrix_out or rounding == "compensated"
+    measure = (use_importance and given is None) or rounding == "compensated"
+    measure = measure or wanted is not None or imatrix_out is not None  # a budget's sensitivities, the file
     original = original_source(source)
     check_hub_model(original)
     tokenizer = tokenizer_source(original, tokenizer_from)
@@ -106,7 +107,7 @@ def export(
     rounder = (
         CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream) if compensate else None
     )
-    chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
+    chooser = budget_chooser(loaded.model, measured, budget, progress, allowed, rounder) if budget else None
     written: GgufExport = write_gguf(
         loaded.model, tokenizer, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
         extra_fields=recorded_fields(original, record, allowed, rounding),
@@ -119,7 +120,7 @@ def export(
     if tensor_types_out is not None:
         details["tensor_types_file"] = write_recipe(
             written.path, tensor_types_out, recipe_importance(use_importance, imatrix, imatrix_out)
-        )
+        ) | {"input_command": f"masa-compress export {model} MODEL-F32.gguf --type f32"}
     return ExportResult("gguf", written.path, details)
 
 

@@ -56,6 +56,12 @@ def print_export_summary(path, info: dict) -> None:
             f"Wrote {recipe['path']}: {recipe['tensors']} --tensor-type overrides; apply them{exact} with"
         )
         console.print(recipe["command"], markup=False, highlight=False, soft_wrap=True)
+        if "IMATRIX.gguf" in recipe["command"]:
+            console.print(
+                "(IMATRIX.gguf: the importance weights this file was rounded with: add --imatrix-out FILE)"
+            )
+        if recipe.get("input_command"):
+            console.print(f"(MODEL-F32.gguf, the original in f32: {recipe['input_command']})", markup=False)
     if info["fallbacks"]:
         kinds = sorted(set(info["fallbacks"].values()))
         console.print(
