@@ -16,6 +16,7 @@ line naming `--tokenizer-from`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from hashlib import sha256
@@ -73,7 +74,20 @@ def fields_from_gguf(path: Path) -> list[TokenizerField]:
 
 def fields_from_hf(folder: Path, fix: str = f"pass {FLAG}") -> list[TokenizerField]:
     """The fields llama.cpp's converter writes for the tokenizer of a Hugging Face folder, or a one-line error
-    ending in `fix`."""
+    ending in `fix`. Converted once per folder and tokenizer file in a process (an export checks the folder before
+    any weight is read, then writes the file and, under a budget, counts its bytes: one conversion serves all)."""
+    return list(_converted(folder, _stamps(folder), fix))
+
+
+def _stamps(folder: Path) -> tuple:
+    """The modification times of the files a conversion reads (None: absent): a changed file converts again."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "config.json")
+    return tuple((folder / n).stat().st_mtime_ns if (folder / n).is_file() else None for n in names)
+
+
+@functools.cache
+def _converted(folder: Path, stamps: tuple, fix: str) -> tuple[TokenizerField, ...]:
+    """`fields_from_hf`'s conversion, keyed by the folder, its files' `_stamps` and the refusal's fix."""
     import gguf
 
     tokenizer_json = folder / "tokenizer.json"
@@ -100,11 +114,11 @@ def fields_from_hf(folder: Path, fix: str = f"pass {FLAG}") -> list[TokenizerFie
         _add_llama_hf(writer, folder)
     else:
         _add_gpt2(writer, folder, fix)
-    return [
+    return tuple(
         TokenizerField(key, value.value, value.type, value.sub_type)
         for key, value in writer.kv_data[0].items()
         if key.startswith("tokenizer.")
-    ]
+    )
 
 
 def _add_gpt2(writer, folder: Path, fix: str) -> None:

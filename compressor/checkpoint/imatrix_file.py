@@ -156,11 +156,10 @@ def read_imatrix_file(path: str | os.PathLike) -> ImatrixData:
         raise UserError(
             f"--imatrix {path}: no such file: pass llama.cpp's importance file (imatrix.gguf or .dat)"
         )
-    with path.open("rb") as handle:
-        magic = handle.read(4)
+    raw = path.read_bytes()  # once: the legacy format is parsed from it, and its digest keys what it weighs
     try:
-        data = _read_gguf_imatrix(path) if magic == b"GGUF" else _read_legacy_imatrix(path)
-        return replace(data, digest=hashlib.sha256(path.read_bytes()).hexdigest())
+        data = _read_gguf_imatrix(path) if raw[:4] == b"GGUF" else _read_legacy_imatrix(raw, path)
+        return replace(data, digest=hashlib.sha256(raw).hexdigest())
     except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
         raise UserError(
             f"--imatrix {path}: not an importance file llama.cpp writes ({err}): pass the output of llama-imatrix"
@@ -192,10 +191,10 @@ def _read_gguf_imatrix(path: Path) -> ImatrixData:
     return ImatrixData(path, {k: v.astype(np.float32) for k, v in means.items()}, "gguf", datasets, chunks)
 
 
-def _read_legacy_imatrix(path: Path) -> ImatrixData:
-    """`common_imatrix_load_legacy`: int32 entries; per entry the name's length and bytes, int32 calls, int32
-    values, float32 values (mean squares times calls); then, optionally, int32 chunks and the dataset's name."""
-    data = path.read_bytes()
+def _read_legacy_imatrix(data: bytes, path: Path) -> ImatrixData:
+    """`common_imatrix_load_legacy` on the file's bytes: int32 entries; per entry the name's length and bytes,
+    int32 calls, int32 values, float32 values (mean squares times calls); then, optionally, int32 chunks and the
+    dataset's name."""
     offset = 0
 
     def take(fmt: str):

@@ -85,9 +85,12 @@ def measure_cost(type_name: str, library=None) -> float:
     rng = np.random.default_rng(0)
     weights = rng.standard_normal((PROBE_WEIGHTS // 4096, 4096)).astype(np.float32)
     activations = rng.standard_normal(PROBE_WEIGHTS).astype(np.float32)
-    if type_name in ("F16", "F32", "BF16"):
-        blocks = weights.astype(np.float16 if type_name == "F16" else np.float32)
-        blocks = blocks if type_name != "BF16" else (weights.view(np.uint32) >> 16).astype(np.uint16)
+    if type_name == "F16":
+        blocks = weights.astype(np.float16)
+    elif type_name == "F32":
+        blocks = weights
+    elif type_name == "BF16":  # the upper half of each float32
+        blocks = (weights.view(np.uint32) >> 16).astype(np.uint16)
     else:
         blocks = quantize_with_llama_cpp(weights, type_name, np.ones(4096, np.float32))
     blocks = np.ascontiguousarray(blocks).ravel().view(np.uint8)
