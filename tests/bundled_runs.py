@@ -4,7 +4,7 @@ Each form is a small run of the real path (the bundled SmolLM2-135M, the real Wi
 that its quality can be committed and held: `tests/fixtures/bundled-quality.json` records, for each form, the
 original's perplexity and the rise with its paired 95% interval, written by
 
-    python tests/bundled_runs.py
+    python tests/bundled_runs.py [FORM ...]
 
 (run it after a change that is meant to move them, and say so in the commit). The tests then require today's
 rise to lie inside the committed interval: a regression that moves it further than its own sampling error fails.
@@ -23,6 +23,8 @@ from pathlib import Path
 FORMS = {
     "attention": dict(ratio=0.2, calib_samples=8, seq_len=128),
     "whole-model": dict(ratio=0.2, ratio_of="model", targets="attn,mlp", calib_samples=16, seq_len=256),
+    # A sharing form, held as the defaults are: the atoms (MASA's shared dictionary) at half of the attention.
+    "sharing-atoms": dict(ratio=0.5, sharing="atoms", calib_samples=8, seq_len=128),
 }
 #: Every form scored on the same 16 windows of 256 test tokens: the rise's paired interval narrow enough to catch
 #: a regression, the scoring a few seconds.
@@ -64,16 +66,18 @@ def committed_quality() -> dict:
     return json.loads(QUALITY.read_text())["forms"]
 
 
-def record(out_dir: Path) -> dict:
+def record(out_dir: Path, only: list[str] | None = None) -> dict:
+    """Run every form (or those of `only`, the others' committed records kept) and write their records."""
     import torch
 
     torch.set_num_threads(2)  # as the tests run (tests/conftest.py)
-    forms = {form: quality_record(compress_form(form, out_dir / form).summary) for form in FORMS}
+    forms = committed_quality() if only else {}
+    forms |= {form: quality_record(compress_form(form, out_dir / form).summary) for form in only or FORMS}
     payload = {
         "command": "python tests/bundled_runs.py",
         "settings": {form: {**COMMON, **FORMS[form]} for form in FORMS},
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 2 threads",
-        "forms": forms,
+        "forms": {form: forms[form] for form in FORMS},
     }
     QUALITY.write_text(json.dumps(payload, indent=2) + "\n")
     return payload
@@ -83,5 +87,5 @@ if __name__ == "__main__":
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(record(Path(tmp)), indent=2))
+    with tempfile.TemporaryDirectory() as tmp:  # `python tests/bundled_runs.py [FORM ...]`: those forms only
+        print(json.dumps(record(Path(tmp), sys.argv[1:] or None), indent=2))

@@ -204,42 +204,18 @@ def bundled_run(tmp_path_factory):
 def llama_cpp_sources() -> Path:
     """The llama.cpp sources the installed xllamacpp vendors (its sdist from the registry, unpacked once into the
     cache): the converter and the command-line tools the long tests compare with."""
-    import importlib.metadata
-    import subprocess
-    import sys
-    import tarfile
+    from benchmarks.engines.llama_cpp_tools import llama_cpp_sources
 
-    from compressor.runtime.cache_root import cache_dir
-
-    version = importlib.metadata.version("xllamacpp")
-    root = cache_dir() / "llama-cpp-sources" / version
-    tree = root / f"xllamacpp-{version}" / "thirdparty" / "llama.cpp"
-    if not (tree / "CMakeLists.txt").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet"]
-        subprocess.run([*command, "--dest", str(root), f"xllamacpp=={version}"], check=True)
-        with tarfile.open(next(root.glob(f"xllamacpp-{version}.tar.gz"))) as archive:
-            members = [m for m in archive.getmembers() if "/thirdparty/llama.cpp/" in m.name]
-            archive.extractall(root, members=members, filter="data")
-    return tree
+    return llama_cpp_sources()
 
 
 @pytest.fixture(scope="session")
 def llama_cpp_tools(llama_cpp_sources) -> Path:
     """`llama-quantize` and `llama-imatrix` built from those sources (about 4 minutes on 2 cores, once per
     version): the folder holding both."""
-    import shutil
-    import subprocess
+    from benchmarks.engines.llama_cpp_tools import llama_cpp_tools
 
-    build = llama_cpp_sources.parent.parent.parent / "build"
-    tools = build / "bin"
-    if not ((tools / "llama-quantize").is_file() and (tools / "llama-imatrix").is_file()):
-        if shutil.which("cmake") is None:
-            pytest.fail("building llama.cpp's tools needs cmake and a C++ compiler (apt install cmake g++)")
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]  # fmt: skip
-        subprocess.run(["cmake", "-S", str(llama_cpp_sources), "-B", str(build), *flags], check=True,
-                       capture_output=True)  # fmt: skip
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-quantize", "llama-imatrix", "-j",
-                        str(os.cpu_count() or 2)], check=True, capture_output=True)  # fmt: skip
-    return tools
+    try:
+        return llama_cpp_tools()
+    except RuntimeError as error:
+        pytest.fail(str(error))

@@ -1044,3 +1044,21 @@ def test_the_budget_split_choice_reads_the_split_and_the_best_lever_from_the_fil
         report_budget_split.budget_split_section(tmp_path / "BENCHMARKS.md", report_choices._load)
     )
     assert "`endpoint-1`, is a tie (-0.015 [-0.050, +0.020])" in text
+
+
+def test_llama_quantize_port_reads_the_type_llama_quantize_writes():
+    """`llama_quantize_port.TENSOR_LINE` takes from a `--dry-run` log line the tensor and the type it is written
+    in: the new one when it changes, its own when it stays; metadata lines are no tensors."""
+    from benchmarks.engines.llama_quantize_port import TENSOR_LINE
+
+    changed = (
+        "[  56/ 272] blk.5.ffn_up.weight                  - [   576,   1536,      1,      1], type =   q4_1, "
+        "size =     0.53 MiB ->     0.58 MiB (q5_0)"
+    )
+    kept = "[  58/ 272] blk.6.attn_norm.weight               - [   576,      1,      1,      1], type =    f32, size =    0.002 MiB"
+    metadata = (
+        'llama_model_loader: - kv   8:                          general.languages arr[str,1]       = ["en"]'
+    )
+    assert TENSOR_LINE.search(changed).groups() == ("blk.5.ffn_up.weight", "q4_1", "q5_0")
+    assert TENSOR_LINE.search(kept).groups() == ("blk.6.attn_norm.weight", "f32", None)
+    assert TENSOR_LINE.search(metadata) is None

@@ -305,3 +305,41 @@ def test_bundled_compress_to_size_through_the_cli(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["structure"]["removed_parameters"] == summary["structure"]["removed_parameters"]
     assert [row["mlp_width"] for row in shown["layers"]] == summary["mlp_widths"]
+
+
+@pytest.mark.slow
+def test_a_size_run_that_goes_layer_by_layer_by_itself_writes_the_in_memory_file(
+    tmp_path, monkeypatch, capsys
+):
+    """`compress --size` whose structure run fits in memory only layer by layer switches to `--layerwise` by
+    itself (said in a line) and writes the very file the in-memory run writes."""
+    pytest.importorskip("xllamacpp")
+    from conftest import tiny_model
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    import compressor.api.memory_check as memory_check
+    from compressor.cli import main
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama", vocab_size=49152).save_pretrained(folder)
+    bundled_tokenizer_files(folder)
+    common = ["--size", "5800KiB", "--calib-samples", "80", "--seq-len", "64", "--no-eval"]
+    main([str(folder), "--out", str(tmp_path / "memory.gguf"), *common])
+    assert "layer by layer" not in capsys.readouterr().err
+    estimate_of = memory_check.run_memory
+
+    def little_memory(*args, **kwargs):  # a byte less than the in-memory peak, which layer by layer fits
+        estimate = estimate_of(*args, **kwargs)  # (on a model this tiny the runtime outweighs its statistics)
+        less = estimate["in_memory_bytes"] - 1
+        return estimate | {"available_bytes": less, "layerwise_bytes": less}
+
+    monkeypatch.setattr(memory_check, "run_memory", little_memory)
+    main([str(folder), "--out", str(tmp_path / "layerwise.gguf"), *common])
+    assert "compressing layer by layer" in " ".join(capsys.readouterr().err.split())
+    assert (tmp_path / "layerwise.gguf").read_bytes() == (tmp_path / "memory.gguf").read_bytes()
+    import gguf
+
+    fields = gguf.GGUFReader(
+        str(tmp_path / "memory.gguf")
+    ).fields  # the structure removed something: per-layer
+    assert bytes(fields["general.architecture"].parts[-1]).decode() == "deci"  # shapes, llama.cpp's `deci`

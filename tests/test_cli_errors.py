@@ -41,6 +41,15 @@ def _family_dir(tmp: Path, family: str) -> str:
     return str(tiny_model_dir(tmp / family, family))
 
 
+def _folder_llama_cpp_takes(tmp: Path) -> str:
+    """A tiny random Llama with the bundled model's tokenizer (one llama.cpp knows), context 128 tokens."""
+    from conftest import tiny_model
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    tiny_model("llama", vocab_size=49152, max_position_embeddings=128).save_pretrained(tmp / "tiny")
+    return str(bundled_tokenizer_files(tmp / "tiny"))
+
+
 def _text_file(tmp: Path, content: str, name: str = "text.txt") -> str:
     path = tmp / name
     path.write_text(content)
@@ -568,6 +577,11 @@ CASES = [
         "its BPE pre-tokenizer is not one llama.cpp recognizes",
     ),
     (
+        "a byte budget scored on windows longer than the model's context",
+        lambda t, mp: [_folder_llama_cpp_takes(t), "--size", "6MiB", "--out", str(t / "m.gguf")],
+        "the evaluation windows (512 tokens) are longer than the model's context (128 tokens)",
+    ),
+    (
         "a dry run cannot choose G and B",
         lambda t, mp: ["smollm2-135m", "--dry-run", "--sharing", "atoms", "--auto-groups"],
         "cannot plan with --auto-groups",
@@ -594,21 +608,39 @@ CASES = [
 ]
 
 
-def _run_case(build, tmp_path, capsys, monkeypatch) -> tuple[int, str, list[str]]:
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")} if root.exists() else set()
+
+
+def _run_case(build, tmp_path, capsys, monkeypatch) -> tuple[int, str, list[str], dict[str, set[str]]]:
+    """Build the case's files, then run it on a cache of its own (the packaged models and texts linked in): its
+    exit code, stderr, argv, and the paths it left in the case's folder and in the cache."""
+    from compressor.runtime.cache_root import cache_dir
+
+    shared, cache = cache_dir(), tmp_path / "cache"
+    cache.mkdir()
+    for folder in ("models", "text", "zero-shot"):
+        if (shared / folder).is_dir():
+            (cache / folder).symlink_to(shared / folder, target_is_directory=True)
+    monkeypatch.setenv("MASA_CACHE", str(cache))
     argv = build(tmp_path, monkeypatch)
     capsys.readouterr()  # drop what building the fixture printed
+    before = {"folder": _files(tmp_path), "cache": _files(cache)}
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    return exit_info.value.code, capsys.readouterr().err.strip(), argv
+    left = {"folder": _files(tmp_path) - before["folder"], "cache": _files(cache) - before["cache"]}
+    return exit_info.value.code, capsys.readouterr().err.strip(), argv, left
 
 
 @pytest.mark.parametrize(("description", "build", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_a_one_line_error(description, build, expected, tmp_path, capsys, monkeypatch):
-    code, err, _ = _run_case(build, tmp_path, capsys, monkeypatch)
+    """One line, exit code 2, and nothing written: no output, no temporary sibling, nothing in the cache."""
+    code, err, _, left = _run_case(build, tmp_path, capsys, monkeypatch)
     assert code == 2, err
     assert "Traceback" not in err
     assert len(err.splitlines()) == 1, err
     assert expected in err, err
+    assert not {p for p in left["folder"] if not p.startswith("cache")} and not left["cache"], left
 
 
 def test_bad_input_table_is_up_to_date(tmp_path, capsys, monkeypatch):
@@ -628,7 +660,7 @@ def test_bad_input_table_is_up_to_date(tmp_path, capsys, monkeypatch):
             tmp = tmp_path / str(i)
             tmp.mkdir()
             with monkeypatch.context() as patch:
-                _, err, argv = _run_case(build, tmp, capsys, patch)
+                _, err, argv, _ = _run_case(build, tmp, capsys, patch)
             shown = " ".join("<tmp>/" + Path(a).name if str(tmp) in a else a for a in argv)
             escaped = err.replace(str(tmp), "<tmp>").replace("|", "\\|")
             lines.append(f"| {description} | `masa-compress {shown}` | `{escaped}` |")

@@ -215,6 +215,23 @@ def test_a_tiny_models_compensated_file_holds_matrices_closer_in_output(tmp_path
     assert (llama_cpp_log_probs(written["compensated"].path, ids_scored) - expected).abs().max() < 0.5
 
 
+def test_a_q8_0_file_rounded_compensated_measures_no_importance_weights(tmp_path, monkeypatch):
+    """q8_0 reads no importance weights: `export --type q8_0 --rounding compensated` measures none (no backward
+    pass) and compensates from the calibration windows alone."""
+    from conftest import tiny_model_dir
+
+    import compressor.api.export as export_module
+
+    folder = tiny_model_dir(tmp_path / "tiny")
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    monkeypatch.setattr(
+        export_module, "measure_for_export", lambda *a, **k: pytest.fail("importance measured")
+    )
+    result = export_module.export(str(folder), tmp_path / "m.gguf", tensor_type="q8_0", rounding="compensated",
+                                  tokenizer_from=str(tokenizer), progress=False)  # fmt: skip
+    assert result.details["imatrix"] == "none" and result.details["rounding"]["matrices"] > 0
+
+
 def test_statistics_on_the_quantized_stream_change_the_layers_above_the_first_only():
     """`stream="quantized"`: layer 0 reads the same inputs either way (its blocks are the same); the layers above
     read what the rounded layers below produce (other blocks); the model's weights are restored afterwards."""

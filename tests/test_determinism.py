@@ -38,3 +38,49 @@ def test_two_runs_write_byte_identical_safetensors(tmp_path, method):
     first = _digests(_tiny_checkpoint(tmp_path / "a", method))
     second = _digests(_tiny_checkpoint(tmp_path / "b", method))
     assert first and first == second
+
+
+def _run_fresh(args: list[str], cache: Path) -> None:
+    """`masa-compress ARGS` in a fresh Python process on a cache of its own (statistics measured afresh)."""
+    import os
+    import subprocess
+    import sys
+
+    from compressor.runtime.cache_root import cache_dir
+
+    cache.mkdir()
+    if (cache_dir() / "text").is_dir():  # the calibration texts, as unpacked once
+        (cache / "text").symlink_to(cache_dir() / "text", target_is_directory=True)
+    env = os.environ | {"MASA_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-m", "compressor", *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_same_checkpoint_and_the_same_size_gguf(tmp_path):
+    """The same command in two fresh processes, each measuring its statistics afresh, writes the same bytes: a
+    checkpoint (its safetensors) and a `--size` GGUF (the whole file)."""
+    from conftest import tiny_model_dir
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    folder = tiny_model_dir(tmp_path / "tiny")
+    common = ["--calib-samples", "4", "--seq-len", "64", "--no-eval", "--targets", "attn,mlp"]
+    for run in ("a", "b"):
+        _run_fresh([str(folder), "--out", str(tmp_path / f"ckpt-{run}"), *common], tmp_path / f"cache-{run}")
+    first, second = _digests(tmp_path / "ckpt-a"), _digests(tmp_path / "ckpt-b")
+    assert first and first == second
+
+    gguf_folder = tmp_path / "with-tokenizer"
+    tiny_model("llama", vocab_size=49152).save_pretrained(gguf_folder)
+    bundled_tokenizer_files(gguf_folder)
+    for run in ("a", "b"):
+        out = tmp_path / f"size-{run}.gguf"
+        args = ["export", str(gguf_folder), str(out), "--size", "6MiB", "--calib-samples", "4"]
+        _run_fresh(args, tmp_path / f"cache-size-{run}")
+    assert (tmp_path / "size-a.gguf").read_bytes() == (tmp_path / "size-b.gguf").read_bytes()
+    import gguf
+
+    matrices = [t for t in gguf.GGUFReader(str(tmp_path / "size-a.gguf")).tensors if len(t.shape) == 2]
+    assert len({t.tensor_type for t in matrices}) > 1  # a mix the allocation chose, not one type

@@ -147,3 +147,25 @@ def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured)
+
+
+def test_the_tool_s_mixes_are_llama_quantize_s(tmp_path, llama_cpp_tools, bundled_gguf):
+    """The tool's port of `llama-quantize`'s per-tensor rules (`gguf_types.matrix_types`) gives every tensor the
+    type `llama-quantize --dry-run` gives it, at every mix, with the same importance file; and both tools' files of
+    two mixes hold the same blocks (`benchmarks/engines/llama_quantize_port.py`, whose committed run covers both
+    packaged models)."""
+    pytest.importorskip("xllamacpp")
+    from benchmarks.engines.llama_quantize_port import compare_files, our_types, their_types
+    from compressor.api.export import export
+    from compressor.quantize.ggml_quantize import K_QUANT_MIXES
+
+    imatrix, f32 = tmp_path / "imatrix.gguf", tmp_path / "f32.gguf"
+    export("smollm2-135m", f32, tensor_type="f32", imatrix_out=imatrix, calib_samples=8, progress=False)
+    quantize = llama_cpp_tools / "llama-quantize"
+    for mix in K_QUANT_MIXES:
+        theirs = their_types(quantize, bundled_gguf, imatrix, mix)
+        assert len(theirs) == 272 and our_types(bundled_gguf, mix) == theirs, mix
+    for mix in ("q4_k_m", "iq2_xs"):
+        files = compare_files("smollm2-135m", mix, f32, imatrix, quantize, tmp_path)
+        assert files["other_type"] == [] and files["other_blocks"] == [], mix
+        assert abs(files["ours_bytes"] - files["theirs_bytes"]) < 1024  # the metadata alone differs

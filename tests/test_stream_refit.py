@@ -143,3 +143,19 @@ def test_a_layer_that_kept_nothing_is_left_out_of_the_stream_refit():
         assert not torch.equal(before.self_attn.o_proj.weight, after.self_attn.o_proj.weight)
     with torch.no_grad():
         assert torch.isfinite(stream(windows).logits).all()
+
+
+def test_the_stream_refit_reads_at_most_its_windows_evenly_spaced(monkeypatch):
+    """`stream_refit_windows`: all windows while the cap is None or above their count; else the cap's number,
+    evenly spaced from the first to the last, each once and in order."""
+    from compressor.statistics import partly_compressed
+
+    windows = torch.arange(256 * 3).reshape(256, 3)
+    monkeypatch.setattr(partly_compressed, "STREAM_REFIT_WINDOWS", None)
+    assert partly_compressed.stream_refit_windows(windows) is windows
+    monkeypatch.setattr(partly_compressed, "STREAM_REFIT_WINDOWS", 300)
+    assert partly_compressed.stream_refit_windows(windows) is windows
+    monkeypatch.setattr(partly_compressed, "STREAM_REFIT_WINDOWS", 64)
+    chosen = partly_compressed.stream_refit_windows(windows)[:, 0] // 3
+    assert len(chosen) == 64 and chosen[0] == 0 and chosen[-1] == 255
+    assert torch.all(torch.diff(chosen) >= 3) and torch.all(torch.diff(chosen) <= 5)

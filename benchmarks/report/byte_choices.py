@@ -17,9 +17,40 @@ CHOICES = REPO / "benchmarks" / "results" / "choices"
 
 def byte_choice_lines() -> list[str]:
     return [
-        *_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types(),
+        *_llama_quantize_port(), *_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types(),
         *_compensated_rounding(), *_rounding_by_projection(), *_decode_cost(),
     ]  # fmt: skip
+
+
+def _llama_quantize_port(results: Path = CHOICES.parent) -> list[str]:
+    """The tool's port of `llama-quantize`'s per-tensor rules against `llama-quantize` itself, per model run."""
+    lines = []
+    for path in sorted(results.glob("llama-quantize-port-*.json")):
+        data = json.loads(path.read_text())
+        rows = data["rows"]
+        differ = [f"{r['mix']} ({len(r['differ'])} tensors)" for r in rows if r["differ"]]
+        same_bytes = sum(r["ours_tensor_bytes"] == r["theirs_tensor_bytes"] for r in rows)
+        files = [r["files"] for r in rows if "files" in r]
+        written = ""
+        if files:
+            apart = sorted({abs(f["ours_bytes"] - f["theirs_bytes"]) for f in files})
+            unlike = sum(bool(f["other_type"] or f["other_blocks"]) for f in files)
+            written = (
+                f" Both tools also wrote every mix (`llama-quantize` from the tool's f32 GGUF, the same importance "
+                f"file): {len(files) - unlike} of {len(files)} files hold the same type and the very same blocks in "
+                f"every tensor, the files {'-'.join(map(str, apart[:: max(len(apart) - 1, 1)]))} bytes apart (the "
+                "metadata)."
+            )
+        lines += [
+            f"**The baseline's types are `llama-quantize`'s own** (`{data['command']}`, {data['model']}, "
+            f"`llama-quantize` built from the llama.cpp sources of xllamacpp {data['xllamacpp']}, the tool's "
+            f"importance file): at {len(rows) - len(differ)} of {len(rows)} mixes `llama-quantize --dry-run` gives "
+            f"every one of the {rows[0]['tensors']} tensors the type the tool's port of its rules gives it"
+            + (f" (differing: {', '.join(differ)})" if differ else "")
+            + f"; the tensor bytes agree at {same_bytes} of {len(rows)}.{written}",
+            "",
+        ]
+    return lines
 
 
 def _paired(row: dict, key: str) -> str:

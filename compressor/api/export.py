@@ -62,6 +62,7 @@ def export(
     rounding: str | None = None,
     rounding_stream: str = "original",
     tensor_types_out: str | os.PathLike | None = None,
+    name: str | None = None,
 ) -> ExportResult:
     """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
     checked before any weight is read.
@@ -76,7 +77,8 @@ def export(
     `only_types` (`q4_k,q3_k,q6_k`): the types it may choose from. `record`: more string fields for the file.
 
     `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (`quantize/rounding.py`), from the
-    `rounding_stream` statistics; `tensor_types_out`: the types as `llama-quantize`'s `--tensor-type-file`."""
+    `rounding_stream` statistics; `tensor_types_out`: the types as `llama-quantize`'s `--tensor-type-file`.
+    `name`: the file's `general.name` (by default what `model` is: `ModelSource.describe`)."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
@@ -92,24 +94,22 @@ def export(
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)
     given = read_imatrix_file(imatrix) if is_imatrix_path(imatrix) else None  # llama.cpp's file, read now
-    measure = (use_importance and given is None) or rounding == "compensated"
-    measure = measure or wanted is not None or imatrix_out is not None  # a budget's sensitivities, the file
+    # Measured: the weights a file uses or --imatrix-out writes, a budget's sensitivities (compensation: the windows)
+    measure = (use_importance and given is None) or wanted is not None or imatrix_out is not None
     original = original_source(source)
     check_hub_model(original)
     tokenizer = tokenizer_source(original, tokenizer_from)
-    calibration, calib_text = importance_text(source, original, calib_samples) if measure else (None, None)
+    needs_text = measure or rounding == "compensated"
+    calibration, calib_text = importance_text(source, original, calib_samples) if needs_text else (None, None)
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
-    measured, imatrix_note = export_importance(
-        loaded, given, (calibration, calib_text) if measure else None, progress
-    )
-    compensate = rounding == "compensated"
-    rounder = (
-        CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream) if compensate else None
-    )
+    measured, imatrix_note = export_importance(loaded, given, (calibration, calib_text) if measure else None,
+                                               progress)  # fmt: skip
+    rounder = (CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream)
+               if rounding == "compensated" else None)  # fmt: skip
     chooser = budget_chooser(loaded.model, measured, budget, progress, allowed, rounder) if budget else None
     written: GgufExport = write_gguf(
-        loaded.model, tokenizer, out, tensor_type=tensor_type, name=source.describe(), overwrite=overwrite,
+        loaded.model, tokenizer, out, tensor_type=tensor_type, name=name or source.describe(), overwrite=overwrite,
         extra_fields=recorded_fields(original, record, allowed, rounding),
         importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         choose_types=chooser, rounding=rounder,

@@ -406,10 +406,16 @@ def check_context(path: Path, context: int) -> None:
     fields = gguf.GGUFReader(str(path)).fields
     architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
     trained = fields.get(f"{architecture}.context_length")
-    if trained is not None and context > int(trained.contents()):
+    check_window_fits(path.name, context, None if trained is None else int(trained.contents()))
+
+
+def check_window_fits(name: str, window: int, trained: int | None) -> None:
+    """A one-line error where evaluation windows of `window` tokens are longer than the context `trained` of the
+    model `name` (a GGUF's `context_length`, a config's `max_position_embeddings`; None: unknown, no check)."""
+    if trained is not None and window > trained:
         raise UserError(
-            f"{path.name}: the evaluation windows ({context} tokens) are longer than the model's context "
-            f"({int(trained.contents())} tokens): evaluate with windows of at most that (--seq-len, --eval-seq-len)"
+            f"{name}: the evaluation windows ({window} tokens) are longer than the model's context "
+            f"({trained} tokens): evaluate with windows of at most that (--seq-len, --eval-seq-len)"
         )
 
 

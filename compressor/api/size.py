@@ -34,9 +34,9 @@ from compressor.api.export import (
     smallest_from_config,
     tokenizer_source,
 )
-from compressor.api.model_loading import load_model, resolve_model
+from compressor.api.model_loading import check_window_fits, load_model, resolve_model
 from compressor.api.preview import read_model_config
-from compressor.api.run_options import CompressOptions, EvalSettings
+from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
 from compressor.methods.masa.byte_structure import (
@@ -151,6 +151,10 @@ def compress_to_size(
     label = str(options.size or f"{options.bits_per_weight:g}bpw").replace(" ", "")
     out = check_gguf_output(options.out or default_out(model, label), options.overwrite)
     source, config, targets, structure_note = check_source(model, options, wanted)
+    # The file is scored in llama.cpp, whose context is the config's: a window too long is known before any work.
+    if options.evaluate:
+        window = resolve_eval_settings(EvalSettings(seq_len=options.eval_seq_len), None).seq_len
+        check_window_fits(out.name, window, getattr(config, "max_position_embeddings", None))
     note(f"[dim]structure: {structure_note}[/]", progress)
     structure_options = None
     if (
@@ -182,6 +186,7 @@ def compress_to_size(
             exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples,
             only_types=options.only_types, rounding=options.rounding, overwrite=options.overwrite, progress=progress,
             record={"masa_compress.structure": _record(structure)},
+            name=source.describe(),  # not the structure's temporary folder: the same command, the same bytes
         ).details  # fmt: skip
         seconds["export"] = time.perf_counter() - t
     finally:

@@ -12,7 +12,7 @@ output matrix, the value projection (`compensates`) and experts' stacked matrice
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,30 +115,45 @@ def compensated_blocks(
     by_layer = _by_layer(model, matrices)
     record = RoundingRecord(windows=len(windows), tokens=int(windows.numel()), stream=stream)
     blocks: dict[str, np.ndarray] = {}
-    if not by_layer:
-        return blocks, record
-    adapter = get_adapter(model)
-    runner = LayerRunner(model, adapter, windows)
-    last, originals = max(by_layer), {}
+    originals: dict = {}
     try:
-        with progress_bar("Compensated rounding", total=last + 1, enabled=progress) as bar:
-            for layer in range(last + 1):
-                wanted = by_layer.get(layer, {})
-                readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in wanted}  # one module per input
-                autocorrs = runner.advance_measuring(layer, readers, advance=stream == "original")
-                decoded = {}
-                for projection, tensors in wanted.items():
-                    autocorr = autocorrs[INPUT_OF[projection]].cpu()
-                    decoded |= _round_all(tensors, autocorr, damping, blocks, record)
-                if stream == "quantized":
-                    originals |= _install_rounded(adapter, layer, decoded)
-                    runner.advance(layer)
-                bar.advance(1)
+        walk = layer_autocorrelations(model, windows, by_layer, "Compensated rounding", progress, stream)
+        for layer, autocorrs, runner in walk:
+            decoded = {}
+            for projection, tensors in by_layer.get(layer, {}).items():
+                decoded |= _round_all(tensors, autocorrs[INPUT_OF[projection]], damping, blocks, record)
+            if stream == "quantized":  # the next layer reads what this one's rounded weights produce
+                originals |= _install_rounded(runner.adapter, layer, decoded)
+                runner.advance(layer)
     finally:
         for module, weight in originals.items():
             module.weight.data = weight
     record.seconds = time.perf_counter() - start
     return blocks, record
+
+
+def layer_autocorrelations(
+    model: nn.Module,
+    windows: torch.Tensor,
+    by_layer: dict[int, dict],
+    what: str,
+    progress: bool,
+    stream: str = "original",
+) -> Iterator[tuple[int, dict[str, torch.Tensor], LayerRunner]]:
+    """Walk the decoder layers up to the last of `by_layer` (layer → {projection: ...}) with `windows`, yielding
+    (layer, {input name: Σ xᵀx / T on the CPU, fp64} of the inputs its projections read, the runner): the
+    statistics of the stream advanced past the layer already (`original`), or not yet (`quantized`: the caller
+    installs the layer's rounded weights and advances the runner itself)."""
+    if not by_layer:
+        return
+    adapter = get_adapter(model)
+    runner = LayerRunner(model, adapter, windows)
+    with progress_bar(what, total=max(by_layer) + 1, enabled=progress) as bar:
+        for layer in range(max(by_layer) + 1):
+            readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in by_layer.get(layer, {})}
+            autocorrs = runner.advance_measuring(layer, readers, advance=stream == "original")
+            yield layer, {name: autocorr.cpu() for name, autocorr in autocorrs.items()}, runner
+            bar.advance(1)
 
 
 def _by_layer(model: nn.Module, matrices) -> dict[int, dict[str, list[tuple[str, np.ndarray, str]]]]:
@@ -209,30 +224,24 @@ def compensated_errors(
     from compressor.quantize.byte_budget import SAMPLE_ROWS, evenly_spaced
 
     where = layer_projections(model)
-    by_layer: dict[int, list[tuple[str, np.ndarray, str]]] = {}
+    by_layer: dict[int, dict[str, list[tuple[str, np.ndarray]]]] = {}
     for tensor_name, array, path in matrices:
         if path in where and array.ndim == 2 and compensates(tensor_name):
-            by_layer.setdefault(where[path][0], []).append((tensor_name, array, where[path][1]))
+            layer, projection = where[path]
+            by_layer.setdefault(layer, {}).setdefault(projection, []).append((tensor_name, array))
     errors: dict[str, dict[str, float]] = {}
-    if not by_layer:
-        return errors
-    adapter = get_adapter(model)
-    runner = LayerRunner(model, adapter, windows)
-    with progress_bar("Compensated rounding errors", total=max(by_layer) + 1, enabled=progress) as bar:
-        for layer in range(max(by_layer) + 1):
-            wanted = by_layer.get(layer, [])
-            readers = {INPUT_OF[p]: adapter.projection(layer, p) for _, _, p in wanted}
-            autocorrs = runner.advance_measuring(layer, readers)
-            for tensor_name, array, projection in wanted:
-                autocorr = autocorrs[INPUT_OF[projection]].cpu()
-                factor = inverse_factor(autocorr, damping)
+    for layer, autocorrs, _ in layer_autocorrelations(model, windows, by_layer, "Compensated rounding errors",
+                                                      progress):  # fmt: skip
+        for projection, tensors in by_layer.get(layer, {}).items():
+            autocorr = autocorrs[INPUT_OF[projection]]
+            factor = inverse_factor(autocorr, damping)
+            for tensor_name, array in tensors:
                 rows = array[evenly_spaced(np.arange(len(array)), SAMPLE_ROWS)]
                 scale = len(array) / len(rows)
                 errors[tensor_name] = {
                     t: scale * output_error(rows, _rounded(rows, t, factor), autocorr)
                     for t in types_of(array)
                 }
-            bar.advance(1)
     return errors
 
 

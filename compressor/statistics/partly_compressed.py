@@ -201,6 +201,18 @@ def original_layers(adapter) -> list[tuple[nn.Module, dict[str, str]]]:
     return copies
 
 
+#: The calibration windows the stream refit reads at most (evenly spaced among them; None: all of them). Its cost
+#: grows with the windows (two models advanced through every layer), its solves need only enough tokens per input.
+STREAM_REFIT_WINDOWS: int | None = None
+
+
+def stream_refit_windows(windows: torch.Tensor) -> torch.Tensor:
+    """The windows `--refit stream` reads: at most `STREAM_REFIT_WINDOWS` of `windows`, evenly spaced."""
+    if STREAM_REFIT_WINDOWS is None or len(windows) <= STREAM_REFIT_WINDOWS:
+        return windows
+    return windows[torch.linspace(0, len(windows) - 1, STREAM_REFIT_WINDOWS).round().long()]
+
+
 def refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
     """`--refit stream`: after the run has installed its layers, refit `matrices` (per layer: `o_proj`, `down_proj`
     or both, plain narrowed matrices) on the compressed model's own inputs, layer by layer over the calibration
@@ -216,7 +228,7 @@ def refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> Non
 
 def _refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
     adapter = ctx.adapter
-    runner = LayerRunner(ctx.model, adapter, ctx.windows)
+    runner = LayerRunner(ctx.model, adapter, stream_refit_windows(ctx.windows))
     stream = [h.clone() for h in runner.hidden]  # the original model's, advanced by `originals`
     start = time.perf_counter()
     with progress_bar("Refits on the stream", total=adapter.num_layers, enabled=ctx.progress) as bar:
