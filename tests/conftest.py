@@ -200,6 +200,18 @@ def bundled_run(tmp_path_factory):
     return get
 
 
+def cache_of_its_own(path: Path, shared: tuple[str, ...] = ("models", "text", "zero-shot")) -> Path:
+    """A fresh cache folder at `path` (for `MASA_CACHE`) with the `shared` folders of the real cache linked in (the
+    packaged models, the unpacked texts): what a run writes there is its own, what it only reads is not copied."""
+    from compressor.runtime.cache_root import cache_dir
+
+    path.mkdir()
+    for folder in shared:
+        if (cache_dir() / folder).is_dir():
+            (path / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def llama_cpp_sources() -> Path:
     """The llama.cpp sources the installed xllamacpp vendors (its sdist from the registry, unpacked once into the

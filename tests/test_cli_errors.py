@@ -615,13 +615,9 @@ def _files(root: Path) -> set[str]:
 def _run_case(build, tmp_path, capsys, monkeypatch) -> tuple[int, str, list[str], dict[str, set[str]]]:
     """Build the case's files, then run it on a cache of its own (the packaged models and texts linked in): its
     exit code, stderr, argv, and the paths it left in the case's folder and in the cache."""
-    from compressor.runtime.cache_root import cache_dir
+    from conftest import cache_of_its_own
 
-    shared, cache = cache_dir(), tmp_path / "cache"
-    cache.mkdir()
-    for folder in ("models", "text", "zero-shot"):
-        if (shared / folder).is_dir():
-            (cache / folder).symlink_to(shared / folder, target_is_directory=True)
+    cache = cache_of_its_own(tmp_path / "cache")
     monkeypatch.setenv("MASA_CACHE", str(cache))
     argv = build(tmp_path, monkeypatch)
     capsys.readouterr()  # drop what building the fixture printed

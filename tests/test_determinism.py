@@ -46,12 +46,9 @@ def _run_fresh(args: list[str], cache: Path) -> None:
     import subprocess
     import sys
 
-    from compressor.runtime.cache_root import cache_dir
+    from conftest import cache_of_its_own
 
-    cache.mkdir()
-    if (cache_dir() / "text").is_dir():  # the calibration texts, as unpacked once
-        (cache / "text").symlink_to(cache_dir() / "text", target_is_directory=True)
-    env = os.environ | {"MASA_CACHE": str(cache)}
+    env = os.environ | {"MASA_CACHE": str(cache_of_its_own(cache, shared=("text",)))}
     done = subprocess.run(
         [sys.executable, "-m", "compressor", *args], env=env, capture_output=True, text=True
     )

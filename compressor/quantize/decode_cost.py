@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compressor.runtime.cache_root import cache_dir
+from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
 from compressor.runtime.errors import UserError
 
 #: The weights one timed call streams: far beyond the caches, as a model's matrices are.
@@ -127,10 +127,7 @@ def decode_costs(type_names, progress: bool = True) -> dict[str, float]:
     if missing:
         note(f"Measuring llama.cpp's decode cost of {', '.join(missing)} on this CPU (once)", progress)
         known |= {name: measure_cost(name, library) for name in missing}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(known, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(temporary, path)
+        atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
     return {name: known[name] for name in type_names}
 
 

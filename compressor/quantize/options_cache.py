@@ -11,10 +11,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from compressor.runtime.cache_root import cache_dir
+from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
 
 #: Bump when what an option means changes (its fields, the error model behind `predicted`).
 OPTIONS_FORMAT = 1
@@ -59,12 +58,6 @@ def save_options(key: str, rounding: str, options: Options) -> Path:
     """Keep `options` (merged with what the file holds) under this key and rounding, atomically."""
     path = options_path(key, rounding)
     merged = load_options(key, rounding) | options
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        payload = {"format": OPTIONS_FORMAT, "key": key, "rounding": rounding, "options": merged}
-        temporary.write_text(json.dumps(payload), encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    payload = {"format": OPTIONS_FORMAT, "key": key, "rounding": rounding, "options": merged}
+    atomic_write_bytes(path, json.dumps(payload).encode())
     return path
