@@ -200,12 +200,14 @@ def bundled_run(tmp_path_factory):
     return get
 
 
-def cache_of_its_own(path: Path, shared: tuple[str, ...] = ("models", "text", "zero-shot")) -> Path:
+def cache_of_its_own(path: Path, shared: tuple[str, ...] = ("models", "text", "zero-shot", "rates")) -> Path:
     """A fresh cache folder at `path` (for `MASA_CACHE`) with the `shared` folders of the real cache linked in (the
-    packaged models, the unpacked texts): what a run writes there is its own, what it only reads is not copied."""
+    packaged models, the unpacked texts, this machine's measured rates, `api/time_estimate.py`): what a run writes
+    there is its own, what it only reads is not copied."""
     from compressor.runtime.cache_root import cache_dir
 
     path.mkdir()
+    (cache_dir() / "rates").mkdir(parents=True, exist_ok=True)
     for folder in shared:
         if (cache_dir() / folder).is_dir():
             (path / folder).symlink_to(cache_dir() / folder, target_is_directory=True)

@@ -62,7 +62,10 @@ def test_eval_cli_scores_the_original_as_committed(capsys):
     )
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
+#: The sharing form's gate runs with the long checks (`make test-long`, CI), keeping `make test` within 10 minutes.
+@pytest.mark.parametrize(
+    "form", [pytest.param(f, marks=pytest.mark.long) if f == "sharing-atoms" else f for f in sorted(FORMS)]
+)
 def test_each_form_holds_its_committed_quality(bundled_run, form):
     """The rise of perplexity inside the committed run's paired 95% interval (a rise moved further than its own
     sampling error fails), the original's perplexity, the KL and the achieved ratio as committed."""

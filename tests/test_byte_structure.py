@@ -343,3 +343,60 @@ def test_a_size_run_that_goes_layer_by_layer_by_itself_writes_the_in_memory_file
         str(tmp_path / "memory.gguf")
     ).fields  # the structure removed something: per-layer
     assert bytes(fields["general.architecture"].parts[-1]).decode() == "deci"  # shapes, llama.cpp's `deci`
+
+
+@pytest.mark.slow
+def test_compress_to_size_weighs_by_an_importance_file_of_the_original(tmp_path, monkeypatch, capsys):
+    """`compress --size --imatrix FILE`: the file's weights serve the structure's allocation and the export; the
+    narrowed down/o of the structure read the original's entries at the columns they keep (the checkpoint
+    records them, `layout.kept_mask`), found here independently as the original's gate and q rows kept."""
+    pytest.importorskip("xllamacpp")
+    import json
+
+    from conftest import tiny_model
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    import compressor.api.export as export_module
+    from compressor.checkpoint.imatrix_file import gguf_tensors_of, write_imatrix
+    from compressor.cli import main
+
+    folder = tmp_path / "tiny"
+    original = tiny_model("llama", vocab_size=49152)
+    original.save_pretrained(folder)
+    bundled_tokenizer_files(folder)
+    rng = np.random.default_rng(0)
+    entries = {name: rng.uniform(0.1, 10.0, array.shape[-1]) for name, array, _ in gguf_tensors_of(original)[1]
+               if array.ndim == 2 and "token_embd" not in name}  # fmt: skip
+    file = write_imatrix(
+        tmp_path / "theirs.gguf", entries, tokens=1, chunks=1, chunk_size=1, dataset="x"
+    ).path
+    handed = []  # (model, weights) of every importance file read
+    read = export_module.importance_from_file
+
+    def reading(model, data, kept=None):
+        handed.append((model, read(model, data, kept)))
+        return handed[-1][1]
+
+    monkeypatch.setattr(export_module, "importance_from_file", reading)
+    out = tmp_path / "m.gguf"
+    main([str(folder), "--out", str(out), "--size", "5800KiB", "--calib-samples", "80", "--seq-len", "64",
+          "--no-eval", "--imatrix", str(file), "--json"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["structure"]["removed_parameters"] > 0 and summary["importance"]["file"].startswith(
+        "theirs.gguf"
+    )
+    assert len(handed) == 2  # the original's (the allocation's), the structure checkpoint's (the export's)
+    for name, module_path in ((n, p) for n, a, p in gguf_tensors_of(original)[1] if n in entries):
+        assert np.array_equal(handed[0][1][module_path].numpy(), entries[name].astype(np.float32)), name
+    compressed, weights = handed[1]
+    narrowed = 0
+    for layer, (before, after) in enumerate(zip(original.model.layers, compressed.model.layers, strict=True)):
+        for rows_of, reader, name in (("mlp.gate_proj", "mlp.down_proj", "ffn_down"),
+                                      ("self_attn.q_proj", "self_attn.o_proj", "attn_output")):  # fmt: skip
+            kept_rows = before.get_submodule(rows_of).weight.detach()
+            now = after.get_submodule(rows_of).weight.detach()
+            kept = [int(torch.nonzero((kept_rows == row).all(dim=1))[0]) for row in now]
+            vector = weights[f"model.layers.{layer}.{reader}"].numpy()
+            assert np.array_equal(vector, entries[f"blk.{layer}.{name}.weight"][kept].astype(np.float32))
+            narrowed += len(kept) < kept_rows.shape[0]
+    assert narrowed > 0

@@ -504,3 +504,22 @@ def test_tensors_are_written_64_byte_aligned(saved: Saved) -> None:
     for name, tensor in safetensors.torch.load_file(file).items():
         if name in state:
             assert torch.equal(tensor, state[name]), name
+
+
+def test_a_narrowed_matrix_records_the_original_columns_it_reads_compactly():
+    """`layout.kept_mask`: one bit per original input column (a 1.5B model's MLP in about 2 KiB of hex), read back
+    by module path as the original's width and the kept columns; columns not increasing are a bug upstream."""
+    from conftest import tiny_model
+
+    from compressor.checkpoint.layout import kept_columns, kept_mask
+
+    kept = [0, 3, 4, 8959]
+    record = kept_mask(kept, 8960)
+    assert record["of"] == 8960 and len(record["mask"]) == 8960 // 4
+    spec = {"layer": 1, "projection": "down_proj", "kept_inputs": record}
+    found = kept_columns(tiny_model("llama"), {"projections": [spec, {"layer": 0, "projection": "o_proj"}]})
+    assert list(found) == ["model.layers.1.mlp.down_proj"]
+    width, columns = found["model.layers.1.mlp.down_proj"]
+    assert width == 8960 and columns.tolist() == kept
+    with pytest.raises(ValueError, match="must increase"):
+        kept_mask([3, 1], 8)

@@ -557,6 +557,29 @@ CASES = [
         "a GGUF file's name ends in .gguf",
     ),
     (
+        "an importance file for a run that writes no GGUF",
+        lambda t, mp: ["smollm2-135m", "--imatrix", str(t / "imatrix.gguf")],
+        "weighs a GGUF's rounding: add --size (or use export --imatrix)",
+    ),
+    (
+        "a byte budget without importance weights",
+        lambda t, mp: ["smollm2-135m", "--size", "80MiB", "--imatrix", "none"],
+        "--size weighs each type's rounding by the calibration (the default) or by llama.cpp's importance file",
+    ),
+    (
+        "a byte budget weighed by an importance file that is not there",
+        lambda t, mp: [
+            "smollm2-135m",
+            "--size",
+            "80MiB",
+            "--imatrix",
+            str(t / "missing.gguf"),
+            "--out",
+            str(t / "m.gguf"),
+        ],  # fmt: skip
+        "missing.gguf: no such file: pass llama.cpp's importance file",
+    ),
+    (
         "a byte budget with a form it chooses itself",
         lambda t, mp: ["smollm2-135m", "--size", "80MiB", "--method", "flap"],
         "--size chooses the engine-native forms and their sizes itself: drop --method",

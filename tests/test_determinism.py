@@ -48,7 +48,7 @@ def _run_fresh(args: list[str], cache: Path) -> None:
 
     from conftest import cache_of_its_own
 
-    env = os.environ | {"MASA_CACHE": str(cache_of_its_own(cache, shared=("text",)))}
+    env = os.environ | {"MASA_CACHE": str(cache_of_its_own(cache, shared=("text", "rates")))}
     done = subprocess.run(
         [sys.executable, "-m", "compressor", *args], env=env, capture_output=True, text=True
     )
@@ -56,6 +56,7 @@ def _run_fresh(args: list[str], cache: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # four fresh processes: with the long checks (CI runs them), keeping `make test` within 10 minutes
 def test_two_processes_write_the_same_checkpoint_and_the_same_size_gguf(tmp_path):
     """The same command in two fresh processes, each measuring its statistics afresh, writes the same bytes: a
     checkpoint (its safetensors) and a `--size` GGUF (the whole file)."""

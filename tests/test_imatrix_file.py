@@ -245,3 +245,26 @@ def test_an_importance_file_of_another_model_is_refused_naming_the_first_mismatc
     with pytest.raises(UserError, match=r"not an importance file llama.cpp writes"):
         export(str(folder), tmp_path / "m.gguf", imatrix=str(tmp_path / "junk.dat"), **common)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_narrowed_matrix_reads_the_original_s_entry_at_its_kept_columns(tmp_path):
+    """`importance_from_file` with a checkpoint's kept columns: a narrower down_proj reads the original's entry at
+    the columns it keeps; one the checkpoint records no columns for is refused in one line saying so."""
+    from compressor.checkpoint.imatrix_file import importance_from_file, read_imatrix_file
+    from compressor.runtime.errors import UserError
+
+    model = tiny_model("llama", vocab_size=VOCAB)
+    down = model.model.layers[0].mlp.down_proj
+    width = down.in_features
+    kept = np.arange(0, width, 2)  # every other neuron of the original's
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(len(kept), down.out_features, bias=False)
+    entry = np.arange(1, width + 1, dtype=np.float64)
+    file = write_imatrix(tmp_path / "w.gguf", {"blk.0.ffn_down.weight": entry}, tokens=1, chunks=1, chunk_size=1,
+                         dataset="x").path  # fmt: skip
+    data = read_imatrix_file(file)
+    weights = importance_from_file(model, data, {"model.layers.0.mlp.down_proj": (width, kept)})
+    assert weights["model.layers.0.mlp.down_proj"].tolist() == entry[kept].tolist()
+    with pytest.raises(UserError, match="the checkpoint records no original columns for it"):
+        importance_from_file(model, data, {})
+    with pytest.raises(UserError, match="pass the importance file of this model"):
+        importance_from_file(model, data)

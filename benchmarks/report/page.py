@@ -21,6 +21,7 @@ from benchmarks.report.memory_projection import (
     larger_than_memory_section,
     projection_section,
 )
+from benchmarks.report.plan_time import plan_time_section
 from benchmarks.report.plots import MIN_TARGETS, REPO, TARGETS, UNITS, _width_name, write_plots
 from benchmarks.report.sections import (
     compression_section,
@@ -397,6 +398,7 @@ def render_markdown(results: dict, doc: Path, plots: dict[str, Path]) -> str:
         *_latency_section(results, rel),
         *_scaling_section(results, rel),
     ]
+    lines += plan_time_section()
     lines += choices_section(doc)
     lines += bytes_section()
     notes = results.get("notes") or []

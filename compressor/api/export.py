@@ -17,6 +17,7 @@ from compressor.checkpoint import export_dense, read_masa_config
 from compressor.checkpoint.gguf_export import GgufExport, check_config_exports, check_gguf_output, write_gguf
 from compressor.checkpoint.gguf_families import ENGINE_GAP
 from compressor.checkpoint.imatrix_file import as_read_back, importance_from_file, read_imatrix_file
+from compressor.checkpoint.layout import kept_columns
 from compressor.quantize.byte_budget import ByteBudget, parse_budget, parse_only_types
 from compressor.quantize.gguf_types import check_gguf_type, check_imatrix, is_imatrix_path
 from compressor.quantize.importance import Importance
@@ -104,7 +105,7 @@ def export(
     loaded = load_model(source, device="cpu", dtype="float32", progress=progress)
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     measured, imatrix_note = export_importance(loaded, given, (calibration, calib_text) if measure else None,
-                                               progress)  # fmt: skip
+                                               progress, source)  # fmt: skip
     rounder = (CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream)
                if rounding == "compensated" else None)  # fmt: skip
     chooser = budget_chooser(loaded.model, measured, budget, progress, allowed, rounder) if budget else None
@@ -153,14 +154,18 @@ def check_outputs(out, imatrix_out, tensor_types_out, overwrite: bool, imatrix: 
     return out, imatrix_out, tensor_types_out
 
 
-def export_importance(loaded, given, calibration: tuple | None, progress: bool) -> tuple:
+def export_importance(loaded, given, calibration: tuple | None, progress: bool, source=None) -> tuple:
     """(the importance weights the export quantizes with, the line the file records of where they came from):
-    llama.cpp's importance file `given` (its names and widths checked against this model before any calibration),
-    the calibration's (`calibration`: its settings and text, or None when nothing is measured), or, under a byte
-    budget, the file's weights with the calibration's output sensitivities."""
+    llama.cpp's importance file `given` (its names and widths checked against this model before any calibration;
+    of a compressed checkpoint `source`, the file of its original, read at the columns each narrowed matrix
+    keeps), the calibration's (`calibration`: its settings and text, or None when nothing is measured), or, under
+    a byte budget, the file's weights with the calibration's output sensitivities."""
     from_file = None
     if given is not None:
-        from_file = Importance(importance_from_file(loaded.model, given), 0, 0, 0.0)
+        kept = None
+        if source is not None and source.kind == "compressed":
+            kept = kept_columns(loaded.model, read_masa_config(source.location)["layout"])
+        from_file = Importance(importance_from_file(loaded.model, given, kept), 0, 0, 0.0)
     if calibration is None:
         return from_file, given.describe() if given is not None else ""
     measured, note = measure_for_export(loaded, *calibration, progress)

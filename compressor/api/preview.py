@@ -13,6 +13,7 @@ from compressor.api.memory_check import memory_estimate
 from compressor.api.model_loading import read_config, recipe_config, shapes_recipe
 from compressor.api.run_options import CompressOptions
 from compressor.api.session import heavy_share_warning, refit_tokens_warning, resolve_run
+from compressor.api.time_estimate import time_estimate
 from compressor.math.accounting import CompressionPlan, check_ratio, targets_ratio, with_legacy_keys
 from compressor.math.grouping import ASSUMED_RULE_ENDS, ASSUMED_RULE_EVEN, assumed_groups, groups_from_layout
 from compressor.methods import Method, ModelShape, get_method
@@ -326,8 +327,23 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
         # The targets' numbers change, nothing else does (an upper bound where the ranks are).
         "model_params_after": None if after is None else model_params - target_params + after,
         # What the run needs at its peak (fp32 on the CPU, bf16 on a GPU: `--dtype auto`), and what is free now.
-        "memory": memory_estimate(config, run, options, gpu=resolve_device("auto").type == "cuda"),
+        "memory": (
+            memory := memory_estimate(config, run, options, gpu=resolve_device("auto").type == "cuda")
+        ),
+        # How long, stage by stage, on this machine (its rates measured once, cached): of the run that fits.
+        "time": planned_time(model, config, run, options, memory),
     }
+
+
+def planned_time(model: str, config, run, options: CompressOptions, memory: dict) -> dict:
+    """`time_estimate` of the run `compress` would make: layer by layer (what it resolves to there: no stream
+    refit) where only that fits in the memory free now, said in the estimate (`layerwise`)."""
+    gpu = resolve_device("auto").type == "cuda"
+    available = memory.get("available_bytes")
+    if options.layerwise or available is None or memory["in_memory_bytes"] <= available:
+        return time_estimate(config, run, options, gpu=gpu) | {"layerwise": options.layerwise}
+    layerwise = replace(options, layerwise=True)
+    return time_estimate(config, resolve_run(model, layerwise), layerwise, gpu=gpu) | {"layerwise": True}
 
 
 def model_parameter_count(config) -> int:

@@ -44,6 +44,7 @@ from compressor.api.session import (
     read_texts,
     resolve_run,
 )
+from compressor.api.time_estimate import time_estimate
 from compressor.calibration.sources import TextSource, load_documents
 from compressor.checkpoint import read_masa_config, save_compressed
 from compressor.evaluation.perplexity import (
@@ -290,6 +291,8 @@ def _finish(run, options, loaded, outcome, summary, out, seconds, start_all, pro
         note(f"[green]Wrote[/] {summary['out']}", progress)
     seconds["total"] = time.perf_counter() - start_all
     summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    planned = time_estimate(read_model_config(run.source)[0], run, options, gpu=loaded.device.type == "cuda")
+    summary["seconds_planned"] = planned["stages"] | {"total": planned["total"]}  # what `plan` said
     summary["peak_rss_gb"] = round(peak_rss_gb(), 3)
     if summary["out"]:
         # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
@@ -305,18 +308,8 @@ def _compress_layerwise(run, options, out, device, dtype, progress, start_all) -
         summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
         summary["calibration_cache"] = "not used with --layerwise"
         summary["layerwise"] = True
-        _finish(
-            run,
-            options,
-            loaded,
-            outcome,
-            summary,
-            out,
-            seconds,
-            start_all,
-            progress,
-            stored_tensors(loaded, outcome),
-        )
+        _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress,
+                stored_tensors(loaded, outcome))  # fmt: skip
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     return CompressionRun(summary=summary, model=None, tokenizer=loaded.tokenizer, outcome=outcome)

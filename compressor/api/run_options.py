@@ -99,6 +99,8 @@ class CompressOptions:
     only_types: str | None = None
     # How the byte budget's GGUF is rounded: `nearest` (llama.cpp's own; None) or `compensated` (quantize/rounding)
     rounding: str | None = None
+    # The byte budget's importance weights from llama.cpp's importance file (None: measured on the calibration)
+    imatrix: str | None = None
     # Set by `compress_to_size`, not an option: the byte budget the method allocates the structure under
     byte_target: SizeTarget | None = None
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from compressor.api.export import (
     SOURCE_KEY,
     export,
+    export_importance,
     importance_text,
-    measure_for_export,
     smallest_from_config,
     tokenizer_source,
 )
@@ -39,6 +39,7 @@ from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
+from compressor.checkpoint.imatrix_file import read_imatrix_file
 from compressor.methods.masa.byte_structure import (
     STRUCTURE_FLOOR,
     STRUCTURE_WEIGHT,
@@ -47,6 +48,7 @@ from compressor.methods.masa.byte_structure import (
     trusted_targets,
 )
 from compressor.quantize.byte_budget import check_fits, parse_budget, parse_only_types
+from compressor.quantize.gguf_types import is_imatrix_path
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 from compressor.runtime.progress import note
@@ -76,6 +78,11 @@ def check_size_options(options: CompressOptions, ratio_given: bool) -> None:
     if options.ratio_of != "targets":
         raise UserError(f"{flag} counts bytes, not a share of the parameters: drop --ratio-of")
     parse_only_types(options.only_types)
+    if options.imatrix is not None and not is_imatrix_path(options.imatrix):
+        raise UserError(
+            f"--imatrix {options.imatrix}: {flag} weighs each type's rounding by the calibration (the default) or "
+            "by llama.cpp's importance file: pass FILE (imatrix.gguf or .dat), or drop --imatrix"
+        )
 
 
 def structure_targets(model: str, config, options: CompressOptions) -> tuple[str | None, str]:
@@ -183,7 +190,7 @@ def compress_to_size(
             exported_from = str(work) if structure["removed_parameters"] else model
         t = time.perf_counter()
         written = export(
-            exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples,
+            exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples, imatrix=options.imatrix,
             only_types=options.only_types, rounding=options.rounding, overwrite=options.overwrite, progress=progress,
             record={"masa_compress.structure": _record(structure)},
             name=source.describe(),  # not the structure's temporary folder: the same command, the same bytes
@@ -198,7 +205,8 @@ def compress_to_size(
         "bits_per_weight": 8 * written["bytes"] / written["parameters"], "architecture": written["architecture"],
         "type_counts": written["type_counts"], "predicted_loss_rise": written.get("predicted_loss_rise"),
         "structure": structure, "mlp_widths": written["mlp_widths"], "heads": written["heads"],
-        "importance": {"windows": prepared.calibration.samples, "text": prepared.calib_text.name},
+        "importance": {"windows": prepared.calibration.samples, "text": prepared.calib_text.name,
+                       **({"file": written["imatrix"]} if options.imatrix else {})},
     }  # fmt: skip
     if options.evaluate:
         t = time.perf_counter()
@@ -230,19 +238,24 @@ def check_source(model: str, options: CompressOptions, wanted):
         source, None, GGUF_FIX
     )  # a tokenizer llama.cpp would not take: refused before any weight
     check_least_bytes(config, targets, wanted, parse_only_types(options.only_types))
+    if options.imatrix is not None:
+        read_imatrix_file(options.imatrix)  # unreadable: one line before any weight (names: once loaded)
     return source, config, targets, structure_note
 
 
 def measure_original(source, config, targets, wanted, options, device, progress) -> _Prepared:
     """The budget in bytes, the file's fixed bytes (the smallest file checked against them before any
-    calibration), and the original's importance weights with their output sensitivities (cached)."""
+    calibration), and the original's importance weights with their output sensitivities (cached; with `--imatrix
+    FILE`, the file's weights, checked against the model before the calibration, and the calibration's
+    sensitivities)."""
     tokenizer = tokenizer_source(source, None, GGUF_FIX)  # checked by `check_source` already
     calibration, calib_text = importance_text(source, source, options.calib_samples)
     loaded = load_model(source, device=device, dtype="float32", progress=progress)
     budget = wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     fixed = planned_fixed_bytes(loaded.model, tokenizer, source.describe(), {SOURCE_KEY: source.spec})
     check_fits(fixed + smallest_from_config(config, targets, parse_only_types(options.only_types)), budget)
-    measured, _ = measure_for_export(loaded, calibration, calib_text, progress)
+    given = read_imatrix_file(options.imatrix) if options.imatrix is not None else None
+    measured, _ = export_importance(loaded, given, (calibration, calib_text), progress)
     return _Prepared(budget, fixed, measured, calibration, calib_text)
 
 

@@ -230,11 +230,15 @@ def _read_legacy_imatrix(data: bytes, path: Path) -> ImatrixData:
     return ImatrixData(path, means, "legacy", datasets, chunks)
 
 
-def importance_from_file(model, imatrix: ImatrixData) -> dict[str, torch.Tensor]:
+def importance_from_file(
+    model, imatrix: ImatrixData, kept: dict[str, tuple[int, np.ndarray]] | None = None
+) -> dict[str, torch.Tensor]:
     """The file's importance weights by module path (what `write_gguf` hands to the quantizer), or a one-line error
     naming the first entry that is not this model's (a name it has no matrix of, or another width). An experts
     tensor's per-expert rows are averaged (the tool holds one vector per experts tensor); matrices the file has
-    no entry for get none, as `llama-quantize` quantizes them."""
+    no entry for get none, as `llama-quantize` quantizes them. `kept`: a compressed checkpoint's narrowed matrices
+    (module path -> the original's input width and the columns they read, `checkpoint/layout.kept_columns`), whose weights are
+    the original's entry at those columns: the file of the original serves its compressed model."""
     architecture, tensors = gguf_tensors_of(model)
     matrices = {name: (array.shape[-1], path) for name, array, path in tensors if array.ndim >= 2}
     layers = len(get_adapter(model).layers)
@@ -246,10 +250,16 @@ def importance_from_file(model, imatrix: ImatrixData) -> dict[str, torch.Tensor]
                 f"{layers} layers): pass the importance file of this model"
             )
         width, module_path = matrices[name]
+        original_width, columns = (kept or {}).get(module_path, (None, None))
+        if rows.shape[-1] == original_width:
+            rows = rows[..., columns]  # the original's weights of the columns the narrowed matrix reads
         if rows.shape[-1] != width:
+            unmapped = kept is not None and module_path not in kept  # a checkpoint's matrix of another width
             raise UserError(
-                f"--imatrix {imatrix.path}: entry {name} has {rows.shape[-1]} weights for {width} inputs: pass the "
-                "importance file of this model"
-            )
+                f"--imatrix {imatrix.path}: entry {name} has {rows.shape[-1]} weights for {width} inputs: "
+                + ("the checkpoint records no original columns for it (not a native form, or written before they "
+                   "were recorded): pass an importance file of the checkpoint itself" if unmapped else
+                   "pass the importance file of this model")
+            )  # fmt: skip
         weights[module_path] = torch.from_numpy(rows.astype(np.float64).mean(axis=0))
     return weights

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from torch import nn
 
 from compressor.math.accounting import HEADS_ROWS, NEURON_READER, CompressionPlan, with_legacy_keys
-from compressor.modeling.adapters import DecoderAdapter
+from compressor.modeling.adapters import DecoderAdapter, get_adapter
 from compressor.modeling.remote_code.masa_modules import (
     ATOMS_KEY,
     BASIS_KEY,
@@ -108,7 +109,33 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
     }
     if mode == "basis":  # the projection type(s) reading this basis: its checkpoint key's name
         spec["basis"] = planned.basis
+    if planned.kept_inputs is not None and mode in ("neurons", "heads"):
+        spec["kept_inputs"] = kept_mask(planned.kept_inputs, planned.in_features)
     return spec
+
+
+def kept_mask(kept: list[int], of: int) -> dict:
+    """The original's input columns a narrowed down_proj / o_proj reads, as `{"of": width, "mask": hex}`: one bit
+    per original column, set where kept (most significant bit first; about 2 KiB for a 1.5B model's MLP). The
+    columns are kept in increasing order, so the mask says which and in what order."""
+    if any(b <= a for a, b in zip(kept, kept[1:], strict=False)):
+        raise ValueError("kept input columns must increase")
+    bits = np.zeros(of, dtype=np.uint8)
+    bits[kept] = 1
+    return {"of": of, "mask": np.packbits(bits).tobytes().hex()}
+
+
+def kept_columns(model: nn.Module, layout: dict) -> dict[str, tuple[int, np.ndarray]]:
+    """Each narrowed matrix of a checkpoint's `layout` that records its kept inputs (`kept_mask`): its module path
+    in `model` -> (the original's input width, the original's columns it reads, increasing)."""
+    adapter, kept = get_adapter(model), {}
+    paths = {id(module): name for name, module in model.named_modules()}
+    for spec in layout.get("projections", []):
+        if (record := spec.get("kept_inputs")) is not None:
+            bits = np.unpackbits(np.frombuffer(bytes.fromhex(record["mask"]), dtype=np.uint8))[: record["of"]]
+            path = paths[id(adapter.projection(spec["layer"], spec["projection"]))]
+            kept[path] = (record["of"], np.flatnonzero(bits))
+    return kept
 
 
 def _storage_names(model: nn.Module, shared: dict[int, str]) -> dict[str, str]:

@@ -90,8 +90,8 @@ def export_command(
             "--imatrix",
             metavar="SOURCE",
             help="calibration: weigh each matrix's rounding by its inputs' mean squares on the calibration text "
-            "(llama.cpp's importance matrix, measured on this model; cached), or none (default: calibration for "
-            "the types below 8 bits).",
+            "(llama.cpp's importance matrix, measured on this model; cached), none, or FILE: llama.cpp's importance "
+            "file (imatrix.gguf or .dat; of the original for a checkpoint) (default: calibration below 8 bits).",
         ),
     ] = None,
     calib_samples: Annotated[

@@ -114,6 +114,7 @@ def compress_command(
     bits_per_weight: o.BitsPerWeight = None,
     only_types: o.OnlyTypes = None,
     rounding: o.Rounding = None,
+    imatrix: o.ImatrixFile = None,
     layerwise: Annotated[
         bool,
         typer.Option(
@@ -132,9 +133,7 @@ def compress_command(
         ),
     ] = None,
 ) -> None:
-    """Compress MODEL and write a checkpoint (the main job): removes --ratio or fits --size, scores it;
-    smollm2-135m ~5 min on 2 CPU cores.
-    """
+    """Compress MODEL: remove --ratio or fit --size, score it (its time: `plan`)."""
     ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
     options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
     if size is not None or bits_per_weight is not None:
@@ -146,6 +145,8 @@ def compress_command(
         parse_only_types(only_types, budget_given=False)
     if rounding is not None:
         raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
+    if imatrix is not None:
+        raise UserError(f"--imatrix {imatrix} weighs a GGUF's rounding: add --size (or use export --imatrix)")
     if dry_run:
         show_plan(model, options, layout=None, as_json=as_json)
         return
@@ -251,10 +252,17 @@ def print_summary(summary: dict) -> None:
             f"[dim]{quality['tokens']:,} predicted tokens of {quality['evaluation_text']}{capped}; brackets: 95% "
             "bootstrap intervals over windows; KL: mean KL divergence from the original, nats/token[/]"
         )
-    times = Table(title="time per stage (s)")
+    times = Table(
+        title="time per stage (s; planned in brackets)"
+        if summary.get("seconds_planned")
+        else "time per stage (s)"
+    )
     for stage in summary["seconds"]:
         times.add_column(stage, justify="right")
     times.add_row(*(f"{v:.1f}" for v in summary["seconds"].values()))
+    planned = summary.get("seconds_planned") or {}
+    if planned:  # what `plan` said this run would take, where it prices that stage
+        times.add_row(*(f"({planned[k]:.0f})" if k in planned else "" for k in summary["seconds"]))
     console.print(times)
     console.print(
         f"peak memory {summary['peak_rss_gb']:.2f} GiB · checkpoint: {summary['out'] or '(not saved)'}"

@@ -181,10 +181,11 @@ def plan_command(
     only_types: o.OnlyTypes = None,
     as_json: o.Json = False,
 ) -> None:
-    """What a run would store, counted exactly: no weights needed.
+    """What a run would store, counted exactly, its memory and its time: no weights needed.
 
     Each number is marked final, exact for assumed groups, or a bound the calibration decides. It reads only the
-    model's config (a hub model's from its recipe: offline). Exits with status 1 when the request does not fit.
+    model's config (a hub model's from its recipe: offline); the time, this machine's rates, measured once. Exits
+    with status 1 when the request does not fit.
     """
     ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
     if size is not None or bits_per_weight is not None:

@@ -94,6 +94,15 @@ Rounding = Annotated[
         help="--size: nearest (default) or compensated rounding.",
     ),
 ]
+ImatrixFile = Annotated[
+    Opt[str],
+    typer.Option(
+        "--imatrix",
+        metavar="FILE",
+        rich_help_panel=RUN,
+        help="--size: llama.cpp's importance file (default: measured).",
+    ),
+]
 RatioOf = Annotated[
     str,
     typer.Option("--ratio-of", metavar="WHAT", rich_help_panel=RUN, help="targets or model."),

@@ -1,9 +1,6 @@
-"""Exact parameter accounting of a compression: what each projection will store.
-
-Counts are exact (no approximation like the paper's eq. 13): atoms (once per group and projection
-type), per-layer coefficients, residual factors, shared input bases (once per group and basis), untouched
-dense weights and biases.
-"""
+"""Exact parameter accounting of a compression: what each projection will store. Counts are exact (no
+approximation like the paper's eq. 13): atoms (once per group and projection type), per-layer coefficients,
+residual factors, shared input bases (once per group and basis), untouched dense weights and biases."""
 
 from __future__ import annotations
 
@@ -56,6 +53,9 @@ class ProjectionPlan:
     bias: int = 0  # numel of the bias, kept as is
     basis: str | None = None  # `basis` mode: the name of the group's input basis it reads (stored once)
     head_block: int = 0  # `heads` mode: q rows (o columns) of one kept head per KV group: KV heads × head_dim
+    kept_inputs: list[int] | None = (
+        None  # neurons/heads: the original columns down/o read (`layout.kept_mask`)
+    )
 
     @property
     def dense_params(self) -> int:

@@ -289,6 +289,31 @@ def _memory_line(memory: dict) -> Text:
     )
 
 
+def time_line(estimate: dict) -> Text:
+    """The run's estimated time on this machine, its total and its longest stages."""
+    stages = sorted(estimate["stages"].items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{stage.replace('_', ' ')} {_duration(seconds)}" for stage, seconds in stages[:4])
+    unpriced = "".join(
+        f", {stage} not counted (a hub text's length is unknown offline)"
+        for stage in estimate.get("unpriced", [])
+    )
+    return Text.assemble(
+        ("time: ", "bold"),
+        f"about {_duration(estimate['total'])} on this machine{' with --layerwise' if estimate.get('layerwise') else ''} "
+        f"({shown}{unpriced}; less the calibration where its statistics are cached)",
+    )
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 90
+        else f"{seconds / 60:.0f} min"
+        if seconds < 5400
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
 def _plan_footer(plan: dict) -> list:
     out: list = [
         Text.assemble(("  " + tag, "bold"), f": {meaning}")
@@ -303,6 +328,8 @@ def _plan_footer(plan: dict) -> list:
     )
     if plan.get("memory"):
         out.append(_memory_line(plan["memory"]))
+    if plan.get("time"):
+        out.append(time_line(plan["time"]))
     for alt in plan.get("alternatives") or []:
         out.append(
             Text(

@@ -1,0 +1,130 @@
+"""`plan`'s time against the run's: per stage, the estimate (`compressor/api/time_estimate.py`) beside what a run
+measured, alone on this machine, its statistics measured afresh (a cache of its own: the packaged models and texts
+linked in, nothing else).
+
+Each run is `masa-compress MODEL ARGS --json` in a fresh process; its summary holds the stage times it took
+(`seconds`) and what `plan` priced them at (`seconds_planned`). `--fit` also prints each stage's factor that makes
+the estimate equal to this run (measured / the estimate's arithmetic): how `STAGE_FACTORS` were set, on the bundled
+model; the 1.5B model's run checks them. `--merge` adds the run to the results file.
+
+    python -m benchmarks.experiments.plan_time.run --model smollm2-135m --fit \\
+        --args "--targets attn,mlp --ratio 0.2 --ratio-of model --native --no-save" \\
+        --out benchmarks/results/choices/plan-time.json
+    python -m benchmarks.experiments.plan_time.run --orders --out benchmarks/results/choices/plan-time.json
+
+`--orders` times one MLP of the 1.5B model's widths (the block greedy's order and its errors) beside their
+arithmetic: the factors `ORDER_FACTORS` takes for them (the bundled model's run orders its neurons greedily).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.suite.common import command_line, log, machine_info, write_json
+
+
+def measured_run(model: str, args: list[str]) -> dict:
+    """The run's `--json` summary, in a fresh process on a cache of its own."""
+    from compressor.runtime.cache_root import cache_dir
+
+    with tempfile.TemporaryDirectory(prefix="masa-plan-time-") as cache:
+        for folder in ("models", "text", "rates"):
+            if (cache_dir() / folder).is_dir():
+                (Path(cache) / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
+        done = subprocess.run([sys.executable, "-m", "compressor", model, *args, "--json"], capture_output=True,
+                              text=True, env=os.environ | {"MASA_CACHE": cache})  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(summary: dict) -> dict:
+    """Per stage the measured and the planned seconds and their ratio (measured / planned); the run's whole time
+    (what the user waits: every stage, priced or not) against `plan`'s total."""
+    measured, planned = dict(summary["seconds"]), summary["seconds_planned"]
+    # `plan`'s evaluation is both models' passes; a run that scores the original first times it apart.
+    measured["eval"] = measured.get("eval", 0.0) + measured.pop("eval_before", 0.0)
+    stages = {stage: {"measured": round(measured.get(stage, 0.0), 1), "planned": planned[stage],
+                      "ratio": round(measured.get(stage, 0.0) / planned[stage], 3) if planned[stage] else None}
+              for stage in planned if stage != "total"}  # fmt: skip
+    priced = sum(measured.get(stage, 0.0) for stage in stages)
+    unpriced = {k: round(v, 1) for k, v in measured.items() if k not in stages and k != "total"}
+    return {"stages": stages, "unpriced": unpriced, "priced_total": round(priced, 1),
+            "measured_total": round(measured["total"], 1), "planned_total": planned["total"],
+            "total_ratio": round(measured["total"] / planned["total"], 3)}  # fmt: skip
+
+
+def time_orders(width: int = 8960, hidden: int = 1536, tokens: int = 12000) -> dict:
+    """One MLP of these widths (the 1.5B model's) timed alone: the block greedy's order and `order_tail`'s errors
+    (a random autocorrelation of `tokens` tokens), beside their arithmetic at this machine's rates: the factors
+    `ORDER_FACTORS` takes for "greedy-block" and "tail"."""
+    import time
+
+    import torch
+
+    from compressor.api.time_estimate import machine_rates
+    from compressor.math.neurons import neuron_order, order_tail
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, width, generator=generator)
+    c, down = (x.T @ x).double() / tokens, torch.randn(hidden, width, generator=generator)
+    start = time.perf_counter()
+    order = neuron_order("greedy-block", c, down, 1e-4)
+    middle = time.perf_counter()
+    order_tail(c, down, order, 1e-4)
+    end = time.perf_counter()
+    rates = machine_rates(torch.device("cpu"))
+    block = (width**3 / 3 + width * width * hidden / 2) / rates.gemm
+    tail = width**3 / 3 / rates.factor
+    return {"width": width, "hidden": hidden, "order_s": round(middle - start, 2), "tail_s": round(end - middle, 2),
+            "greedy-block": round((middle - start) / block, 2), "tail": round((end - middle) / tail, 2)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    import compressor.api.time_estimate as time_estimate
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--args", default="--targets attn,mlp --ratio 0.2 --ratio-of model --native --no-save"
+    )
+    parser.add_argument("--fit", action="store_true", help="print the factors that fit this run")
+    parser.add_argument("--merge", action="store_true", help="add the run to --out's runs")
+    parser.add_argument("--orders", action="store_true", help="time one 1.5B-wide MLP's neuron order only")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.orders:
+        data = (
+            json.loads(args.out.read_text())
+            if args.out.is_file()
+            else {"machine": machine_info(), "runs": []}
+        )
+        data["neuron_orders"] = time_orders()
+        write_json(args.out, data)
+        log(f"neuron orders: {data['neuron_orders']}")
+        return
+    log(f"masa-compress {args.model} {args.args} --json (a fresh cache)")
+    summary = measured_run(args.model, shlex.split(args.args))
+    row = {"model": args.model, "args": args.args, "command": command_line("benchmarks.experiments.plan_time.run",
+           argv), **compare(summary), "stage_factors": dict(time_estimate.STAGE_FACTORS)}  # fmt: skip
+    if args.fit:
+        row["fitted_factors"] = {
+            stage: round(time_estimate.STAGE_FACTORS[stage] * values["ratio"], 4)
+            for stage, values in row["stages"].items() if values["ratio"] is not None
+        }  # fmt: skip
+        log(f"fitted factors: {row['fitted_factors']}")
+    runs = json.loads(args.out.read_text())["runs"] if args.merge and args.out.is_file() else []
+    write_json(args.out, {"machine": machine_info(), "runs": [*runs, row]})
+    log(f"{args.model}: measured {row['measured_total']:.0f} s, planned {row['planned_total']:.0f} s "
+        f"({row['total_ratio']:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
