@@ -109,8 +109,8 @@ def _projection_spec(layer: int, name: str, module: nn.Module, plan: Compression
     }
     if mode == "basis":  # the projection type(s) reading this basis: its checkpoint key's name
         spec["basis"] = planned.basis
-    if planned.kept_inputs is not None and mode in ("neurons", "heads"):
-        spec["kept_inputs"] = kept_mask(planned.kept_inputs, planned.in_features)
+    if (layer, name) in plan.kept_inputs and mode in ("neurons", "heads"):
+        spec["kept_inputs"] = kept_mask(plan.kept_inputs[(layer, name)], planned.in_features)
     return spec
 
 

@@ -53,9 +53,6 @@ class ProjectionPlan:
     bias: int = 0  # numel of the bias, kept as is
     basis: str | None = None  # `basis` mode: the name of the group's input basis it reads (stored once)
     head_block: int = 0  # `heads` mode: q rows (o columns) of one kept head per KV group: KV heads × head_dim
-    kept_inputs: list[int] | None = (
-        None  # neurons/heads: the original columns down/o read (`layout.kept_mask`)
-    )
 
     @property
     def dense_params(self) -> int:
@@ -140,6 +137,8 @@ class CompressionPlan:
     uniform_mlp: bool = False
     # `neurons` mode: every MLP width a multiple of this (an allocation step is this many neurons)
     width_multiple: int = 1
+    # neurons/heads, once installed: (layer, down_proj/o_proj) -> the original's columns it reads (`layout.kept_mask`)
+    kept_inputs: dict[tuple[int, str], list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         readers = [pp for pp in self.projections if pp.mode == "neurons" and pp.projection == NEURON_READER]

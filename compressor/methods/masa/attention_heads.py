@@ -53,7 +53,7 @@ def install_heads(ctx: MethodContext, plan: CompressionPlan, layer: int, found: 
     head_dim = ctx.shape.geometry.head_dim
     kept = found.kept(per_group)
     rows = head_columns(kept, head_dim)
-    plan.get(layer, HEADS_READER).kept_inputs = rows.tolist()  # o's columns are q's rows
+    plan.kept_inputs[(layer, HEADS_READER)] = rows.tolist()  # o's columns are q's rows
     dtype, device = ctx.model_dtype, ctx.model_device
     install_rows(ctx, layer, HEADS_ROWS, rows)
     with numerical_context(f"layer {layer} attention heads"):

@@ -63,7 +63,7 @@ def install_neurons(ctx: MethodContext, plan: CompressionPlan, layer: int, neuro
     """The layer's MLP at its allocated width: gate/up keep the rows of the kept neurons, down_proj is refit."""
     width = plan.get(layer, NEURON_READER).rank
     kept = neurons.kept(width)
-    plan.get(layer, NEURON_READER).kept_inputs = kept.tolist()
+    plan.kept_inputs[(layer, NEURON_READER)] = kept.tolist()
     dtype, device = ctx.model_dtype, ctx.model_device
     for p in GATED:
         install_rows(ctx, layer, p, kept)
