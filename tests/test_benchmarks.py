@@ -240,6 +240,11 @@ def test_a_results_file_names_the_command_that_made_it(monkeypatch):
     )
     # An empty list is the arguments given (none), not the process's.
     assert command_line("benchmarks.engines.large", []) == "python -m benchmarks.engines.large"
+    # Quoted as a shell reads it back: an argument with spaces stays one, an empty one stays.
+    assert (
+        command_line("m", ["--args", "--ratio 0.2", "--kinds", ""])
+        == "python -m m --args '--ratio 0.2' --kinds ''"
+    )
     assert (
         command_line("benchmarks.engines.large", None)
         == "python -m benchmarks.engines.large --from-the-process"

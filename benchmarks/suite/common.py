@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -41,8 +42,9 @@ def write_json(path: str | Path, payload) -> None:
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
-    """How a results file says it was made: `python -m MODULE ARGS` (the process's own arguments by default)."""
-    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
+    """How a results file says it was made: `python -m MODULE ARGS` (the process's own arguments by default),
+    quoted as a shell reads them back (an argument with spaces, an empty one)."""
+    return " ".join(["python -m", module, shlex.join(sys.argv[1:] if argv is None else argv)]).rstrip()
 
 
 def log(message: str) -> None:

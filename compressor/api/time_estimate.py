@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.device import cpu_name
 from compressor.runtime.memory import Shape, Workload
 
 RATES_FORMAT = 1
@@ -99,9 +99,7 @@ def measure_rates(device: torch.device, dtype: torch.dtype = torch.float32) -> R
 
 def machine_rates(device: torch.device) -> Rates:
     """`measure_rates` once per machine (its CPU or GPU, torch version and threads), then from the cache."""
-    name = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or _cpu_model()
-    )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     identity = f"{RATES_FORMAT}|{name}|{torch.__version__}|{torch.get_num_threads()}|{device.type}"
     path = cache_dir() / "rates" / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
     try:
@@ -111,16 +109,6 @@ def machine_rates(device: torch.device) -> Rates:
     rates = measure_rates(device)
     atomic_write_bytes(path, json.dumps(asdict(rates)).encode())
     return rates
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def layer_products(shape: Shape, seq_len: int) -> float:

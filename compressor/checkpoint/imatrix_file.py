@@ -237,8 +237,9 @@ def importance_from_file(
     naming the first entry that is not this model's (a name it has no matrix of, or another width). An experts
     tensor's per-expert rows are averaged (the tool holds one vector per experts tensor); matrices the file has
     no entry for get none, as `llama-quantize` quantizes them. `kept`: a compressed checkpoint's narrowed matrices
-    (module path -> the original's input width and the columns they read, `checkpoint/layout.kept_columns`), whose weights are
-    the original's entry at those columns: the file of the original serves its compressed model."""
+    (module path -> the original's input width and the columns they read, `checkpoint/layout.kept_columns`),
+    whose weights are the original's entry at those columns: the file of the original serves its compressed
+    model."""
     architecture, tensors = gguf_tensors_of(model)
     matrices = {name: (array.shape[-1], path) for name, array, path in tensors if array.ndim >= 2}
     layers = len(get_adapter(model).layers)

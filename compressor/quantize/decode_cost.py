@@ -18,13 +18,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
 from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.device import cpu_name
 from compressor.runtime.errors import UserError
 
 #: The weights one timed call streams: far beyond the caches, as a model's matrices are.
@@ -64,14 +64,8 @@ def _library():
 
 def cost_key(origin: str) -> str:
     """This CPU and llama.cpp build: what the measured costs belong to."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     stat = os.stat(origin)
-    spec = f"{COST_FORMAT}:{cpu}:{origin}:{stat.st_size}:{stat.st_mtime_ns}"
+    spec = f"{COST_FORMAT}:{cpu_name()}:{origin}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(spec.encode()).hexdigest()[:32]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 
 import torch
 
@@ -16,6 +17,16 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+def cpu_name() -> str:
+    """This CPU's model as Linux names it (`/proc/cpuinfo`), else what `platform` says: what a timing measured on
+    it is cached under (`platform.processor()` alone is only the architecture on many Linux systems)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def resolve_device(name: str = "auto") -> torch.device:
