@@ -12,6 +12,7 @@ from compressor.runtime.errors import NumericalError
 from compressor.statistics.capture import (
     GRAM_BLOCK_COLUMNS,
     GRAM_CHUNK_TOKENS,
+    add_cross,
     add_gram,
     check_gram,
     collect_statistics,
@@ -73,6 +74,22 @@ def test_fp32_products_stay_within_the_stated_bound(tokens, width):
     # and the bound is not vacuous: the relative error in the Frobenius norm is that of fp32, not of nothing
     exact = x.double().T @ x.double()
     assert ((total - exact).norm() / exact.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("tokens", [7, GRAM_CHUNK_TOKENS, 3 * GRAM_CHUNK_TOKENS + 5])
+def test_the_cross_moments_stay_within_the_same_bound(tokens):
+    """`add_cross` (the stream refit's Σ tᵀx) sums fp32 products over the same chunks: its entries' error is
+    bounded by (chunk + 2)·u·Σ|t_i x_j|, windows batched or not."""
+    x, t = _activations(tokens, 96), _activations(tokens, 40, seed=1)
+    total = torch.zeros(40, 96, dtype=torch.float64)
+    add_cross(total, t.view(1, tokens, 40), x.view(1, tokens, 96))
+    exact = t.double().T @ x.double()
+    bound = (GRAM_CHUNK_TOKENS + 2) * UNIT_ROUNDOFF_FP32 * (t.double().abs().T @ x.double().abs())
+    assert bool(((total - exact).abs() <= bound).all())
+    assert ((total - exact).norm() / exact.norm()).item() < 1e-6
+    two_windows = torch.zeros_like(total)
+    add_cross(two_windows, torch.stack([t, 2 * t]), torch.stack([x, x]))
+    assert bool(((two_windows - 3 * exact).abs() <= 3 * bound).all())  # each window its own product, summed
 
 
 def test_only_the_blocks_on_and_above_the_diagonal_are_summed_then_mirrored():

@@ -107,3 +107,41 @@ def test_what_export_format_hf_weighs_is_said_alike_in_help_docs_and_readme(caps
     documented = _paragraph(OPTIONS, "`--format gguf|hf`")
     for text in (shown, documented, " ".join(README.split())):
         assert "smaller than the original only when" in text and "NOT smaller" not in text
+
+
+def test_the_stream_refits_windows_docs_options_quotes_are_the_results_file():
+    """The fewer windows docs/options.md quotes for `--refit stream`: the results file's row of that count."""
+    rows = _results("choices/stream-refit-windows-validation.json")["rows"]
+    paragraph = _paragraph(OPTIONS, "`--refit calibration|stream`")
+    quoted = re.search(
+        r"(\d+) of its (\d+) lost more than the refit gains: (\S+) \[(\S+), (\S+)\]", paragraph
+    )
+    assert quoted, paragraph
+    row = next(r for r in rows if r["variant"] == f"stream-{quoted.group(1)}")
+    assert int(quoted.group(2)) == next(r for r in rows if r["variant"] == "native")["refit_windows"]
+    diff = row["minus_native"]
+    assert quoted.group(3, 4, 5) == tuple(f"{v:+.3f}" for v in (diff["value"], *diff["ci95"]))
+    assert not diff["tie"] and diff["ci95"][0] > 0
+
+
+def test_the_sensitivity_against_none_docs_options_quotes_are_the_results_file():
+    """What docs/options.md says the loss sensitivity's pass buys and costs: the results file's paired difference
+    and the default run's stage seconds."""
+    rows = {r["variant"]: r for r in _results("choices/sensitivity-against-none-validation.json")["rows"]}
+    paragraph = _paragraph(OPTIONS, "`--sensitivity-samples N`")
+    quoted = re.search(
+        r"lost (\S+) \[(\S+), (\S+)\]\s+perplexity, where the pass took (\d+) s of the (\d+) s", paragraph
+    )
+    assert quoted, paragraph
+    diff = rows["global-relative"]["minus_native"]
+    assert quoted.group(1, 2, 3) == tuple(f"{v:+.3f}" for v in (diff["value"], *diff["ci95"]))
+    assert not diff["tie"] and diff["ci95"][0] > 0
+    seconds = rows["native"]["stage_seconds"]
+    assert quoted.group(4, 5) == (f"{seconds['sensitivity']:.0f}", f"{sum(seconds.values()):.0f}")
+
+
+def test_the_busy_share_docs_options_quotes_is_the_codes():
+    """The CPU share below which plan's rates are not kept, as docs/options.md says it."""
+    from compressor.api.time_estimate import BUSY_SHARE
+
+    assert f"under {BUSY_SHARE:.0%} of its time ours" in " ".join(OPTIONS.split())

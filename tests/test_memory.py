@@ -49,11 +49,16 @@ def test_in_memory_terms_by_hand():
     assert evaluated >= weights + 2 * 3 * 10 * 16
     # No sensitivity pass without the loss-aware allocation.
     assert in_memory_phases(TINY, Workload(2, 3, 0))["sensitivity"] == 0
-    # --refit stream: a copy of the original decoder layers, four N×T×H streams, one window's activations and the
-    # widest refit input's fp64 moments (down_proj's: 8 × (8 + 4) per row)
+    # --refit stream: a copy of the original decoder layers, four N×T×H streams, down_proj's kept stream and
+    # inputs (N×T×(H + I)), one window's activations and the widest refit input's fp64 moments (down_proj's:
+    # 8 × (8 + 4) per row); over the windows it reads
     assert parts["stream_refit"] == 0
-    refit = in_memory_phases(TINY, Workload(2, 3, 1, mlp=True, stream_refit=True))["stream_refit"]
-    assert refit == 3 * TINY.layer_params() * 4 + 4 * 2 * 3 * 4 * 4 + act + 8 * 8 * (8 + 4)
+    refit = in_memory_phases(TINY, Workload(2, 3, 1, mlp=True, stream_refit=2))["stream_refit"]
+    assert refit == 3 * TINY.layer_params() * 4 + 4 * 2 * 3 * 4 * 4 + 2 * 3 * (4 + 8) * 4 + act + 8 * 8 * (
+        8 + 4
+    )
+    fewer = in_memory_phases(TINY, Workload(2, 3, 1, mlp=True, stream_refit=1))["stream_refit"]
+    assert refit - fewer == 4 * 3 * 4 * 4 + 3 * (4 + 8) * 4
 
 
 def test_the_neuron_steps_take_more_on_a_gpu_as_measured_there():

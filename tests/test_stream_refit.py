@@ -4,6 +4,7 @@ on the compressed model's own inputs, each to bring the residual stream back to 
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from compressor.modeling.families import FAMILIES
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
+from compressor.statistics.partly_compressed import LayerRunner, _refit_down_proj
 
 VOCAB = 96
 NATIVE = dict(method="masa", targets="attn,mlp", attention="heads", mlp="neurons", sharing="none",
@@ -86,6 +88,33 @@ def test_the_first_layers_o_proj_is_the_least_squares_fit_of_the_original_attent
     expected = torch.linalg.lstsq(x, target).solution.T
     got = stream.model.layers[0].self_attn.o_proj.weight.double()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def stream_refit_at_work():
+    """A stream-refitted tiny model's (adapter, a runner over 4 windows in 2 batches, the context a refit reads,
+    random targets per batch)."""
+    model = compressed_pair()[2]["stream"][0]
+    adapter = get_adapter(model)
+    runner = LayerRunner(model, adapter, torch.randint(0, VOCAB, (4, 16)), batch_size=2)
+    targets = [torch.randn_like(hidden) for hidden in runner.hidden]
+    ctx = SimpleNamespace(
+        adapter=adapter, compute_device=torch.device("cpu"), record_damping=lambda *a, **k: None
+    )
+    return adapter, runner, ctx, targets
+
+
+def test_down_projs_refit_advances_the_stream_exactly_as_a_pass_through_its_layer():
+    """The refit of down_proj returns the layer's output from what its own pass kept (the stream after the
+    attention plus down_proj on its inputs), in place of a third pass: the same numbers as running the layer."""
+    adapter, runner, ctx, targets = stream_refit_at_work()
+    before = adapter.projection(1, "down_proj").weight.clone()
+    with torch.no_grad():
+        runner.advance(0)
+        advanced = _refit_down_proj(ctx, 1, runner, targets)
+        expected = [runner._run(1, batch) for batch in range(len(runner.hidden))]
+    assert not torch.equal(adapter.projection(1, "down_proj").weight, before)  # refitted, then run
+    assert len(advanced) == len(expected) == 2
+    assert all(torch.equal(got, want) for got, want in zip(advanced, expected, strict=True))
 
 
 def test_a_run_with_nothing_to_refit_on_the_stream_is_refused_before_calibration():

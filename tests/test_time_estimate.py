@@ -62,6 +62,47 @@ def test_the_machine_rates_are_measured_once_and_then_read(tmp_path, monkeypatch
     assert time_estimate.machine_rates(torch.device("cpu")) == RATES and len(measured) == 2
 
 
+def test_rates_measured_while_other_work_held_the_cpu_price_one_plan_and_are_not_kept(tmp_path, monkeypatch):
+    """A measurement with a third of the CPU (another job on the cores) would price every later plan three times
+    too long: it prices this estimate, the next one measures again, and the time line says why."""
+    import dataclasses
+
+    import torch
+
+    from compressor.report.tables import time_line
+
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path))
+    busy = dataclasses.replace(RATES, cpu_share=0.34)
+    measured = []
+    monkeypatch.setattr(time_estimate, "measure_rates", lambda device: measured.append(device) or busy)
+    assert time_estimate.machine_rates(torch.device("cpu")) == busy
+    assert time_estimate.machine_rates(torch.device("cpu")) == busy and len(measured) == 2
+    assert not (tmp_path / "rates").exists() or not any((tmp_path / "rates").iterdir())
+    estimate = {
+        "stages": {"calibration": 60.0},
+        "total": 60.0,
+        "rates": dataclasses.asdict(busy),
+        "busy": True,
+    }
+    assert "other work held the CPU (34% of it ours)" in time_line(estimate).plain
+    assert "other work" not in time_line(estimate | {"busy": False}).plain
+
+
+def test_the_cpu_share_of_a_measurement_is_its_process_time_over_its_wall_time_and_threads(monkeypatch):
+    """Process time ticks once a second per busy thread: with half of it (the other half another job's) the
+    share reads a half."""
+    import torch
+
+    clock = iter([0.0, 10.0])  # wall: start, end
+    cpu = iter([0.0, 10.0 * torch.get_num_threads() / 2])  # process time: start, end
+    monkeypatch.setattr(time_estimate.time, "perf_counter", lambda: next(clock, 10.0))
+    monkeypatch.setattr(
+        time_estimate.time, "process_time", lambda: next(cpu, 10.0 * torch.get_num_threads() / 2)
+    )
+    monkeypatch.setattr(time_estimate, "_best_rate", lambda work, run, repeats=3: 1e10)
+    assert time_estimate.measure_rates(torch.device("cpu")).cpu_share == 0.5
+
+
 def test_measured_rates_are_positive_and_finite():
     import math
 
@@ -69,6 +110,7 @@ def test_measured_rates_are_positive_and_finite():
 
     rates = time_estimate.measure_rates(torch.device("cpu"))
     assert all(math.isfinite(r) and r > 1e8 for r in (rates.gemm, rates.gram, rates.factor))
+    assert 0 < rates.cpu_share <= 1
 
 
 def test_plan_prints_the_time_per_stage_and_the_run_sets_it_beside_what_it_took(

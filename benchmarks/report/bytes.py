@@ -8,8 +8,9 @@ import json
 
 from benchmarks.report.byte_choices import byte_choice_lines
 from benchmarks.report.eval_speed import eval_speed_lines
-from benchmarks.report.markdown import difference, paired_reading, reading
+from benchmarks.report.markdown import difference, interval, paired_reading, reading
 from benchmarks.report.plots import REPO
+from compressor.statistics.partly_compressed import STREAM_REFIT_WINDOWS
 
 RESULTS = REPO / "benchmarks" / "results"
 CHOICES = RESULTS / "choices"
@@ -247,6 +248,52 @@ def _sequential_refit() -> list[str]:
         f"({rows['native']['ppl_ratio']:.3f}x to {stream['ppl_ratio']:.3f}x the original's, validation); each "
         f"matrix refit to its own original output instead: {difference(own['minus_native'])}. Adopted as "
         "`--refit stream`, opt-in ([sequential_refit](benchmarks/experiments/sequential_refit/README.md)).",
+        "",
+        *_stream_refit_windows(),
+    ]
+
+
+def _stream_refit_windows() -> list[str]:
+    """The scan behind `partly_compressed.STREAM_REFIT_WINDOWS`: the native run's stream refit on all the
+    calibration windows, on K of them and not at all (the calibration refit), each minus all of them."""
+    path = CHOICES / "stream-refit-windows-validation.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    rows = ["| stream refit reads | perplexity | minus all windows | stream refit (s) |", "|---|---|---|---|"]
+    for row in data["rows"]:
+        windows = (
+            "none (`--refit calibration`)"
+            if row["variant"] == "calibration"
+            else f"{row['refit_windows']} windows"
+        )
+        rows.append(
+            f"| {windows} | {row['ppl']:.3f}{interval(row['ppl_ci95'])} | {difference(row['minus_native'])} | "
+            f"{row['stage_seconds'].get('stream_refit', 0.0):.0f} |"
+        )
+    fewest_tying = min(
+        (
+            row["refit_windows"]
+            for row in data["rows"]
+            if row["variant"].startswith("stream-") and row["minus_native"]["tie"]
+        ),
+        default=None,
+    )
+    default = STREAM_REFIT_WINDOWS or data["calibration_windows"]
+    verdict = (
+        f"The fewest that tie with all of them: {fewest_tying}"
+        if fewest_tying
+        else "None of the counts tried ties"
+    ) + f"; the default reads {default} (`partly_compressed.STREAM_REFIT_WINDOWS`)."
+    return [
+        "### Windows the stream refit reads (`--refit stream`)",
+        "",
+        f"From [`{path.relative_to(REPO)}`]({path.relative_to(REPO)}): `--native` 20% of the model, its stream refit on all "
+        f"{data['calibration_windows']} calibration windows, on K of them evenly spaced, and replaced by the "
+        f"calibration refit; every checkpoint scored on the same {data['tokens']:,} validation tokens, each minus "
+        f"all windows, paired. {verdict}",
+        "",
+        *rows,
         "",
     ]
 

@@ -224,6 +224,7 @@ def _sensitivity_windows(doc: Path) -> list[str]:
         *rows,
         "",
         *_sensitivity_windows_test(doc),
+        *_sensitivity_against_none(doc),
     ]
 
 
@@ -244,6 +245,26 @@ def _sensitivity_windows_test(doc: Path) -> list[str]:
             )
     return [
         f"The same on every token of the **test** split ({link(path, doc)}): " + "; ".join(parts) + ".",
+        "",
+    ]
+
+
+def _sensitivity_against_none(doc: Path) -> list[str]:
+    """The default run (`--native` 20% of the model, its stream refit) with the loss sensitivity against without
+    it (`--allocation global-relative`: no backward pass)."""
+    path, data = _load("sensitivity-against-none-validation.json")
+    if data is None:
+        return []
+    rows = {row["variant"]: row for row in data["rows"]}
+    native, relative = rows["native"], rows["global-relative"]
+    verdict = paired_verdict(relative["minus_native"])
+    seconds = native["stage_seconds"]
+    return [
+        f"Whether the backward pass earns its time at all ({link(path, doc)}): the default run, `--native` 20% of "
+        f"the model, {native['ppl']:.3f} on {data['tokens']:,} validation tokens, its pass "
+        f"{seconds['sensitivity']:.0f} s of the {sum(seconds.values()):.0f} s its stages after the calibration "
+        f"took; without the pass (`--allocation global-relative`) {relative['ppl']:.3f}, {verdict} against the "
+        "default.",
         "",
     ]
 

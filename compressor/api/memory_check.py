@@ -22,6 +22,7 @@ from compressor.runtime.memory import (
     device_peak,
     in_memory_peak,
 )
+from compressor.statistics.partly_compressed import stream_refit_window_count
 
 
 def run_workload(
@@ -41,7 +42,7 @@ def run_workload(
         basis_layers=run_layers(settings),
         eval_seq_len=run.evaluation.seq_len if options.evaluate else 0,
         gate_input=mlp and run.method.reads_gate_input(settings),
-        stream_refit=settings.refit == "stream",
+        stream_refit=stream_refit_window_count(run.calibration.samples) if settings.refit == "stream" else 0,
     )
 
 

@@ -27,7 +27,11 @@ from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
 from compressor.runtime.device import cpu_name
 from compressor.runtime.memory import Shape, Workload
 
-RATES_FORMAT = 1
+RATES_FORMAT = 2  # 2: with the CPU share the measurement had (rates measured under load are not kept)
+#: The least share of the CPU (its process time over the wall time and the threads) a measurement kept in the cache
+#: had: below it, other work held the cores while it ran, and its rates (a third of the machine's, seen here while
+#: a benchmark ran beside the tests) would price every later plan. On an idle machine it reads about 0.9-1.
+BUSY_SHARE = 0.75
 #: Seconds per stage = STAGE_FACTORS[stage] × (its multiply-adds / their rate); fitted on the bundled model's
 #: `--native` run (`benchmarks/experiments/plan_time`): see the module's docstring.
 STAGE_FACTORS = {
@@ -44,6 +48,9 @@ STAGE_FACTORS = {
 #: run at a fourteenth of the product rate), the block greedy's and the errors' Cholesky from one MLP of the 1.5B
 #: model's widths timed alone (`benchmarks/experiments/plan_time --orders`).
 ORDER_FACTORS = {"greedy": 14.2, "greedy-block": 2.61, "tail": 0.79}
+#: The stream refit's passes through a layer, in whole layers' products: the original layer, the compressed one up
+#: to o_proj's input and again up to down_proj's input (most of it), then down_proj on what that pass kept.
+STREAM_PASSES = 2.25
 #: Bytes a second the weights are read and written at (load, save): the factor of those stages scales them.
 DISK_BYTES_PER_SECOND = 1e9
 #: Characters per token of the evaluation text, where a run scores the whole split (its tokens are not counted
@@ -61,6 +68,8 @@ class Rates:
     gram: float
     factor: float
     device: str
+    #: the CPU's share the measurement had (see `BUSY_SHARE`); 1 on a GPU
+    cpu_share: float = 1.0
 
 
 def _best_rate(work: float, run, repeats: int = 3) -> float:
@@ -83,6 +92,7 @@ def measure_rates(device: torch.device, dtype: torch.dtype = torch.float32) -> R
     from compressor.runtime.device import float64_zeros
     from compressor.statistics.capture import add_gram
 
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     tokens, width, out = 512, 1024, 2816
     x = torch.randn(tokens, width, generator=generator).to(device, dtype)
@@ -94,11 +104,16 @@ def measure_rates(device: torch.device, dtype: torch.dtype = torch.float32) -> R
     a = torch.randn(n, n, generator=generator, dtype=torch.float64)
     spd = (a @ a.T / n + torch.eye(n, dtype=torch.float64)).to(device)
     factor = _best_rate(n**3 / 3, lambda: torch.linalg.cholesky(spd))
-    return Rates(gemm=gemm, gram=gram, factor=factor, device=device.type)
+    share = 1.0
+    if device.type == "cpu":
+        cores = (time.perf_counter() - wall_start) * torch.get_num_threads()
+        share = min(1.0, (time.process_time() - cpu_start) / cores)
+    return Rates(gemm=gemm, gram=gram, factor=factor, device=device.type, cpu_share=share)
 
 
 def machine_rates(device: torch.device) -> Rates:
-    """`measure_rates` once per machine (its CPU or GPU, torch version and threads), then from the cache."""
+    """`measure_rates` once per machine (its CPU or GPU, torch version and threads), then from the cache; a
+    measurement taken while other work held the CPU (`BUSY_SHARE`) prices this estimate only."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     identity = f"{RATES_FORMAT}|{name}|{torch.__version__}|{torch.get_num_threads()}|{device.type}"
     path = cache_dir() / "rates" / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
@@ -107,7 +122,8 @@ def machine_rates(device: torch.device) -> Rates:
     except (OSError, ValueError, TypeError):
         pass
     rates = measure_rates(device)
-    atomic_write_bytes(path, json.dumps(asdict(rates)).encode())
+    if rates.cpu_share >= BUSY_SHARE:
+        atomic_write_bytes(path, json.dumps(asdict(rates)).encode())
     return rates
 
 
@@ -159,7 +175,7 @@ def stage_seconds(shape: Shape, work: Workload, run: RunWork, rates: Rates) -> d
         stream_tokens = run.stream_windows * work.seq_len
         refit_grams = layers * (shape.attn**2 + (shape.intermediate**2 if work.mlp else 0))
         arithmetic["stream_refit"] = (
-            3 * stream_tokens * forward / rates.gemm + stream_tokens * refit_grams / rates.gram
+            STREAM_PASSES * stream_tokens * forward / rates.gemm + stream_tokens * refit_grams / rates.gram
         )
     if run.eval_tokens:
         scoring = layers * layer_products(shape, work.eval_seq_len) + head
@@ -186,7 +202,7 @@ def time_estimate(config, run, options, gpu: bool = False) -> dict:
     from compressor.api.memory_check import run_workload
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
     from compressor.runtime.device import resolve_device
-    from compressor.statistics.partly_compressed import STREAM_REFIT_WINDOWS
+    from compressor.statistics.partly_compressed import stream_refit_window_count
 
     shape, work = Shape.from_config(config), run_workload(run, options, gpu)
     settings = run.compression
@@ -199,7 +215,7 @@ def time_estimate(config, run, options, gpu: bool = False) -> dict:
         attention_factors=settings.attention == "factors"
         and "q_proj" in target_projections(settings.targets),
         mlp_factors=mlp and settings.mlp == "lowrank",
-        stream_windows=min(work.windows, STREAM_REFIT_WINDOWS or work.windows) if stream else 0,
+        stream_windows=stream_refit_window_count(work.windows) if stream else 0,
         eval_tokens=(evaluation_tokens(run) or 0) if options.evaluate else 0,
         eval_passes=2,  # the original and the compressed model (in one pass, or the original's first)
         weights_bytes=params * element,
@@ -209,7 +225,7 @@ def time_estimate(config, run, options, gpu: bool = False) -> dict:
     stages = stage_seconds(shape, work, done, rates)
     unpriced = ["eval"] if options.evaluate and not done.eval_tokens else []  # a hub text of unknown length
     return {"stages": {k: round(v, 1) for k, v in stages.items()}, "total": round(sum(stages.values()), 1),
-            "unpriced": unpriced, "rates": asdict(rates)}  # fmt: skip
+            "unpriced": unpriced, "rates": asdict(rates), "busy": rates.cpu_share < BUSY_SHARE}  # fmt: skip
 
 
 def evaluation_tokens(run) -> int | None:

@@ -85,14 +85,15 @@ def _next_token_log_probs(model: nn.Module, input_ids: torch.Tensor) -> torch.Te
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def summed_window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Summed NLL per window (fp64), ``(B,)``."""
     targets = input_ids[:, 1:].to(log_probs.device)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
     return -picked.to(statistics_device(picked.device)).double().sum(dim=1)  # MPS has no fp64
 
 
-def _check_finite(values: torch.Tensor, first: int, what: str) -> None:
+def check_finite_losses(values: torch.Tensor, first: int, what: str) -> None:
+    """Refuse windows `first`.. of `what` whose summed loss is not finite, naming them."""
     if not all_finite(values):
         raise NumericalError(
             f"non-finite loss in evaluation windows {first}..{first + len(values) - 1} of {what}: "
@@ -100,9 +101,10 @@ def _check_finite(values: torch.Tensor, first: int, what: str) -> None:
         )
 
 
-def _result(
+def perplexity_result(
     window_nll: list[float], window_tokens: list[int], seq_len: int, seconds: float
 ) -> PerplexityResult:
+    """The perplexity, its interval over windows and the per-window sums a paired difference reads."""
     total_tokens = sum(window_tokens)
     mean = sum(window_nll) / total_tokens
     return PerplexityResult(
@@ -138,12 +140,12 @@ def evaluate_perplexity(
     with progress_bar(description, total=n, enabled=progress) as bar:
         for first in range(0, n, batch_size):
             batch = windows[first : first + batch_size].to(device)
-            nll = _window_nll(_next_token_log_probs(model, batch), batch)
-            _check_finite(nll, first, "the model")
+            nll = summed_window_nll(_next_token_log_probs(model, batch), batch)
+            check_finite_losses(nll, first, "the model")
             window_nll.extend(nll.tolist())
             bar.advance(len(batch))
     tokens = [int(windows.shape[1]) - 1] * n
-    return _result(window_nll, tokens, int(windows.shape[1]), time.perf_counter() - start)
+    return perplexity_result(window_nll, tokens, int(windows.shape[1]), time.perf_counter() - start)
 
 
 def kl_and_agreement(
@@ -187,16 +189,16 @@ def evaluate_against(
             t = time.perf_counter()
             batch = windows[first : first + batch_size].to(_device_of(reference))
             ref_lp = _next_token_log_probs(reference, batch)
-            nll = _window_nll(ref_lp, batch)
-            _check_finite(nll, first, "the original model")
+            nll = summed_window_nll(ref_lp, batch)
+            check_finite_losses(nll, first, "the original model")
             ref_nll.extend(nll.tolist())
             seconds["reference"] += time.perf_counter() - t
             for name, model in candidates.items():
                 t = time.perf_counter()
                 cand_batch = batch.to(_device_of(model))
                 lp = _next_token_log_probs(model, cand_batch)
-                nll = _window_nll(lp, cand_batch)
-                _check_finite(nll, first, f"model {name}")
+                nll = summed_window_nll(lp, cand_batch)
+                check_finite_losses(nll, first, f"model {name}")
                 kl, agree = kl_and_agreement(ref_lp, lp.to(ref_lp.device), per_token=True)
                 cand_nll[name].extend(nll.tolist())
                 cand_kl[name].extend(kl.cpu())
@@ -204,10 +206,10 @@ def evaluate_against(
                 seconds[name] += time.perf_counter() - t
             bar.advance(len(batch))
     tokens = [seq_len - 1] * n
-    ref = _result(ref_nll, tokens, seq_len, seconds["reference"])
+    ref = perplexity_result(ref_nll, tokens, seq_len, seconds["reference"])
     scored = {}
     for name in candidates:
-        result = _result(cand_nll[name], tokens, seq_len, seconds[name])
+        result = perplexity_result(cand_nll[name], tokens, seq_len, seconds[name])
         window_kl = [float(kl.sum()) for kl in cand_kl[name]]
         token_kl = torch.cat(cand_kl[name]).numpy() if cand_kl[name] else np.zeros(1)
         faith = Faithfulness(

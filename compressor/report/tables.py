@@ -297,10 +297,16 @@ def time_line(estimate: dict) -> Text:
         f", {stage} not counted (a hub text's length is unknown offline)"
         for stage in estimate.get("unpriced", [])
     )
+    busy = (
+        f"; priced while other work held the CPU ({estimate['rates']['cpu_share']:.0%} of it ours): shorter once "
+        "that work is done"
+        if estimate.get("busy")
+        else ""
+    )
     return Text.assemble(
         ("time: ", "bold"),
         f"about {_duration(estimate['total'])} on this machine{' with --layerwise' if estimate.get('layerwise') else ''} "
-        f"({shown}{unpriced}; less the calibration where its statistics are cached)",
+        f"({shown}{unpriced}; less the calibration where its statistics are cached{busy})",
     )
 
 

@@ -110,8 +110,8 @@ class Workload:
     basis_layers: int = 4
     eval_seq_len: int = 0  # 0: no evaluation
     gate_input: bool = True  # with `mlp`: whether gate/up's input autocorrelation is collected
-    # `--refit stream`: a copy of the original decoder layers runs beside (in memory only)
-    stream_refit: bool = False
+    # `--refit stream` (in memory only): the calibration windows it reads (0: no stream refit)
+    stream_refit: int = 0
 
     def inputs(self, shape: Shape) -> list[int]:
         """The widths of the inputs whose autocorrelations this run collects."""
@@ -182,17 +182,21 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
 
 def stream_refit_bytes(shape: Shape, w: Workload) -> int:
     """`--refit stream` (in memory only): the copy of the original decoder layers, the two streams and the
-    layer's outputs on the original one (four N×T×H tensors), one window's activations, and the widest refit
-    input's fp64 moments (x xᵀ and t xᵀ). Measured on an H200 at the 1.5B shapes: its run's peak allocated was
-    2.43 GiB above the default's, about the copy's 2.44 (`benchmarks/results/gpu-native-stream.json`, `gpu.json`;
-    the native run without it was not measured there)."""
+    layer's outputs on the original one (four N×T×H tensors over the windows it reads), with MLP targets what
+    down_proj's refit keeps to advance the stream without another pass (the stream after the attention and
+    down_proj's input, N×T×(H + I)), one window's activations, and the widest refit input's fp64 moments (x xᵀ and
+    t xᵀ). Measured on an H200 at the 1.5B shapes before down_proj's inputs were kept: its run's peak allocated
+    was 2.43 GiB above the default's, about the copy's 2.44 (`benchmarks/results/gpu-native-stream.json`,
+    `gpu.json`; the native run without it was not measured there)."""
     if not w.stream_refit:
         return 0
     copy = shape.layers * shape.layer_params() * w.dtype_bytes
-    streams = 4 * w.windows * w.seq_len * shape.hidden * w.dtype_bytes
+    tokens = w.stream_refit * w.seq_len
+    streams = 4 * tokens * shape.hidden * w.dtype_bytes
+    kept = tokens * (shape.hidden + shape.intermediate) * w.dtype_bytes if w.mlp else 0
     widest = shape.intermediate if w.mlp else shape.attn
     moments = 8 * widest * (widest + shape.hidden)
-    return copy + streams + activations(shape, w.seq_len, w.dtype_bytes) + moments
+    return copy + streams + kept + activations(shape, w.seq_len, w.dtype_bytes) + moments
 
 
 def phase_compress(shape: Shape, w: Workload) -> int:

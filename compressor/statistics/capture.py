@@ -235,6 +235,17 @@ def add_gram(target: torch.Tensor, x: torch.Tensor) -> None:
                 add_in_float64(target[block, block.start :], product)
 
 
+def add_cross(target: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> None:
+    """`target += tᵀx` over the tokens of targets `t (..., T, m)` and inputs `x (..., T, d)`: the least squares'
+    cross moments, computed as `add_gram` computes its own (fp32 products over at most `GRAM_CHUNK_TOKENS` tokens of
+    one window, summed in fp64), within the same bound (tests/test_capture.py)."""
+    for t_window, x_window in zip(t.reshape(-1, *t.shape[-2:]), x.reshape(-1, *x.shape[-2:]), strict=True):
+        for t_chunk, x_chunk in zip(
+            t_window.split(GRAM_CHUNK_TOKENS), x_window.split(GRAM_CHUNK_TOKENS), strict=True
+        ):
+            add_in_float64(target, t_chunk.float().T @ x_chunk.float())
+
+
 def check_gram(total: torch.Tensor, where: str) -> None:
     """Refuse an accumulated `Σ xᵀx` whose diagonal is not finite. A non-finite activation makes its column's Σ x²
     non-finite, as does a product that overflowed fp32 (+inf: squares cannot cancel, and no off-diagonal sum

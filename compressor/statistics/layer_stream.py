@@ -32,10 +32,10 @@ from torch import nn
 from compressor.evaluation.perplexity import (
     Faithfulness,
     PerplexityResult,
-    _check_finite,
-    _result,
-    _window_nll,
+    check_finite_losses,
     kl_and_agreement,
+    perplexity_result,
+    summed_window_nll,
 )
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
@@ -401,8 +401,8 @@ def spill_original_outputs(
 
 
 def _checked_nll(log_probs: torch.Tensor, batch: torch.Tensor, first: int, what: str) -> list[float]:
-    window_nll = _window_nll(log_probs, batch)
-    _check_finite(window_nll, first, what)
+    window_nll = summed_window_nll(log_probs, batch)
+    check_finite_losses(window_nll, first, what)
     return window_nll.tolist()
 
 
@@ -444,7 +444,7 @@ def evaluate_layerwise(
                 kl_sum, agree_sum = kl_sum + float(kl.sum()), agree_sum + int(agree.sum())
                 seconds["compressed"] += time.perf_counter() - t
     tokens = [seq_len - 1] * n
-    before = _result(nll["original"], tokens, seq_len, seconds["original"])
-    after = _result(nll["compressed"], tokens, seq_len, seconds["compressed"])
+    before = perplexity_result(nll["original"], tokens, seq_len, seconds["original"])
+    after = perplexity_result(nll["compressed"], tokens, seq_len, seconds["compressed"])
     faith = Faithfulness(kl_sum / after.tokens, agree_sum / after.tokens, after.ppl / before.ppl)
     return before, after, faith

@@ -20,7 +20,7 @@ from compressor.modeling.adapters import ATTN_INPUT_PROJECTIONS, INPUT_OF, PROJE
 from compressor.runtime.device import autocast_to, float64_zeros
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.capture import add_gram, check_gram, token_mean
+from compressor.statistics.capture import add_cross, add_gram, check_gram, token_mean
 
 
 class _Stop(Exception):
@@ -202,15 +202,24 @@ def original_layers(adapter) -> list[tuple[nn.Module, dict[str, str]]]:
 
 
 #: The calibration windows the stream refit reads at most (evenly spaced among them; None: all of them). Its cost
-#: grows with the windows (two models advanced through every layer), its solves need only enough tokens per input.
+#: grows with the windows (two models advanced through every layer), but on the bundled model's validation split
+#: every smaller count tried (32, 64, 128 of 256) lost more than the refit gains: down_proj's refit, as wide as the
+#: kept MLP, then fits the calibration text's own gap
+#: (benchmarks/results/choices/stream-refit-windows-validation.json). A benchmark may set it.
 STREAM_REFIT_WINDOWS: int | None = None
+
+
+def stream_refit_window_count(windows: int) -> int:
+    """How many of a calibration's `windows` `--refit stream` reads."""
+    return windows if STREAM_REFIT_WINDOWS is None else min(windows, STREAM_REFIT_WINDOWS)
 
 
 def stream_refit_windows(windows: torch.Tensor) -> torch.Tensor:
     """The windows `--refit stream` reads: at most `STREAM_REFIT_WINDOWS` of `windows`, evenly spaced."""
-    if STREAM_REFIT_WINDOWS is None or len(windows) <= STREAM_REFIT_WINDOWS:
+    count = stream_refit_window_count(len(windows))
+    if count == len(windows):
         return windows
-    return windows[torch.linspace(0, len(windows) - 1, STREAM_REFIT_WINDOWS).round().long()]
+    return windows[torch.linspace(0, len(windows) - 1, count).round().long()]
 
 
 def refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
@@ -237,11 +246,18 @@ def _refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> No
             outputs = [
                 _original_layer(*originals[layer], runner, layer, b, stream[b]) for b in range(len(stream))
             ]
+            # The compressed attention runs twice (up to o_proj, then up to down_proj): handing o_proj's refitted
+            # output on instead measured no faster on the bundled model (32 windows, in turns: 66.0 and 62.2 s
+            # against 61.7 and 64.5 s), for N×T×H more memory; the time is in the products and moments.
             if "o_proj" in todo:  # to the original stream after the attention, less the compressed input
-                _solve(ctx, layer, "o_proj", runner, [(o + h) for o, _, h in outputs], subtract_input=True)
+                _refit_o_proj(ctx, layer, runner, [(o + h) for o, _, h in outputs])
+            advanced = None
             if "down_proj" in todo:  # to the original layer's output, less the compressed stream at the MLP
-                _solve(ctx, layer, "down_proj", runner, [out for _, out, _ in outputs], subtract_input=False)
-            runner.advance(layer)
+                advanced = _refit_down_proj(ctx, layer, runner, [out for _, out, _ in outputs])
+            if advanced is None:
+                runner.advance(layer)
+            else:  # the refit's own pass gave the layer's output: no third pass through the layer
+                runner.hidden = advanced
             stream = [out for _, out, _ in outputs]
             bar.advance()
     ctx.seconds["stream_refit"] = time.perf_counter() - start
@@ -272,34 +288,61 @@ def _original_layer(layer_module, paths, runner: LayerRunner, index: int, batch:
     return seen["o"], out, hidden
 
 
-def _solve(
-    ctx, layer: int, projection: str, runner: LayerRunner, targets: list, subtract_input: bool
-) -> None:
-    """Refit `projection` of the compressed `layer` by least squares on its inputs over every batch, to the
-    targets less the compressed stream where the matrix's output is added (the layer's input for o_proj; for
-    down_proj, the stream after the attention: the layer's input plus o_proj's output)."""
-    module = ctx.adapter.projection(layer, projection)
-    width = module.in_features
-    if width == 0:  # the layer kept no neuron or head: no column to refit (its output is its bias, if any)
+@torch.no_grad()
+def _refit_o_proj(ctx, layer: int, runner: LayerRunner, targets: list) -> None:
+    """Refit o_proj of the compressed `layer` by least squares on its inputs over every batch, to the targets less
+    the layer's input (where its output is added)."""
+    module = ctx.adapter.projection(layer, "o_proj")
+    if module.in_features == 0:  # the layer kept no head: no column to refit (its output is its bias, if any)
         return
-    gram = float64_zeros(width, width, device=runner.hidden[0].device)
+    pairs = ((x, targets[b] - runner.hidden[b]) for b, x, _ in runner.each_input(layer, "o_proj"))
+    _least_squares(ctx, layer, "o_proj", module, pairs)
+
+
+@torch.no_grad()
+def _refit_down_proj(ctx, layer: int, runner: LayerRunner, targets: list) -> list[torch.Tensor] | None:
+    """Refit down_proj of the compressed `layer` by least squares on its inputs over every batch, to the targets
+    less the compressed stream where its output is added (the layer's input plus o_proj's output).
+
+    Returns the layer's output on every batch with the refitted matrix, `stream + down_proj(x)` from what its pass
+    kept (the inputs: tokens × width per batch), which is the sum the residual layer itself computes (checked on
+    the original layers by `_original_layer`): the caller advances the stream by it instead of a third pass
+    through the layer. None where the layer kept no neuron."""
+    module = ctx.adapter.projection(layer, "down_proj")
+    if module.in_features == 0:  # no column to refit (its output is its bias, if any)
+        return None
+    kept: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ] = []  # per batch, the stream its output is added to and its input
+
+    def pairs():
+        for batch, x, outputs in runner.each_input(layer, "down_proj", ("o_proj",)):
+            stream = runner.hidden[batch] + outputs["o_proj"]
+            kept.append((stream, x))
+            yield x, targets[batch] - stream
+
+    _least_squares(ctx, layer, "down_proj", module, pairs())
+    return [stream + module(x) for stream, x in kept]
+
+
+def _least_squares(ctx, layer: int, projection: str, module: nn.Module, pairs) -> None:
+    """Set `module`'s weight to the least-squares fit of the gaps (less its bias) from its inputs, over the
+    (input, gap) `pairs`; the solve reads fp64 sums of x xᵀ and gap xᵀ. Where nothing reaches the input, the
+    calibration's refit stays."""
+    width = module.in_features
+    gram = float64_zeros(width, width, device=module.weight.device)
     cross = torch.zeros(module.out_features, width, dtype=torch.float64, device=gram.device)
     tokens = 0
-    watched = () if subtract_input else ("o_proj",)
-    for batch, x, outputs in runner.each_input(layer, projection, watched):
-        hidden = runner.hidden[batch]
-        gap = targets[batch] - (hidden if subtract_input else hidden + outputs["o_proj"])
+    for x, gap in pairs:
         if module.bias is not None:
             gap = gap - module.bias
         add_gram(gram, x)
-        cross += gap.reshape(-1, gap.shape[-1]).double().T @ x.reshape(-1, width).double()
+        add_cross(cross, gap, x)
         tokens += x.numel() // width
     check_gram(gram, f"layer {layer} {projection} (stream refit)")
     gram = token_mean(gram, tokens)
     factor = whitening_factor(gram.to(ctx.compute_device))
     ctx.record_damping(factor, layer=layer, input=f"{projection} (stream refit)")
-    if factor.input_is_zero:  # nothing reaches it: the calibration's refit stays
-        return
-    refit = torch.cholesky_solve((cross / tokens).T.to(factor.S.device), factor.S).T
-    with torch.no_grad():
+    if not factor.input_is_zero:
+        refit = torch.cholesky_solve((cross / tokens).T.to(factor.S.device), factor.S).T
         module.weight.copy_(refit.to(dtype=module.weight.dtype, device=module.weight.device))

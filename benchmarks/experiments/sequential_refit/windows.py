@@ -1,8 +1,8 @@
 """How many calibration windows the stream refit needs (`--native`'s default refit), on the validation split.
 
 The stream refit advances the original and the compressed model through every layer over the calibration
-windows: its time grows with them (433 s of a 463 s `--native` run of the bundled model at 256 windows), while
-its least-squares solves need only enough tokens per input. Here the same native run (20% of the model) refits
+windows: its time grows with them (its stage time in the run's summary), while its least-squares solves need
+enough tokens per input. Here the same native run (20% of the model) refits
 on all the windows (`native`, today's default), on K of them evenly spaced (`stream-K`), and by the calibration
 refit (`calibration`, no stream pass); every variant scored in one pass over the same validation windows, paired
 with `native`. The cheapest K whose difference to `native` is inside its interval is the default
