@@ -3,7 +3,8 @@ settings (no weight read): what `plan` prints beside the memory, and what a run'
 times it measured.
 
 Each stage is its arithmetic, in multiply-adds, at the rate of the kind of work it is, three rates measured once
-on this machine in a few seconds (`machine_rates`, cached per CPU or GPU, torch version and threads):
+on this machine in a few seconds (`machine_rates`, cached per CPU or GPU, torch version and threads, unless
+other work held the CPU meanwhile: `BUSY_SHARE`):
 - `gemm`: the model's products (fp32 on a CPU, the model dtype on a GPU) of a forward pass: per token and layer
   2·H·A + 2·H·K + 3·H·I, and T·A twice for the attention's scores and values; V·H for the head;
 - `gram`: `capture.add_gram`'s width² per token per input (the autocorrelations, fp32 products summed in fp64);

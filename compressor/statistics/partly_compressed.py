@@ -311,9 +311,8 @@ def _refit_down_proj(ctx, layer: int, runner: LayerRunner, targets: list) -> lis
     module = ctx.adapter.projection(layer, "down_proj")
     if module.in_features == 0:  # no column to refit (its output is its bias, if any)
         return None
-    kept: list[
-        tuple[torch.Tensor, torch.Tensor]
-    ] = []  # per batch, the stream its output is added to and its input
+    # per batch, the stream down_proj's output is added to and its input
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pairs():
         for batch, x, outputs in runner.each_input(layer, "down_proj", ("o_proj",)):
