@@ -72,6 +72,11 @@ class Rates:
     #: the CPU's share the measurement had (see `BUSY_SHARE`); 1 on a GPU
     cpu_share: float = 1.0
 
+    @property
+    def busy(self) -> bool:
+        """Measured while other work held the CPU: prices one estimate, never cached."""
+        return self.cpu_share < BUSY_SHARE
+
 
 def _best_rate(work: float, run, repeats: int = 3) -> float:
     """work / the fastest of `repeats` timings of `run()` (each repeated until it lasts 0.1 s)."""
@@ -123,7 +128,7 @@ def machine_rates(device: torch.device) -> Rates:
     except (OSError, ValueError, TypeError):
         pass
     rates = measure_rates(device)
-    if rates.cpu_share >= BUSY_SHARE:
+    if not rates.busy:
         atomic_write_bytes(path, json.dumps(asdict(rates)).encode())
     return rates
 
@@ -226,7 +231,7 @@ def time_estimate(config, run, options, gpu: bool = False) -> dict:
     stages = stage_seconds(shape, work, done, rates)
     unpriced = ["eval"] if options.evaluate and not done.eval_tokens else []  # a hub text of unknown length
     return {"stages": {k: round(v, 1) for k, v in stages.items()}, "total": round(sum(stages.values()), 1),
-            "unpriced": unpriced, "rates": asdict(rates), "busy": rates.cpu_share < BUSY_SHARE}  # fmt: skip
+            "unpriced": unpriced, "rates": asdict(rates), "busy": rates.busy}  # fmt: skip
 
 
 def evaluation_tokens(run) -> int | None:

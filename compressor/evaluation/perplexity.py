@@ -85,20 +85,24 @@ def _next_token_log_probs(model: nn.Module, input_ids: torch.Tensor) -> torch.Te
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def summed_window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def _window_nll(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Summed NLL per window (fp64), ``(B,)``."""
     targets = input_ids[:, 1:].to(log_probs.device)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
     return -picked.to(statistics_device(picked.device)).double().sum(dim=1)  # MPS has no fp64
 
 
-def check_finite_losses(values: torch.Tensor, first: int, what: str) -> None:
-    """Refuse windows `first`.. of `what` whose summed loss is not finite, naming them."""
+def checked_window_nll(
+    log_probs: torch.Tensor, input_ids: torch.Tensor, first: int, what: str
+) -> list[float]:
+    """Summed NLL per window (fp64), refused where not finite: windows `first`.. of `what` named."""
+    values = _window_nll(log_probs, input_ids)
     if not all_finite(values):
         raise NumericalError(
             f"non-finite loss in evaluation windows {first}..{first + len(values) - 1} of {what}: "
             "the model produces NaN/inf logits (try --dtype float32)"
         )
+    return values.tolist()
 
 
 def perplexity_result(
@@ -140,9 +144,9 @@ def evaluate_perplexity(
     with progress_bar(description, total=n, enabled=progress) as bar:
         for first in range(0, n, batch_size):
             batch = windows[first : first + batch_size].to(device)
-            nll = summed_window_nll(_next_token_log_probs(model, batch), batch)
-            check_finite_losses(nll, first, "the model")
-            window_nll.extend(nll.tolist())
+            window_nll.extend(
+                checked_window_nll(_next_token_log_probs(model, batch), batch, first, "the model")
+            )
             bar.advance(len(batch))
     tokens = [int(windows.shape[1]) - 1] * n
     return perplexity_result(window_nll, tokens, int(windows.shape[1]), time.perf_counter() - start)
@@ -189,18 +193,14 @@ def evaluate_against(
             t = time.perf_counter()
             batch = windows[first : first + batch_size].to(_device_of(reference))
             ref_lp = _next_token_log_probs(reference, batch)
-            nll = summed_window_nll(ref_lp, batch)
-            check_finite_losses(nll, first, "the original model")
-            ref_nll.extend(nll.tolist())
+            ref_nll.extend(checked_window_nll(ref_lp, batch, first, "the original model"))
             seconds["reference"] += time.perf_counter() - t
             for name, model in candidates.items():
                 t = time.perf_counter()
                 cand_batch = batch.to(_device_of(model))
                 lp = _next_token_log_probs(model, cand_batch)
-                nll = summed_window_nll(lp, cand_batch)
-                check_finite_losses(nll, first, f"model {name}")
+                cand_nll[name].extend(checked_window_nll(lp, cand_batch, first, f"model {name}"))
                 kl, agree = kl_and_agreement(ref_lp, lp.to(ref_lp.device), per_token=True)
-                cand_nll[name].extend(nll.tolist())
                 cand_kl[name].extend(kl.cpu())
                 cand_agree[name] += int(agree.sum())
                 seconds[name] += time.perf_counter() - t

@@ -32,10 +32,9 @@ from torch import nn
 from compressor.evaluation.perplexity import (
     Faithfulness,
     PerplexityResult,
-    check_finite_losses,
+    checked_window_nll,
     kl_and_agreement,
     perplexity_result,
-    summed_window_nll,
 )
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
@@ -400,12 +399,6 @@ def spill_original_outputs(
         )
 
 
-def _checked_nll(log_probs: torch.Tensor, batch: torch.Tensor, first: int, what: str) -> list[float]:
-    window_nll = summed_window_nll(log_probs, batch)
-    check_finite_losses(window_nll, first, what)
-    return window_nll.tolist()
-
-
 def evaluate_layerwise(
     om: OffloadedModel,
     windows: torch.Tensor,
@@ -435,11 +428,11 @@ def evaluate_layerwise(
                 batch = batch.to(om.device)
                 t = time.perf_counter()
                 reference = stream.log_probs(b, f.get_tensor(f"b{b}").to(om.device))
-                nll["original"].extend(_checked_nll(reference, batch, first, "the original model"))
+                nll["original"].extend(checked_window_nll(reference, batch, first, "the original model"))
                 seconds["original"] += time.perf_counter() - t
                 t = time.perf_counter()
                 log_probs = stream.log_probs(b, candidate[b])
-                nll["compressed"].extend(_checked_nll(log_probs, batch, first, "the compressed model"))
+                nll["compressed"].extend(checked_window_nll(log_probs, batch, first, "the compressed model"))
                 kl, agree = kl_and_agreement(reference, log_probs)
                 kl_sum, agree_sum = kl_sum + float(kl.sum()), agree_sum + int(agree.sum())
                 seconds["compressed"] += time.perf_counter() - t
