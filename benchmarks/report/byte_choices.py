@@ -124,6 +124,7 @@ ROUNDING_TWINS = {
     "size nearest": (None, "minus_mix_nearest"),
     "size compensated": ("minus_size_nearest", "minus_mix_nearest"),
     "size compensated quantized stream": ("minus_size_compensated", None),
+    "mix compensated quantized stream": ("minus_mix_compensated", None),
 }
 
 
@@ -139,16 +140,19 @@ def _compensated_rounding(choices: Path = CHOICES) -> list[str]:
             f"{data['tokens']:,} tokens, llama.cpp; the original {data['original_ppl']:.2f} in transformers): "
             "llama.cpp's importance-weighted mix and `export --size` at its bytes, each rounded `nearest` "
             "(llama.cpp's own) and `compensated`; the KL is to the original per token (mean, and its 99.9th "
-            "percentile over tokens); each difference paired on the same windows, perplexity then KL.",
+            "percentile over tokens); each difference paired on the same windows, perplexity then KL. A "
+            "`quantized stream` file's statistics were measured on the inputs of the layers below already "
+            "rounded, and its twin is the compensated file on the original's statistics.",
             "",
-            "| budget | file | MiB | perplexity | KL (p99.9) | top-1 | − its nearest twin [95%] | − the mix, nearest "
-            "[95%] |",
-            "|---|---|---|---|---|---|---|---|",
+            "| budget | file | MiB | rounding (s) | perplexity | KL (p99.9) | top-1 | − its twin [95%] | − the mix, "
+            "nearest [95%] |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in data["rows"]:
             twin, mix = ROUNDING_TWINS.get(row["kind"], (None, None))
+            rounding = "" if row.get("rounding_seconds") is None else f"{row['rounding_seconds']:.0f}"
             lines.append(
-                f"| {row['type']} | {row['kind']} | {row['bytes'] / 2**20:.2f} | {row['ppl']:.3f} | "
+                f"| {row['type']} | {row['kind']} | {row['bytes'] / 2**20:.2f} | {rounding} | {row['ppl']:.3f} | "
                 f"{row['kl']:.4f} ({row['kl_p999']:.3f}) | {row['top1']:.2%} | {_ppl_and_kl(row, twin)} | "
                 f"{_ppl_and_kl(row, mix)} |"
             )

@@ -161,29 +161,35 @@ def _bytes_rows(data: dict, name: str, title: str) -> str:
     p = data["protocol"]
     structure = any(row.get("ours") == "structure" for row in data["frontier"])
     ours = "`compress --size`" if structure else "`export --size`"
+    kl = {(r["type"], r["imatrix"]): r["kl"] for r in data["rows"] if "kl" in r}
     lines = [
         "| budget (the size of llama.cpp's mix) | llama.cpp's mix, same importance weights: perplexity | "
-        f"{ours}: MiB, perplexity | ours − mix [95%] |",
-        "|---|---|---|---|",
+        f"{ours}: MiB, perplexity | ours − mix [95%] | mean KL to the original: mix → ours (× the mix's) |",
+        "|---|---|---|---|---|",
     ]
     for row in by_budget(data):
         verdict = reading(row["diff_lo"], row["diff_hi"], "**better**", "worse")
+        mix_kl, ours_kl = kl[(row["type"], "calibration")], kl[(row["type"], row.get("ours", "size"))]
         lines.append(
             f"| {row['type']}: {row['baseline_bytes'] / 2**20:.1f} MiB | {row['baseline_ppl']:.2f} | "
             f"{row['ours_bytes'] / 2**20:.1f}, {row['ours_ppl']:.2f} | {row['diff']:+.2f} "
-            f"[{row['diff_lo']:+.2f}, {row['diff_hi']:+.2f}] {verdict} |"
+            f"[{row['diff_lo']:+.2f}, {row['diff_hi']:+.2f}] {verdict} | {mix_kl:.4f} → {ours_kl:.4f} "
+            f"({ours_kl / mix_kl:.2f}x) |"
         )
     gains = data["imatrix_gain"]
     gain = ", ".join(
         f"{t} {g['plain_minus_imatrix']:+.2f} [{g['ci95'][0]:+.2f}, {g['ci95'][1]:+.2f}]"
         for t, g in ((t, gains[t]) for t in ("q4_k_m", "q3_k_m", "q2_k") if t in gains)
     )
-    f16 = next(r["ppl"] for r in data["rows"] if r["type"] == "f16")
+    f16, f16_kl = next((r["ppl"], r["kl"]) for r in data["rows"] if r["type"] == "f16")
     lines += [
         "",
         f"{title} as GGUF files run by llama.cpp: perplexity on the first {p['tokens']:,} predicted tokens of the "
         f"test split ({p['windows']} windows of {p['seq_len']}), paired on the same windows; the original at f16: "
-        f"{f16:.2f}. {_structure_reading(data) if structure else 'Types only: no structure in these files.'} "
+        f"{f16:.2f}. The KL is per predicted token, to the original's next-token distribution in transformers, "
+        f"averaged (the f16 file's own: {f16_kl:.1e}, what the engine adds on a float file); its intervals need "
+        "the frontier measured again (the runs kept no per-window KL). "
+        f"{_structure_reading(data) if structure else 'Types only: no structure in these files.'} "
         f"The importance weights alone (llama.cpp's mix without them minus with them): {gain}. "
         + CAVEATS[name]
         + f" Every row: [benchmarks/results/bytes-{name}.md](benchmarks/results/bytes-{name}.md).",

@@ -1,7 +1,8 @@
 """Does `--rounding compensated` pay, and where? On the VALIDATION split.
 
-At each of `--types` (a llama.cpp mix): the importance-weighted mix rounded `nearest` (llama.cpp's own) and
-`compensated`, and `export --size` at the mix's bytes rounded both ways (the types chosen the same way: the
+At each of `--types` (a llama.cpp mix): the importance-weighted mix rounded in each of `--mix-kinds` (`nearest`,
+llama.cpp's own, always; `compensated`; `compensated quantized stream`, its statistics measured on the inputs the
+already rounded layers produce), and `export --size` at the mix's bytes rounded in each of `--size-kinds` (the types chosen the same way: the
 allocation prices `nearest`'s errors). llama.cpp scores every file on the first `--max-tokens` validation tokens
 against the original in transformers; each compensated file is paired with its nearest twin on the same windows
 (perplexity and the mean KL to the original, 95% intervals; inside it, a tie), and every `--size` file with the
@@ -30,6 +31,7 @@ PAIRS = (
     ("size nearest", "mix nearest"),
     ("size compensated", "mix nearest"),
     ("size compensated quantized stream", "size compensated"),
+    ("mix compensated quantized stream", "mix compensated"),
 )
 #: The files of one budget: kind → `export`'s options besides the type or the size.
 KINDS = {
@@ -39,14 +41,15 @@ KINDS = {
 }
 
 
-def write_files(model: str, types: list[str], kinds: list[str], work: Path) -> dict:
+def write_files(model: str, types: list[str], mix_kinds: list[str], kinds: list[str], work: Path) -> dict:
     """(mix name, kind) → what was written: its file, bytes, matrices by type and seconds. The mixes are
-    written `nearest` and `compensated`, the `--size` files in each of `kinds`."""
+    written `nearest` and in each of `mix_kinds`, the `--size` files in each of `kinds`."""
     files = {}
     for tensor_type in types:
-        for kind in ("nearest", "compensated"):
+        for kind in dict.fromkeys(["nearest", *mix_kinds]):
             log(f"export {model} --type {tensor_type} --rounding {kind}")
-            files[(tensor_type, f"mix {kind}")] = _export(model, work / f"{tensor_type}-mix-{kind}.gguf",
+            name = kind.replace(" ", "-")
+            files[(tensor_type, f"mix {kind}")] = _export(model, work / f"{tensor_type}-mix-{name}.gguf",
                                                           tensor_type=tensor_type, **KINDS[kind])  # fmt: skip
         budget = files[(tensor_type, "mix nearest")]["bytes"]
         for kind in kinds:
@@ -95,13 +98,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--types", default="q4_k_m,q3_k_m,q2_k")
     parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--mix-kinds", default="compensated", help=f"among {', '.join(KINDS)}")
     parser.add_argument("--size-kinds", default="nearest,compensated", help=f"among {', '.join(KINDS)}")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     with tempfile.TemporaryDirectory(prefix="masa-rounding-") as work:
-        kinds = [k.strip() for k in args.size_kinds.split(",") if k.strip()]
-        files = write_files(args.model, types, kinds, Path(work))
+        mix_kinds, kinds = (
+            [k.strip() for k in a.split(",") if k.strip()] for a in (args.mix_kinds, args.size_kinds)
+        )
+        if unknown := [k for k in (*mix_kinds, *kinds) if k not in KINDS]:
+            parser.error(f"unknown kind {unknown[0]!r}: choose among {', '.join(KINDS)}")
+        files = write_files(args.model, types, mix_kinds, kinds, Path(work))
         paths = {f"{t}|{kind}": f["out"] for (t, kind), f in files.items()}
         reference, scored = score_files(args.model, paths, args.max_tokens, per_pass=4, split="validation")
     write_json(args.out, {
