@@ -1,6 +1,7 @@
 """The validation runs behind `--size`'s defaults and options (`benchmarks/results/choices/`), as BENCHMARKS.md
 section 7 shows them: the error model, the structure's weight κ, the structure's error on new text, the refit
-under a byte budget, `--only-types`, `--rounding compensated`, and the decode cost of ggml's kernels."""
+under a byte budget, `--only-types`, `--rounding compensated`, the decode cost of ggml's kernels, and what a ladder
+of budgets costs."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ CHOICES = REPO / "benchmarks" / "results" / "choices"
 def byte_choice_lines() -> list[str]:
     return [
         *_llama_quantize_port(), *_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types(),
-        *_compensated_rounding(), *_rounding_by_projection(), *_decode_cost(),
+        *_compensated_rounding(), *_rounding_by_projection(), *_decode_cost(), *_ladder_cost(),
     ]  # fmt: skip
 
 
@@ -358,3 +359,27 @@ def _decode_cost(choices: Path = CHOICES) -> list[str]:
             )
         lines.append("")
     return lines
+
+
+def _ladder_cost(choices: Path = CHOICES) -> list[str]:
+    """`export --type`, then `--size` at two budgets, each a process of its own on a fresh cache: seconds each, and
+    whether the importance weights and the rounding errors were measured or read from the cache."""
+    path = choices / "byte-ladder-cost.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        f"**What a ladder of budgets costs** (`{data['command']}`, {data['model']}, {data['machine']['cpu']}, "
+        f"{data['machine']['usable_cores']} cores): each command a process of its own, in order, on a cache of "
+        "its own (nothing measured before the first).",
+        "",
+        "| command | seconds | importance weights and sensitivities | rounding errors per type |",
+        "|---|---|---|---|",
+    ]
+    for run in data["runs"]:
+        stages = run["stages"]
+        lines.append(
+            f"| `export {data['model']} OUT {run['flags']}` | {run['seconds']:.0f} | "
+            f"{stages['importance'] or 'not needed'} | {stages['rounding_errors'] or 'not needed'} |"
+        )
+    return [*lines, ""]
