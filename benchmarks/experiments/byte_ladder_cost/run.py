@@ -29,6 +29,7 @@ STAGES = {"importance": "Importance weights", "rounding_errors": "Rounding error
 
 
 def fresh_cache(path: Path) -> Path:
+    """A new cache folder at `path` (for `MASA_CACHE`) with the real cache's `SHARED` folders linked in."""
     path.mkdir()
     for folder in SHARED:
         if (cache_dir() / folder).is_dir():

@@ -2,11 +2,12 @@
 
 At each of `--types` (a llama.cpp mix): the importance-weighted mix rounded in each of `--mix-kinds` (`nearest`,
 llama.cpp's own, always; `compensated`; `compensated quantized stream`, its statistics measured on the inputs the
-already rounded layers produce), and `export --size` at the mix's bytes rounded in each of `--size-kinds` (the types chosen the same way: the
-allocation prices `nearest`'s errors). llama.cpp scores every file on the first `--max-tokens` validation tokens
-against the original in transformers; each compensated file is paired with its nearest twin on the same windows
-(perplexity and the mean KL to the original, 95% intervals; inside it, a tie), and every `--size` file with the
-mix rounded nearest (the baseline).
+already rounded layers produce), and `export --size` at the mix's bytes rounded in each of `--size-kinds` (the
+types chosen the same way: the allocation prices `nearest`'s errors). llama.cpp scores every file on the first
+`--max-tokens` validation tokens against the original in transformers; each compensated file is paired with its
+twin on the same windows (the nearest one; for a quantized stream, the compensated one on the original's
+statistics; perplexity and the mean KL to the original, 95% intervals; inside it, a tie), and every `--size` file
+with the mix rounded nearest (the baseline).
 
     python -m benchmarks.experiments.compensated_rounding.run --model smollm2-135m \
         --out benchmarks/results/choices/compensated-rounding-smollm2-135m-validation.json
