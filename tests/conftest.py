@@ -201,17 +201,13 @@ def bundled_run(tmp_path_factory):
 
 
 def cache_of_its_own(path: Path, shared: tuple[str, ...] = ("models", "text", "zero-shot", "rates")) -> Path:
-    """A fresh cache folder at `path` (for `MASA_CACHE`) with the `shared` folders of the real cache linked in (the
-    packaged models, the unpacked texts, this machine's measured rates, `api/time_estimate.py`): what a run writes
-    there is its own, what it only reads is not copied."""
+    """`benchmarks.suite.common.cache_of_its_own`, with the real cache's rates folder made first, so that the rates
+    a test's run measures are linked in and kept."""
+    from benchmarks.suite.common import cache_of_its_own as fresh_cache
     from compressor.runtime.cache_root import cache_dir
 
-    path.mkdir()
     (cache_dir() / "rates").mkdir(parents=True, exist_ok=True)
-    for folder in shared:
-        if (cache_dir() / folder).is_dir():
-            (path / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
-    return path
+    return fresh_cache(path, shared)
 
 
 @pytest.fixture(scope="session")

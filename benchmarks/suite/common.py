@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark sections: machine description, memory readings, child processes."""
+"""Helpers shared by the benchmark sections: machine description, memory readings, child processes, a cache of a
+run's own."""
 
 from __future__ import annotations
 
@@ -260,3 +261,17 @@ def _measure_module(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _measure_module(sys.argv[1:])
+
+
+def cache_of_its_own(path: Path, shared: tuple[str, ...] = ("models", "text", "zero-shot", "rates")) -> Path:
+    """A fresh cache folder at `path` (for `MASA_CACHE`) with the `shared` folders of the real cache linked in (the
+    packaged models, the unpacked texts, this machine's measured rates, `api/time_estimate.py`): what a run writes
+    there is its own, what it only reads is not copied. The experiments that time a run from nothing and the
+    tests that must not meet an earlier run's statistics use it."""
+    from compressor.runtime.cache_root import cache_dir
+
+    path.mkdir()
+    for folder in shared:
+        if (cache_dir() / folder).is_dir():
+            (path / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
+    return path

@@ -19,22 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.suite.common import command_line, log, machine_info, write_json
-from compressor.runtime.cache_root import cache_dir
+from benchmarks.suite.common import cache_of_its_own, command_line, log, machine_info, write_json
 
 #: The real cache's folders a fresh one links in: assets, not measurements.
 SHARED = ("models", "text", "zero-shot")
 #: The two stages a byte budget measures, as its log names them; a stage read instead says "from cache".
 STAGES = {"importance": "Importance weights", "rounding_errors": "Rounding errors per type"}
-
-
-def fresh_cache(path: Path) -> Path:
-    """A new cache folder at `path` (for `MASA_CACHE`) with the real cache's `SHARED` folders linked in."""
-    path.mkdir()
-    for folder in SHARED:
-        if (cache_dir() / folder).is_dir():
-            (path / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
-    return path
 
 
 def timed_export(model: str, out: Path, flags: list[str], cache: Path) -> dict:
@@ -70,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         *(["--size", s.strip()] for s in args.sizes.split(",") if s.strip()),
     ]
     with tempfile.TemporaryDirectory(prefix="masa-ladder-") as work:
-        cache = fresh_cache(Path(work) / "cache")
+        cache = cache_of_its_own(Path(work) / "cache", SHARED)
         runs = []
         for index, flags in enumerate(steps):
             log(f"export {args.model} {' '.join(flags)}")

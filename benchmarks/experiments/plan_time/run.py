@@ -27,17 +27,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.suite.common import command_line, log, machine_info, write_json
+from benchmarks.suite.common import cache_of_its_own, command_line, log, machine_info, write_json
 
 
 def measured_run(model: str, args: list[str]) -> dict:
     """The run's `--json` summary, in a fresh process on a cache of its own."""
-    from compressor.runtime.cache_root import cache_dir
-
-    with tempfile.TemporaryDirectory(prefix="masa-plan-time-") as cache:
-        for folder in ("models", "text", "rates"):
-            if (cache_dir() / folder).is_dir():
-                (Path(cache) / folder).symlink_to(cache_dir() / folder, target_is_directory=True)
+    with tempfile.TemporaryDirectory(prefix="masa-plan-time-") as work:
+        cache = str(cache_of_its_own(Path(work) / "cache", ("models", "text", "rates")))
         done = subprocess.run([sys.executable, "-m", "compressor", model, *args, "--json"], capture_output=True,
                               text=True, env=os.environ | {"MASA_CACHE": cache})  # fmt: skip
     if done.returncode != 0:
