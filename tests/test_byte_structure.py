@@ -312,7 +312,10 @@ def test_a_size_run_that_goes_layer_by_layer_by_itself_writes_the_in_memory_file
     tmp_path, monkeypatch, capsys
 ):
     """`compress --size` whose structure run fits in memory only layer by layer switches to `--layerwise` by
-    itself (said in a line) and writes the very file the in-memory run writes."""
+    itself (said in a line) and writes the very file the in-memory run writes; its summary sets `plan --size`'s
+    time beside the stages it took."""
+    import json
+
     pytest.importorskip("xllamacpp")
     from conftest import tiny_model
     from test_gguf_tokenizer import bundled_tokenizer_files
@@ -324,8 +327,16 @@ def test_a_size_run_that_goes_layer_by_layer_by_itself_writes_the_in_memory_file
     tiny_model("llama", vocab_size=49152).save_pretrained(folder)
     bundled_tokenizer_files(folder)
     common = ["--size", "5800KiB", "--calib-samples", "80", "--seq-len", "64", "--no-eval"]
-    main([str(folder), "--out", str(tmp_path / "memory.gguf"), *common])
-    assert "layer by layer" not in capsys.readouterr().err
+    main(
+        [str(folder), *common, "--dry-run", "--json"]
+    )  # `plan --size`: the run carries its time beside its own
+    planned = json.loads(capsys.readouterr().out)["time"]
+    main([str(folder), "--out", str(tmp_path / "memory.gguf"), *common, "--json"])
+    captured = capsys.readouterr()
+    assert "layer by layer" not in captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["seconds_planned"] == planned["stages"] | {"total": planned["total"]}
+    assert set(planned["stages"]) <= set(summary["seconds"]), (planned["stages"], summary["seconds"])
     estimate_of = memory_check.run_memory
 
     def little_memory(*args, **kwargs):  # a byte less than the in-memory peak, which layer by layer fits

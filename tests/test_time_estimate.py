@@ -151,8 +151,8 @@ def test_plan_prints_the_time_per_stage_and_the_run_sets_it_beside_what_it_took(
 def test_a_hub_evaluation_text_is_not_read_and_left_unpriced_unless_capped(tmp_path):
     from types import SimpleNamespace
 
-    def run(source, max_tokens=None):
-        return SimpleNamespace(evaluation=SimpleNamespace(source=source, split="test", max_tokens=max_tokens))
+    def run(source, max_tokens=None):  # an evaluation's settings, as `EvaluationSettings` holds them
+        return SimpleNamespace(source=source, split="test", max_tokens=max_tokens)
 
     # No network here: a hub source read would raise; it is neither read nor guessed.
     assert time_estimate.evaluation_tokens(run("wikitext2")) is None

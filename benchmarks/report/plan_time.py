@@ -24,7 +24,10 @@ def plan_time_section() -> list[str]:
         "(`compressor/api/time_estimate.py`), fitted on the bundled model's run below (its plan is the one made "
         "before the fit, every factor 1) and, for the neuron orders, on one MLP of the 1.5B model's widths timed "
         "alone; each run alone on the machine, its statistics measured afresh (a cache of its own). The total is "
-        f"the run's whole time, the stages `plan` does not price included; held to within {WITHIN:g}x either way.",
+        f"the run's whole time, the stages `plan` does not price included; held to within {WITHIN:g}x either way. "
+        "A `--size` run's rows (`plan --size`, `compressor/api/size_time.py`) price its importance pass, its "
+        "structure's `compress` run, the export (ggml's rounding at its rate per type, measured once here too) and "
+        "the file's scoring in llama.cpp, with factors of their own fitted on the first such row.",
         "",
         "| model, run | stage: measured / planned (s) | total measured / planned | verdict |",
         "|---|---|---|---|",

@@ -35,7 +35,7 @@ from compressor.api.export import (
     tokenizer_source,
 )
 from compressor.api.model_loading import check_window_fits, load_model, resolve_model
-from compressor.api.preview import read_model_config
+from compressor.api.preview import model_parameter_count, read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
 from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
@@ -170,6 +170,9 @@ def compress_to_size(
         structure_options = fitting(
             model, config, structure_run(options, targets, out), device, dtype, progress
         )
+    planned = size_time(
+        model, config, options, structure_options, wanted.bytes_for(model_parameter_count(config))
+    )
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     prepared = measure_original(source, config, targets, wanted, options, device, progress)
@@ -214,7 +217,32 @@ def compress_to_size(
         seconds["eval"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - start
     summary["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    summary["seconds_planned"] = planned["stages"] | {"total": planned["total"]}
     return SizeRun(summary)
+
+
+def size_time(model: str, config, options: CompressOptions, structure_options, budget: int) -> dict:
+    """`size_time.size_time_estimate` of this run: its importance pass's calibration, its evaluation, and the
+    structure's `compress` run (`structure_options`, None: types only) as `compress` would make it."""
+    from compressor.api.export import importance_calibration
+    from compressor.api.session import resolve_run
+    from compressor.api.size_time import size_time_estimate
+    from compressor.runtime.device import resolve_device
+
+    source = resolve_model(model)
+    evaluation = None
+    if options.evaluate:
+        evaluation = resolve_eval_settings(EvalSettings(
+            text=options.eval_text, split=options.eval_split, seq_len=options.eval_seq_len,
+            max_tokens=options.eval_max_tokens or None), None)  # fmt: skip
+    structure = (
+        None if structure_options is None else (resolve_run(model, structure_options), structure_options)
+    )
+    importance = importance_calibration(source, source, options.calib_samples)
+    gpu = resolve_device("auto").type == "cuda"
+    return size_time_estimate(
+        config, importance, evaluation, budget, structure, gpu, options.rounding == "compensated"
+    )
 
 
 #: What to do when a folder's tokenizer cannot be converted (compress has no --tokenizer-from).
@@ -294,8 +322,6 @@ def _compress(model, options, device, dtype, progress) -> dict:
 def check_least_bytes(config, targets: str | None, wanted, allowed: frozenset[str] | None = None) -> None:
     """A one-line error, before any weight is read, when the matrices alone in their smallest types exceed the
     budget (the exact check, metadata and tokenizer counted, follows once the model is loaded)."""
-    from compressor.api.preview import model_parameter_count
-
     least = smallest_from_config(config, targets, allowed)
     budget = wanted.bytes_for(model_parameter_count(config))
     if least > budget:
@@ -324,12 +350,20 @@ def _score(out: Path, options: CompressOptions, device: str, dtype: str, progres
     return evaluate(str(out), settings, device=device, dtype=dtype, progress=progress).to_dict()
 
 
+def runs_layerwise(memory: dict) -> bool:
+    """Whether the structure's run goes layer by layer: asked, or the only way it fits in the memory free now (as
+    `fitting` chooses for the run)."""
+    free = memory["available_bytes"]
+    return bool(
+        memory["layerwise"] or (free and memory["in_memory_bytes"] > free >= memory["layerwise_bytes"])
+    )
+
+
 def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -> dict:
     """What `compress --size` would do, from the config alone (no weights, no calibration): the budget in bytes and
     bits per weight, what the allocation may narrow (the widths and head counts it chooses from), and the memory
     the run needs. The widths and types themselves follow from the calibration."""
     from compressor.api.memory_check import memory_estimate
-    from compressor.api.preview import model_parameter_count
     from compressor.api.session import resolve_run
     from compressor.methods.masa.byte_structure import candidate_widths
     from compressor.runtime.device import resolve_device
@@ -344,6 +378,7 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
             f"model_type '{model_type}': --size writes a GGUF, and llama.cpp has no architecture for it here"
         )
     targets, note_ = structure_targets(model, config, options)
+    structure_options = None
     allowed = parse_only_types(options.only_types)
     parameters = model_parameter_count(config)
     budget = wanted.bytes_for(parameters)
@@ -366,5 +401,9 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
             "heads_per_kv_group": list(range(heads, -(-heads // 2) - 1, -1)) if "attn" in targets else [],
         }  # fmt: skip
         gpu = resolve_device("auto").type == "cuda"
-        result["memory"] = memory_estimate(config, run, run_options, gpu=gpu)
+        result["memory"] = memory = memory_estimate(config, run, run_options, gpu=gpu)
+        structure_options = structure_run(options, targets, Path(default_out(model, "plan")))
+        if runs_layerwise(memory):
+            structure_options = replace(structure_options, layerwise=True)
+    result["time"] = size_time(model, config, options, structure_options, budget)
     return result

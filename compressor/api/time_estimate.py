@@ -16,23 +16,17 @@ What the arithmetic leaves out (hooks, Python, memory traffic, the layers moved 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.cache_root import BUSY_SHARE, measured_once
 from compressor.runtime.device import cpu_name
 from compressor.runtime.memory import Shape, Workload
 
 RATES_FORMAT = 2  # 2: with the CPU share the measurement had (rates measured under load are not kept)
-#: The least share of the CPU (its process time over the wall time and the threads) a measurement kept in the cache
-#: had: below it, other work held the cores while it ran, and its rates (a third of the machine's, seen here while
-#: a benchmark ran beside the tests) would price every later plan. On an idle machine it reads about 0.9-1.
-BUSY_SHARE = 0.75
 #: Seconds per stage = STAGE_FACTORS[stage] × (its multiply-adds / their rate); fitted on the bundled model's
 #: `--native` run (`benchmarks/experiments/plan_time`): see the module's docstring.
 STAGE_FACTORS = {
@@ -122,15 +116,7 @@ def machine_rates(device: torch.device) -> Rates:
     measurement taken while other work held the CPU (`BUSY_SHARE`) prices this estimate only."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     identity = f"{RATES_FORMAT}|{name}|{torch.__version__}|{torch.get_num_threads()}|{device.type}"
-    path = cache_dir() / "rates" / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
-    try:
-        return Rates(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
-    rates = measure_rates(device)
-    if not rates.busy:
-        atomic_write_bytes(path, json.dumps(asdict(rates)).encode())
-    return rates
+    return measured_once("", identity, lambda: measure_rates(device), Rates)
 
 
 def layer_products(shape: Shape, seq_len: int) -> float:
@@ -222,25 +208,28 @@ def time_estimate(config, run, options, gpu: bool = False) -> dict:
         and "q_proj" in target_projections(settings.targets),
         mlp_factors=mlp and settings.mlp == "lowrank",
         stream_windows=stream_refit_window_count(work.windows) if stream else 0,
-        eval_tokens=(evaluation_tokens(run) or 0) if options.evaluate else 0,
+        eval_tokens=(evaluation_tokens(run.evaluation) or 0) if options.evaluate else 0,
         eval_passes=2,  # the original and the compressed model (in one pass, or the original's first)
         weights_bytes=params * element,
         saved_bytes=params * element if options.save else 0,
     )
     rates = machine_rates(resolve_device("cuda" if gpu else "cpu"))
     stages = stage_seconds(shape, work, done, rates)
-    unpriced = ["eval"] if options.evaluate and not done.eval_tokens else []  # a hub text of unknown length
+    unpriced = [UNKNOWN_TEXT] if options.evaluate and not done.eval_tokens else []
     return {"stages": {k: round(v, 1) for k, v in stages.items()}, "total": round(sum(stages.values()), 1),
             "unpriced": unpriced, "rates": asdict(rates), "busy": rates.busy}  # fmt: skip
 
 
-def evaluation_tokens(run) -> int | None:
-    """The tokens a run scores: its `max_tokens`, else the whole split's, from its characters. A hub text's length
-    is not known before it is downloaded (and `plan` stays offline): None, the evaluation left unpriced, unless
-    `max_tokens` bounds it."""
+#: What `plan` says of an evaluation it cannot price.
+UNKNOWN_TEXT = "eval not counted (a hub text's length is unknown offline)"
+
+
+def evaluation_tokens(evaluation) -> int | None:
+    """The tokens an evaluation (`EvaluationSettings`) scores: its `max_tokens`, else the whole split's, from its
+    characters. A hub text's length is not known before it is downloaded (and `plan` stays offline): None, the
+    evaluation left unpriced, unless `max_tokens` bounds it."""
     from compressor.calibration.sources import load_documents
 
-    evaluation = run.evaluation
     spec = (evaluation.source or "wikipedia").strip()
     if spec.lower() not in OFFLINE_TEXTS and not Path(spec).expanduser().exists():
         return evaluation.max_tokens or None

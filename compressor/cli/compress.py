@@ -16,7 +16,7 @@ from compressor.cli.help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli.inspect import show_plan
 from compressor.cli.size import compress_to_size_command
 from compressor.math.accounting import NEURON_READER
-from compressor.report import basis_label, group_label, kept_by_type
+from compressor.report import basis_label, group_label, kept_by_type, stage_times_table
 from compressor.runtime.errors import UserError
 
 console = Console()
@@ -252,18 +252,7 @@ def print_summary(summary: dict) -> None:
             f"[dim]{quality['tokens']:,} predicted tokens of {quality['evaluation_text']}{capped}; brackets: 95% "
             "bootstrap intervals over windows; KL: mean KL divergence from the original, nats/token[/]"
         )
-    times = Table(
-        title="time per stage (s; planned in brackets)"
-        if summary.get("seconds_planned")
-        else "time per stage (s)"
-    )
-    for stage in summary["seconds"]:
-        times.add_column(stage, justify="right")
-    times.add_row(*(f"{v:.1f}" for v in summary["seconds"].values()))
-    planned = summary.get("seconds_planned") or {}
-    if planned:  # what `plan` said this run would take, where it prices that stage
-        times.add_row(*(f"({planned[k]:.0f})" if k in planned else "" for k in summary["seconds"]))
-    console.print(times)
+    console.print(stage_times_table(summary))
     console.print(
         f"peak memory {summary['peak_rss_gb']:.2f} GiB · checkpoint: {summary['out'] or '(not saved)'}"
     )

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.api.run_options import CompressOptions
+from compressor.report import stage_times_table, time_line
 
 console = Console()
 
@@ -33,7 +34,7 @@ def compress_to_size_command(model, options, ratio_given, dry_run, as_json, devi
 
 def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_json: bool) -> None:
     """`plan --size` / `compress --size --dry-run`: the budget and what the allocation chooses from."""
-    from compressor.api.size import plan_size
+    from compressor.api.size import plan_size, runs_layerwise
 
     plan = plan_size(model, options, ratio_given)
     if as_json:
@@ -63,10 +64,10 @@ def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_j
             f"[bold]Memory[/] at the peak: {memory['in_memory_bytes'] / 2**30:.2f} GiB in memory, "
             f"{memory['layerwise_bytes'] / 2**30:.2f} GiB with --layerwise"
             + (f"; {free / 2**30:.1f} GiB available now" if free else "")
-            + ("; the run compresses layer by layer (--layerwise)" if memory["layerwise"] or (
-                free and memory["in_memory_bytes"] > free >= memory["layerwise_bytes"]) else "")
-        )  # fmt: skip
+            + ("; the run compresses layer by layer (--layerwise)" if runs_layerwise(memory) else "")
+        )
     console.print(f"[dim]Chosen after calibration: {plan['after_calibration']}.[/]")
+    console.print(time_line(plan["time"]))
 
 
 def print_size_summary(summary: dict) -> None:
@@ -97,3 +98,4 @@ def print_size_summary(summary: dict) -> None:
         console.print(
             f"[dim]{quality['tokens']:,} predicted tokens ({quality['split']} split), the file run by llama.cpp[/]"
         )
+    console.print(stage_times_table(summary))

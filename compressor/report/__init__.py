@@ -33,7 +33,15 @@ from compressor.report.records import (
     write_json,
 )
 from compressor.report.run_report import write_run_report
-from compressor.report.tables import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
+from compressor.report.tables import (
+    energy_table,
+    groupings_table,
+    input_bases_table,
+    kl_table,
+    plan_tables,
+    stage_times_table,
+    time_line,
+)
 
 __all__ = [
     "ALLOCATION_EXTRA_INCHES",
@@ -56,6 +64,8 @@ __all__ = [
     "kept_fractions",
     "kl_table",
     "plan_tables",
+    "stage_times_table",
+    "time_line",
     "plot_energy",
     "plot_allocation",
     "plot_grouping",

@@ -289,14 +289,15 @@ def _memory_line(memory: dict) -> Text:
     )
 
 
+#: What a cache saves of a `compress` run's estimate (a byte budget's says its own: `size_time`).
+CACHED = "less the calibration where its statistics are cached"
+
+
 def time_line(estimate: dict) -> Text:
     """The run's estimated time on this machine, its total and its longest stages."""
     stages = sorted(estimate["stages"].items(), key=lambda item: -item[1])
     shown = ", ".join(f"{stage.replace('_', ' ')} {_duration(seconds)}" for stage, seconds in stages[:4])
-    unpriced = "".join(
-        f", {stage} not counted (a hub text's length is unknown offline)"
-        for stage in estimate.get("unpriced", [])
-    )
+    unpriced = "".join(f", {why}" for why in estimate.get("unpriced", []))
     busy = (
         f"; priced while other work held the CPU ({estimate['rates']['cpu_share']:.0%} of it ours): shorter once "
         "that work is done"
@@ -306,8 +307,20 @@ def time_line(estimate: dict) -> Text:
     return Text.assemble(
         ("time: ", "bold"),
         f"about {_duration(estimate['total'])} on this machine{' with --layerwise' if estimate.get('layerwise') else ''} "
-        f"({shown}{unpriced}; less the calibration where its statistics are cached{busy})",
+        f"({shown}{unpriced}; {estimate.get('cached', CACHED)}{busy})",
     )
+
+
+def stage_times_table(summary: dict) -> Table:
+    """A run's seconds per stage, and under them what `plan` said it would take where it prices that stage."""
+    planned = summary.get("seconds_planned") or {}
+    times = Table(title="time per stage (s; planned in brackets)" if planned else "time per stage (s)")
+    for stage in summary["seconds"]:
+        times.add_column(stage, justify="right")
+    times.add_row(*(f"{v:.1f}" for v in summary["seconds"].values()))
+    if planned:
+        times.add_row(*(f"({planned[k]:.0f})" if k in planned else "" for k in summary["seconds"]))
+    return times
 
 
 def _duration(seconds: float) -> str:

@@ -60,3 +60,27 @@ def sha256_of(path: Path) -> str:
         while block := f.read(1 << 24):
             digest.update(block)
     return digest.hexdigest()
+
+
+#: The least share of the CPU (its process time over the wall time and the threads) a measurement kept in the cache
+#: had: below it, other work held the cores while it ran, and its rates (a third of the machine's, seen here while
+#: a benchmark ran beside the tests) would price every later plan. On an idle machine it reads about 0.9-1.
+BUSY_SHARE = 0.75
+
+
+def measured_once(name: str, identity: str, measure, kind):
+    """A timing measured once per machine: `kind(**fields)` of the JSON cached under `rates/NAME-<identity's
+    hash>.json` where it reads, else `measure()`, kept there unless it was taken while other work held the CPU
+    (its `busy`: it would price every later estimate too long), then priced this once."""
+    import json
+    from dataclasses import asdict
+
+    path = cache_dir() / "rates" / f"{name}{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
+    try:
+        return kind(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    measured = measure()
+    if not measured.busy:
+        atomic_write_bytes(path, json.dumps(asdict(measured)).encode())
+    return measured

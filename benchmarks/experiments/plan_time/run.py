@@ -12,6 +12,9 @@ model; the 1.5B model's run checks them. `--merge` adds the run to the results f
         --out benchmarks/results/choices/plan-time.json
     python -m benchmarks.experiments.plan_time.run --orders --out benchmarks/results/choices/plan-time.json
 
+A `--size` run is compared the same way (`plan --size`: `compressor/api/size_time.py`); its `--fit` gives the
+factors of the stages a byte budget adds (`SIZE_FACTORS`): see README.md for the two runs.
+
 `--orders` times one MLP of the 1.5B model's widths (the block greedy's order and its errors) beside their
 arithmetic: the factors `ORDER_FACTORS` takes for them (the bundled model's run orders its neurons greedily).
 """
@@ -34,6 +37,8 @@ def measured_run(model: str, args: list[str]) -> dict:
     """The run's `--json` summary, in a fresh process on a cache of its own."""
     with tempfile.TemporaryDirectory(prefix="masa-plan-time-") as work:
         cache = str(cache_of_its_own(Path(work) / "cache", ("models", "text", "rates")))
+        if "--size" in args:  # its GGUF, written beside the cache and removed with it
+            args = [*args, "--out", str(Path(work) / "out.gguf")]
         done = subprocess.run([sys.executable, "-m", "compressor", model, *args, "--json"], capture_output=True,
                               text=True, env=os.environ | {"MASA_CACHE": cache})  # fmt: skip
     if done.returncode != 0:
@@ -45,6 +50,7 @@ def compare(summary: dict) -> dict:
     """Per stage the measured and the planned seconds and their ratio (measured / planned); the run's whole time
     (what the user waits: every stage, priced or not) against `plan`'s total."""
     measured, planned = dict(summary["seconds"]), summary["seconds_planned"]
+    measured.pop("structure_total", None)  # a --size run's structure stages, summed (each is compared)
     # `plan`'s evaluation is both models' passes; a run that scores the original first times it apart.
     measured["eval"] = measured.get("eval", 0.0) + measured.pop("eval_before", 0.0)
     stages = {stage: {"measured": round(measured.get(stage, 0.0), 1), "planned": planned[stage],
@@ -83,8 +89,18 @@ def time_orders(width: int = 8960, hidden: int = 1536, tokens: int = 12000) -> d
             "greedy-block": round((middle - start) / block, 2), "tail": round((end - middle) / tail, 2)}  # fmt: skip
 
 
+def stage_factors(size: bool) -> dict[str, float]:
+    """Each stage's factor this run was planned with: a `compress` run's `STAGE_FACTORS`; a `--size` run's
+    `SIZE_FACTORS` for the stages a byte budget adds, its structure's `structure_*` at the compress run's."""
+    from compressor.api.size_time import SIZE_FACTORS
+    from compressor.api.time_estimate import STAGE_FACTORS
+
+    if not size:
+        return dict(STAGE_FACTORS)
+    return {f"structure_{stage}": factor for stage, factor in STAGE_FACTORS.items()} | SIZE_FACTORS
+
+
 def main(argv: list[str] | None = None) -> None:
-    import compressor.api.time_estimate as time_estimate
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -108,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     log(f"masa-compress {args.model} {args.args} --json (a fresh cache)")
     summary = measured_run(args.model, shlex.split(args.args))
+    factors = stage_factors("budget" in summary)
     row = {"model": args.model, "args": args.args, "command": command_line("benchmarks.experiments.plan_time.run",
-           argv), **compare(summary), "stage_factors": dict(time_estimate.STAGE_FACTORS)}  # fmt: skip
+           argv), **compare(summary), "stage_factors": factors}  # fmt: skip
     if args.fit:
         row["fitted_factors"] = {
-            stage: round(time_estimate.STAGE_FACTORS[stage] * values["ratio"], 4)
+            stage: round(factors[stage] * values["ratio"], 4)
             for stage, values in row["stages"].items() if values["ratio"] is not None
         }  # fmt: skip
         log(f"fitted factors: {row['fitted_factors']}")
