@@ -128,10 +128,9 @@ def size_time_estimate(
         planned = time_estimate(config, structure[0], structure[1], gpu=gpu)
         stages |= {f"structure_{stage}": seconds for stage, seconds in planned["stages"].items()}
         # The structure's allocation (in its run's refit stage) prices each width by the rounding errors of every
-        # layer matrix in every type (`byte_structure.matrix_errors`): the export's measurement, once more.
-        stages["structure_residual_svd"] = stages.get("structure_residual_svd", 0.0) + SIZE_FACTORS[
-            "export"
-        ] * rounding_error_seconds(shape, rounding)
+        # matrix in every type (`byte_structure.matrix_errors`): the export's measurement, once more.
+        allocation = SIZE_FACTORS["export"] * rounding_error_seconds(shape, rounding)
+        stages["structure_residual_svd"] = stages.get("structure_residual_svd", 0.0) + allocation
     stages |= size_stage_seconds(shape, work, rates, rounding)
     stages = {stage: round(seconds, 1) for stage, seconds in stages.items()}
     return {"stages": stages, "total": round(sum(stages.values()), 1), "unpriced": unpriced,
