@@ -1,6 +1,6 @@
 """How fast ggml rounds on this machine, per type: what `plan --size` prices a byte budget's export at.
 
-Two rates per candidate type, weights a second, measured once on a matrix of a small model's widths (about three
+Two rates per candidate type, weights a second, measured once on a matrix of a small model's widths (a few
 seconds on 2 CPU cores) and cached per CPU, llama.cpp build and threads:
 - `errors`: `squared_rounding` with importance weights (quantize, decode, square): what measuring each type's
   rounding error on a matrix's sampled rows costs (`byte_budget.matrix_options`);

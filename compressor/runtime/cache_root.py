@@ -69,7 +69,7 @@ BUSY_SHARE = 0.75
 
 
 def measured_once(name: str, identity: str, measure, kind):
-    """A timing measured once per machine: `kind(**fields)` of the JSON cached under `rates/NAME-<identity's
+    """A timing measured once per machine: `kind(**fields)` of the JSON cached under `rates/<name><identity's
     hash>.json` where it reads, else `measure()`, kept there unless it was taken while other work held the CPU
     (its `busy`: it would price every later estimate too long), then priced this once."""
     import json

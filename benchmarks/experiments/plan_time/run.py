@@ -101,7 +101,6 @@ def stage_factors(size: bool) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument(
