@@ -151,17 +151,17 @@ def test_plan_prints_the_time_per_stage_and_the_run_sets_it_beside_what_it_took(
 def test_a_hub_evaluation_text_is_not_read_and_left_unpriced_unless_capped(tmp_path):
     from types import SimpleNamespace
 
-    def run(source, max_tokens=None):  # an evaluation's settings, as `EvaluationSettings` holds them
+    def evaluation(source, max_tokens=None):  # as `EvaluationSettings` holds them
         return SimpleNamespace(source=source, split="test", max_tokens=max_tokens)
 
     # No network here: a hub source read would raise; it is neither read nor guessed.
-    assert time_estimate.evaluation_tokens(run("wikitext2")) is None
-    assert time_estimate.evaluation_tokens(run("hf:some/set", max_tokens=4096)) == 4096
+    assert time_estimate.evaluation_tokens(evaluation("wikitext2")) is None
+    assert time_estimate.evaluation_tokens(evaluation("hf:some/set", max_tokens=4096)) == 4096
     text = tmp_path / "eval.txt"
     text.write_text("word " * 840)  # 4,200 characters: 1,000 tokens at 4.2 a token
-    assert time_estimate.evaluation_tokens(run(str(text))) == 1000
-    assert time_estimate.evaluation_tokens(run(str(text), max_tokens=100)) == 100
-    whole = time_estimate.evaluation_tokens(run("wikipedia"))
+    assert time_estimate.evaluation_tokens(evaluation(str(text))) == 1000
+    assert time_estimate.evaluation_tokens(evaluation(str(text), max_tokens=100)) == 100
+    whole = time_estimate.evaluation_tokens(evaluation("wikipedia"))
     assert 50_000 < whole < 200_000  # the test split: about 60k-130k tokens (calibration/sources.py)
 
 

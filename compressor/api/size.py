@@ -171,7 +171,7 @@ def compress_to_size(
             model, config, structure_run(options, targets, out), device, dtype, progress
         )
     planned = size_time(
-        model, config, options, structure_options, wanted.bytes_for(model_parameter_count(config))
+        model, source, config, options, structure_options, wanted.bytes_for(model_parameter_count(config))
     )
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -221,7 +221,7 @@ def compress_to_size(
     return SizeRun(summary)
 
 
-def size_time(model: str, config, options: CompressOptions, structure_options, budget: int) -> dict:
+def size_time(model: str, source, config, options: CompressOptions, structure_options, budget: int) -> dict:
     """`size_time.size_time_estimate` of this run: its importance pass's calibration, its evaluation, and the
     structure's `compress` run (`structure_options`, None: types only) as `compress` would make it."""
     from compressor.api.export import importance_calibration
@@ -229,7 +229,6 @@ def size_time(model: str, config, options: CompressOptions, structure_options, b
     from compressor.api.size_time import size_time_estimate
     from compressor.runtime.device import resolve_device
 
-    source = resolve_model(model)
     evaluation = None
     if options.evaluate:
         evaluation = resolve_eval_settings(EvalSettings(
@@ -405,5 +404,5 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
         structure_options = structure_run(options, targets, Path(default_out(model, "plan")))
         if runs_layerwise(memory):
             structure_options = replace(structure_options, layerwise=True)
-    result["time"] = size_time(model, config, options, structure_options, budget)
+    result["time"] = size_time(model, source, config, options, structure_options, budget)
     return result

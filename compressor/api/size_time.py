@@ -61,7 +61,8 @@ def rounding_error_seconds(shape: Shape, rates: RoundingRates) -> float:
     """Measuring each matrix's rounding error in every candidate type (`byte_budget.BudgetChooser`): its sampled
     rows, and the embedding's looked-up rows (the most frequent tokens' and a sample of the others)."""
     seconds = 0.0
-    for rows, row_length in matrices(shape)[: shape.layers * 7 + 1]:  # an untied embedding: lookup rows only
+    # The layers' matrices and the head (a tied embedding's rows are it); an untied embedding's lookup rows only.
+    for rows, row_length in matrices(shape)[: shape.layers * 7] + [(shape.vocab, shape.hidden)]:
         for type_name in candidate_types(row_length, True):
             seconds += min(rows, SAMPLE_ROWS) * row_length / rates.errors[type_name]
     lookup = min(shape.vocab, LOOKUP_ROWS) + min(max(shape.vocab - LOOKUP_ROWS, 0), SAMPLE_ROWS)
@@ -119,20 +120,19 @@ def size_time_estimate(
         eval_tokens=tokens, eval_seq_len=evaluation.seq_len if evaluation is not None else 0,
     )  # fmt: skip
     rates = machine_rates(resolve_device("cuda" if gpu else "cpu"))
-    stages = {"importance": 0.0}
     unpriced = [UNKNOWN_TEXT] if evaluation is not None and not tokens else []
     if compensated:
         unpriced.append("--rounding compensated's passes not counted (nearest's priced)")
     rounding = rounding_rates()
+    added = size_stage_seconds(shape, work, rates, rounding)
+    stages = {"importance": added.pop("importance")}  # the stages in the order the run takes them
     if structure is not None:
         planned = time_estimate(config, structure[0], structure[1], gpu=gpu)
         stages |= {f"structure_{stage}": seconds for stage, seconds in planned["stages"].items()}
         # The structure's allocation (in its run's refit stage) prices each width by the rounding errors of every
         # matrix in every type (`byte_structure.matrix_errors`): the export's measurement, once more.
-        allocation = SIZE_FACTORS["export"] * rounding_error_seconds(shape, rounding)
-        stages["structure_residual_svd"] = stages.get("structure_residual_svd", 0.0) + allocation
-    stages |= size_stage_seconds(shape, work, rates, rounding)
-    stages = {stage: round(seconds, 1) for stage, seconds in stages.items()}
+        stages["structure_residual_svd"] += SIZE_FACTORS["export"] * rounding_error_seconds(shape, rounding)
+    stages = {stage: round(seconds, 1) for stage, seconds in (stages | added).items()}
     return {"stages": stages, "total": round(sum(stages.values()), 1), "unpriced": unpriced,
             "rates": asdict(rates) | {"cpu_share": min(rates.cpu_share, rounding.cpu_share)},
             "busy": rates.busy or rounding.busy, "file_type": work.file_type,
