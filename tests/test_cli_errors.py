@@ -246,16 +246,6 @@ CASES = [
         "--refit stream refits --attention heads' o_proj and --mlp neurons' down_proj: this run has neither",
     ),
     (
-        "--layerwise with flap",
-        lambda t, mp: ["smollm2-135m", "--layerwise", "--method", "flap", "--targets", "attn,mlp"],
-        "--method flap reads every input's mean",
-    ),
-    (
-        "--layerwise with modegpt",
-        lambda t, mp: ["smollm2-135m", "--layerwise", "--method", "modegpt", "--targets", "attn,mlp"],
-        "--method modegpt measures each layer's block influence",
-    ),
-    (
         "missing text file",
         lambda t, mp: ["eval", "smollm2-135m", "--text", "./missing.txt"],
         "does not exist",

@@ -20,6 +20,7 @@ from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapt
 from compressor.modeling.offload import load_offloaded
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
+from compressor.statistics.block_influence import block_influence, block_influence_layerwise
 from compressor.statistics.capture import collect_statistics
 from compressor.statistics.layer_stream import (
     collect_sensitivity_layerwise,
@@ -85,11 +86,16 @@ def _both_ways(
         ("qwen2", {"method": "svd-llm"}),  # q/k/v biases, read from the original files
         ("mistral", {"method": "basis-sharing"}),
         ("gemma", {"method": "shared-mean", "groups": 2}),
+        ("llama", {"method": "flap", "targets": "attn,mlp"}),  # reads the inputs' means
+        ("qwen2", {"method": "modegpt", "targets": "attn,mlp"}),  # measures the block influence
     ],
 )
 def test_layerwise_checkpoint_is_byte_for_byte_the_in_memory_one(tmp_path, family, update):
     settings = CompressionSettings().model_copy(update=update)
     stats, spilled, _ = _both_ways(tmp_path, settings, family)
+    assert spilled.input_means.keys() == stats.input_means.keys()
+    for kind, means in stats.input_means.items():
+        assert torch.equal(means, spilled.input_means[kind])
     for layer in range(spilled.num_layers):
         for kind in ("attn", "o"):
             assert torch.equal(stats.autocorr(kind, layer), spilled.autocorr(kind, layer))
@@ -98,6 +104,17 @@ def test_layerwise_checkpoint_is_byte_for_byte_the_in_memory_one(tmp_path, famil
     in_memory = json.loads((tmp_path / "in-memory" / "masa_config.json").read_text())
     layerwise = json.loads((tmp_path / "layerwise" / "masa_config.json").read_text())
     assert in_memory["layout"] == layerwise["layout"] and in_memory["counts"] == layerwise["counts"]
+
+
+def test_layerwise_block_influence_is_the_in_memory_one_bit_for_bit(tmp_path):
+    """MoDeGPT's block influence with the layers on disk: the same forward passes, one window each."""
+    # Gemma: its embeddings are scaled before the first layer, which the stream's recording must keep.
+    source, om = _offloaded(tmp_path, "gemma")
+    model = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
+    windows = random_windows(3, 32)
+    expected, _ = block_influence(model, get_adapter(model), windows, progress=False)
+    influence, _ = block_influence_layerwise(om, windows, progress=False)
+    assert torch.equal(influence, expected) and len(set(influence.tolist())) == len(influence)
 
 
 def test_layerwise_loss_sensitivity_equals_one_backward_pass(tmp_path):
@@ -198,11 +215,17 @@ def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "form", [[], ["--native", "--targets", "attn,mlp", "--ratio-of", "model", "--refit", "calibration"]]
+    "form",
+    [
+        [],
+        ["--native", "--targets", "attn,mlp", "--ratio-of", "model", "--refit", "calibration"],
+        ["--method", "modegpt", "--targets", "attn,mlp"],
+    ],
 )
 def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys, form):
-    """The default form, and `--native` (whole query heads, narrower MLPs in multiples of 32) with the refit
-    `--layerwise` runs (in memory `--native` takes the stream refit, which has no layer-by-layer form)."""
+    """The default form; `--native` (whole query heads, narrower MLPs in multiples of 32) with the refit
+    `--layerwise` runs (in memory `--native` takes the stream refit, which has no layer-by-layer form); a peer
+    that measures its own statistics of the model (MoDeGPT's block influence)."""
     from compressor.cli import main
 
     model = str(tiny_model_dir(tmp_path / "tiny"))

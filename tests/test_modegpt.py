@@ -162,7 +162,7 @@ def test_modegpt_at_full_keep_is_the_original_model():
     torch.testing.assert_close(model(tokens).logits, original(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_modegpt_refuses_an_impossible_ratio_and_the_layerwise_path():
+def test_modegpt_refuses_an_impossible_ratio():
     with pytest.raises(UserError, match="infeasible"):
         _compress(tiny_model("llama"), 0.95, targets="attn")
 

@@ -58,15 +58,6 @@ def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
             "--refit stream runs the original and the compressed layers side by side in memory: use --refit "
             "calibration with --layerwise, or drop --layerwise"
         )
-    if run.compression.method == "flap":
-        raise UserError(
-            "--method flap reads every input's mean, which --layerwise does not collect yet: drop --layerwise"
-        )
-    if run.compression.method == "modegpt":
-        raise UserError(
-            "--method modegpt measures each layer's block influence by forward passes through the whole model, "
-            "which --layerwise does not hold: drop --layerwise"
-        )
 
 
 def spill_directory(options: CompressOptions, out: str) -> Path:

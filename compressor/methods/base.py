@@ -32,6 +32,7 @@ from compressor.modeling.families import family_of
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.device import statistics_device
 from compressor.runtime.errors import NumericalError, UserError, all_finite
+from compressor.statistics.block_influence import block_influence
 from compressor.statistics.capture import CalibrationStats
 
 #: Groups for a group count: the calibrated KL grouping in a run, assumed groups in a preview.
@@ -219,6 +220,10 @@ class MethodContext:
 
     def groups_of(self, n_groups: int) -> list[list[int]]:
         return self.grouping(n_groups).groups
+
+    def block_influence(self, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Each layer's block influence on `windows` and the seconds it took (`statistics.block_influence`)."""
+        return block_influence(self.model, self.adapter, windows, self.progress)
 
     def install(self, layer: int, projection: str, module: nn.Module) -> None:
         self.adapter.set_projection(layer, projection, module)

@@ -62,7 +62,6 @@ class Flap(Method):
         return plan
 
     def apply(self, ctx: MethodContext) -> CompressionPlan:
-        # The CLI refuses --layerwise (whose statistics lack the means) before: `api.layerwise.check_layerwise`.
         if ctx.stats.input_means is None:
             raise ValueError("--method flap needs the inputs' means: collect_statistics holds them")
         start = time.perf_counter()

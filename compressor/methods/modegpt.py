@@ -39,7 +39,6 @@ from compressor.modeling.adapters import MLP_PROJECTIONS
 from compressor.modeling.remote_code.masa_modules import subset_linear
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.block_influence import block_influence
 
 MODES = {"q_proj": "rows", "k_proj": "rows", "v_proj": "rows", "o_proj": "columns"} | {
     p: "neurons" for p in MLP_PROJECTIONS
@@ -145,9 +144,7 @@ class ModeGpt(Method):
             raise ValueError(
                 "--method modegpt needs the calibration windows (block influence): pass `windows`"
             )
-        influence, seconds = block_influence(
-            ctx.model, ctx.adapter, ctx.windows[:INFLUENCE_WINDOWS], ctx.progress
-        )
+        influence, seconds = ctx.block_influence(ctx.windows[:INFLUENCE_WINDOWS])
         ctx.seconds["block_influence"] = seconds
         start = time.perf_counter()
         plan = self.plan(ctx.shape, ctx.settings, ctx.ratio, check_feasible=False)

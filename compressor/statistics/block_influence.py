@@ -1,6 +1,7 @@
 """Block influence (Men et al. 2024, as MoDeGPT's global sparsity reads it): per decoder layer, one minus the mean
 cosine similarity between the hidden state it reads and the one it writes, over calibration tokens. A layer that
-barely turns its input (influence near 0) is the one that can lose most.
+barely turns its input (influence near 0) is the one that can lose most. Measured by forward passes through the
+model in memory, or layer by layer through one whose layers stay on disk (`--layerwise`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.modeling.adapters import DecoderAdapter
+from compressor.modeling.offload import OffloadedModel
 from compressor.runtime.progress import progress_bar
+from compressor.statistics.layer_stream import LayerStream
 
 
 def _hidden(value) -> torch.Tensor:
@@ -37,8 +40,7 @@ def block_influence(
             inputs[index] = _hidden(args[0] if args else kwargs["hidden_states"])
 
         def wrote(module, args, kwargs, output, index=index):
-            x, y = inputs.pop(index).float(), _hidden(output).float()
-            cosine_sums[index] += F.cosine_similarity(x, y, dim=-1).to(torch.float64).sum().cpu()
+            cosine_sums[index] += _cosine_sum(inputs.pop(index), _hidden(output))
 
         handles.append(layer.register_forward_pre_hook(read, with_kwargs=True))
         handles.append(layer.register_forward_hook(wrote, with_kwargs=True))
@@ -51,5 +53,32 @@ def block_influence(
     finally:
         for handle in handles:
             handle.remove()
+    tokens = windows.numel()
+    return 1.0 - cosine_sums / max(tokens, 1), time.perf_counter() - start
+
+
+def _cosine_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Σ over the tokens of cos(x_t, y_t) (fp64, on the CPU): what one window adds to a layer's sum."""
+    return F.cosine_similarity(x.float(), y.float(), dim=-1).to(torch.float64).sum().cpu()
+
+
+@torch.no_grad()
+def block_influence_layerwise(
+    om: OffloadedModel, windows: torch.Tensor, progress: bool = True
+) -> tuple[torch.Tensor, float]:
+    """`block_influence` of a model whose layers stay on disk (`--layerwise`): the windows advanced through one
+    layer at a time, one window per pass as there, so the numbers are the in-memory ones bit for bit."""
+    start = time.perf_counter()
+    num_layers = om.adapter.num_layers
+    cosine_sums = torch.zeros(num_layers, dtype=torch.float64)
+    stream = LayerStream(om, windows, batch_size=1)
+    with progress_bar("Block influence (layer by layer)", total=num_layers, enabled=progress) as bar:
+        for index in range(num_layers):
+            with om.onloaded(index) as layer:
+                for b, hidden in enumerate(stream.hidden):
+                    out = stream.run(layer, index, hidden)
+                    cosine_sums[index] += _cosine_sum(hidden, out)
+                    stream.hidden[b] = out
+            bar.advance()
     tokens = windows.numel()
     return 1.0 - cosine_sums / max(tokens, 1), time.perf_counter() - start

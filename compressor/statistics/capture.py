@@ -160,13 +160,7 @@ class _Accumulator:
         self.handles: list = []
 
     def _input_into(self, kind: str, layer: int, x: torch.Tensor) -> None:
-        # Detached: the windows that also measure the loss sensitivity run with gradients. One window at a time in
-        # float32 (a 16-bit input: one window's copy, not the batch's) for both its products and its sum; the sum
-        # in fp32 (an fp64 reduction along the tokens was slow), added in fp64 across windows like the products.
-        for window in x.detach().reshape(-1, *x.shape[-2:]):
-            window = window.float()
-            add_gram(self.grams[kind][layer], window)
-            add_in_float64(self.sums[kind][layer], window.sum(dim=0))
+        add_input(self.grams[kind][layer], self.sums[kind][layer], x)
 
     def accumulators(self) -> list[torch.Tensor]:
         """Every autocorrelation accumulator the hooks fill."""
@@ -233,6 +227,18 @@ def add_gram(target: torch.Tensor, x: torch.Tensor) -> None:
             for block in blocks:
                 product = chunk[:, block].T @ chunk[:, block.start :]  # the block row, from its diagonal on
                 add_in_float64(target[block, block.start :], product)
+
+
+def add_input(gram: torch.Tensor, total: torch.Tensor, x: torch.Tensor) -> None:
+    """`gram += xᵀx` and `total += Σ x` over the tokens of an input `x (..., T, d)`: what every capture (in memory and
+    layer by layer, so their numbers agree bit for bit) adds of one projection's input."""
+    # Detached: the windows that also measure the loss sensitivity run with gradients. One window at a time in
+    # float32 (a 16-bit input: one window's copy, not the batch's) for both its products and its sum; the sum
+    # in fp32 (an fp64 reduction along the tokens was slow), added in fp64 across windows like the products.
+    for window in x.detach().reshape(-1, *x.shape[-2:]):
+        window = window.float()
+        add_gram(gram, window)
+        add_in_float64(total, window.sum(dim=0))
 
 
 def add_cross(target: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> None:

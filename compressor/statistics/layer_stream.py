@@ -40,7 +40,8 @@ from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.capture import add_gram, captured_inputs, check_gram, not_collected_fix, token_mean
+from compressor.statistics import capture
+from compressor.statistics.capture import add_input, captured_inputs, check_gram, token_mean
 from compressor.statistics.sensitivity import Sensitivity, squared_norm
 
 
@@ -133,6 +134,7 @@ class SpilledStats:
     sensitivity: Sensitivity | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     autocast: torch.dtype | None = None  # as `CalibrationStats.autocast`
+    input_means: dict[str, torch.Tensor] | None = None  # as `CalibrationStats.input_means`, in memory
 
     @property
     def has_mlp(self) -> bool:
@@ -145,21 +147,26 @@ class SpilledStats:
         """The autocorrelation of input `kind` at `layer`, read from its file."""
         if kind not in self.inputs:
             raise ValueError(
-                f"the {kind} input autocorrelations were not collected: {not_collected_fix(kind)}"
+                f"the {kind} input autocorrelations were not collected: {capture.not_collected_fix(kind)}"
             )
         with safe_open(self.path(layer), framework="pt") as f:
             return f.get_tensor(kind).to(self.device)
 
+    input_mean = capture.CalibrationStats.input_mean
+
     def to(self, device: torch.device) -> SpilledStats:
         """Read onto where the fp64 work for a model on `device` runs (the CPU for MPS: no fp64 there)."""
-        return dataclasses.replace(self, device=statistics_device(device))
+        device = statistics_device(device)
+        means = None if self.input_means is None else {k: v.to(device) for k, v in self.input_means.items()}
+        return dataclasses.replace(self, device=device, input_means=means)
 
 
-def _gram_hooks(om: OffloadedModel, index: int, inputs: dict[str, str], grams: dict[str, torch.Tensor]):
+def _input_hooks(om: OffloadedModel, index: int, inputs: dict[str, str], grams: dict, sums: dict):
     handles = []
     for kind, projection in inputs.items():
         module = om.adapter.projection(index, projection)
-        handles.append(module.register_forward_pre_hook(lambda m, a, kind=kind: add_gram(grams[kind], a[0])))
+        hook = lambda m, a, kind=kind: add_input(grams[kind], sums[kind][index], a[0])  # noqa: E731
+        handles.append(module.register_forward_pre_hook(hook))
     return handles
 
 
@@ -213,10 +220,11 @@ def _collect_statistics_layerwise(
         tail = stream if batch_size == 1 else LayerStream(om, windows[:sensitivity_windows], 1)
     num_layers = om.adapter.num_layers
     means = torch.zeros(num_layers, len(windows), om.adapter.geometry.hidden_size, dtype=torch.float32)
+    widths = {kind: om.adapter.geometry.input_size(kind) for kind in inputs}
+    sums = {kind: float64_zeros(num_layers, width, device=om.device) for kind, width in widths.items()}
     with progress_bar("Calibration (layer by layer)", total=num_layers, enabled=progress) as bar:
         for index in range(num_layers):
-            sizes = {kind: om.adapter.geometry.input_size(kind) for kind in inputs}
-            grams = {kind: float64_zeros(size, size, device=om.device) for kind, size in sizes.items()}
+            grams = {kind: float64_zeros(width, width, device=om.device) for kind, width in widths.items()}
             with om.onloaded(index) as layer:
                 if tail is not None:
                     layer_inputs = {
@@ -225,7 +233,7 @@ def _collect_statistics_layerwise(
                     save_file(layer_inputs, str(_input_path(directory, index)))
                     if tail is not stream:
                         tail.hidden = [tail.run(layer, index, h) for h in tail.hidden]
-                handles = _gram_hooks(om, index, inputs, grams)
+                handles = _input_hooks(om, index, inputs, grams, sums)
                 try:
                     first = 0
                     for b, hidden in enumerate(stream.hidden):
@@ -238,19 +246,16 @@ def _collect_statistics_layerwise(
                         handle.remove()
             for kind, gram in grams.items():
                 check_gram(gram, f"layer {index} {inputs[kind]}")
-            tensors = {kind: token_mean(gram, int(windows.numel())).cpu() for kind, gram in grams.items()}
+            tensors = {kind: token_mean(gram, windows.numel()).cpu() for kind, gram in grams.items()}
             save_file(tensors, str(directory / f"stats-{index:05d}.safetensors"))
             del grams, tensors
             trim_heap()
             bar.advance()
+    tokens = int(windows.numel())
+    input_means = {kind: total.div_(tokens) for kind, total in sums.items()}
+    seconds = time.perf_counter() - start
     stats = SpilledStats(
-        directory,
-        num_layers,
-        tuple(inputs),
-        means,
-        int(windows.numel()),
-        len(windows),
-        time.perf_counter() - start,
+        directory, num_layers, tuple(inputs), means, tokens, len(windows), seconds, input_means=input_means
     )
     if tail is stream:  # the calibration stream is done with: keep only the sensitivity windows
         del stream.hidden[sensitivity_windows:], stream.batches[sensitivity_windows:]
