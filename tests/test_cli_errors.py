@@ -228,19 +228,6 @@ CASES = [
         "--layerwise collects the statistics of the original model",
     ),
     (
-        "--layerwise with a stream refit",
-        lambda t, mp: [
-            "smollm2-135m",
-            "--layerwise",
-            "--native",
-            "--targets",
-            "attn,mlp",
-            "--refit",
-            "stream",
-        ],
-        "--refit stream runs the original and the compressed layers side by side in memory",
-    ),
-    (
         "a stream refit with nothing to refit",
         lambda t, mp: ["smollm2-135m", "--refit", "stream"],
         "--refit stream refits --attention heads' o_proj and --mlp neurons' down_proj: this run has neither",

@@ -22,12 +22,8 @@ from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
 from compressor.statistics.block_influence import block_influence, block_influence_layerwise
 from compressor.statistics.capture import collect_statistics
-from compressor.statistics.layer_stream import (
-    collect_sensitivity_layerwise,
-    collect_statistics_layerwise,
-    evaluate_layerwise,
-    spill_original_outputs,
-)
+from compressor.statistics.layer_evaluation import evaluate_layerwise, spill_original_outputs
+from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
 
 CPU = torch.device("cpu")
 
@@ -87,6 +83,18 @@ def _both_ways(
         ("mistral", {"method": "basis-sharing"}),
         ("gemma", {"method": "shared-mean", "groups": 2}),
         ("llama", {"method": "flap", "targets": "attn,mlp"}),  # reads the inputs' means
+        # --native's default: o_proj and down_proj refit on the compressed model's own stream
+        (
+            "qwen2",
+            {
+                "sharing": "none",
+                "targets": "attn,mlp",
+                "attention": "heads",
+                "mlp": "neurons",
+                "width_multiple": 32,
+                "refit": "stream",
+            },
+        ),  # fmt: skip
         ("qwen2", {"method": "modegpt", "targets": "attn,mlp"}),  # measures the block influence
     ],
 )
@@ -219,13 +227,13 @@ def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
     [
         [],
         ["--native", "--targets", "attn,mlp", "--ratio-of", "model", "--refit", "calibration"],
+        ["--native", "--targets", "attn,mlp", "--ratio-of", "model"],  # the stream refit, --native's default
         ["--method", "modegpt", "--targets", "attn,mlp"],
     ],
 )
 def test_cli_layerwise_writes_the_in_memory_checkpoint_and_leaves_no_temporary_files(tmp_path, capsys, form):
-    """The default form; `--native` (whole query heads, narrower MLPs in multiples of 32) with the refit
-    `--layerwise` runs (in memory `--native` takes the stream refit, which has no layer-by-layer form); a peer
-    that measures its own statistics of the model (MoDeGPT's block influence)."""
+    """The default form; `--native` (whole query heads, narrower MLPs in multiples of 32) with either refit; a
+    peer that measures its own statistics of the model (MoDeGPT's block influence)."""
     from compressor.cli import main
 
     model = str(tiny_model_dir(tmp_path / "tiny"))

@@ -154,7 +154,7 @@ def test_sequential_statistics_of_an_uncompressed_model_equal_the_original(famil
     adapter = get_adapter(model)
     windows = random_windows(4, 16)
     stats = collect_statistics(model, adapter, windows, progress=False)
-    runner = LayerRunner(model, adapter, windows)
+    runner = LayerRunner(adapter, windows)
     for layer in range(adapter.num_layers):
         torch.testing.assert_close(
             runner.autocorr(layer, "q_proj"), stats.attn_autocorr[layer], rtol=1e-5, atol=1e-6

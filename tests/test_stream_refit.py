@@ -95,10 +95,13 @@ def stream_refit_at_work():
     random targets per batch)."""
     model = compressed_pair()[2]["stream"][0]
     adapter = get_adapter(model)
-    runner = LayerRunner(model, adapter, torch.randint(0, VOCAB, (4, 16)), batch_size=2)
+    runner = LayerRunner(adapter, torch.randint(0, VOCAB, (4, 16)), batch_size=2)
     targets = [torch.randn_like(hidden) for hidden in runner.hidden]
     ctx = SimpleNamespace(
-        adapter=adapter, compute_device=torch.device("cpu"), record_damping=lambda *a, **k: None
+        adapter=adapter,
+        compute_device=torch.device("cpu"),
+        record_damping=lambda *a, **k: None,
+        refitted=lambda *a: None,
     )
     return adapter, runner, ctx, targets
 
@@ -143,17 +146,17 @@ def test_native_takes_the_stream_refit_where_it_runs_and_says_why_where_not():
         resolved = resolve_settings(options, None, {"model_type": model_type})
         return resolved.compression.refit, resolved.sources["compression"]["refit"]
 
-    assert refit("llama") == ("stream", "option (--native: in memory, chosen on validation)")
-    assert refit("llama", layerwise=True) == (
-        "calibration",
-        "option (--native: --layerwise has no stream refit)",
+    assert (
+        refit("llama")
+        == refit("llama", layerwise=True)
+        == ("stream", "option (--native: chosen on validation)")
     )
     assert refit("olmo2")[0] == refit("gemma2")[0] == "calibration" and "normalizes" in refit("olmo2")[1]
     assert refit("mixtral") == ("calibration", "option (--native: Mixtral's experts are kept whole)")
     assert refit("llama", refit="calibration") == ("calibration", "option")
     # chosen on validation with both targeted and with the MLP alone; the attention alone measured better with
     # calibration
-    assert refit("llama", targets="mlp") == ("stream", "option (--native: in memory, chosen on validation)")
+    assert refit("llama", targets="mlp") == ("stream", "option (--native: chosen on validation)")
     assert refit("llama", targets="attn") == (
         "calibration",
         "option (--native: the attention alone: calibration measured better on validation)",

@@ -1,9 +1,9 @@
 """`masa-compress MODEL --layerwise`: the main job for a model larger than memory. The same resolution, checks,
 method, summary and checkpoint as `api.compress`, with the decoder layers left on disk (`modeling/offload.py`:
 transformers' / accelerate's disk offload, one layer materialised at a time), every pass layer by layer
-(`statistics/layer_stream.py`: the statistics, the loss sensitivity and the evaluation), the finished layers
-spilled (`methods/offloaded_context.py`: the method's context over an offloaded model) and the checkpoint written
-tensor by tensor; memory stays flat in depth.
+(`statistics/layer_stream.py`: the statistics and the loss sensitivity; `statistics/layer_evaluation.py`: the
+evaluation), the finished layers spilled (`methods/offloaded_context.py`: the method's context over an offloaded
+model) and the checkpoint written tensor by tensor; memory stays flat in depth.
 Intermediate files go to a temporary folder (`--offload-dir`, default: beside the output) removed at the end,
 also on failure. The result is the checkpoint in-memory compression writes, bit for bit (tests/test_layerwise.py).
 """
@@ -34,12 +34,8 @@ from compressor.modeling.offload import OffloadedModel, load_offloaded
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.progress import note
 from compressor.statistics.capture import captured_inputs
-from compressor.statistics.layer_stream import (
-    collect_sensitivity_layerwise,
-    collect_statistics_layerwise,
-    evaluate_layerwise,
-    spill_original_outputs,
-)
+from compressor.statistics.layer_evaluation import evaluate_layerwise, spill_original_outputs
+from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
 
 
 def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
@@ -52,11 +48,6 @@ def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
         raise UserError(
             "--layerwise collects the statistics of the original model: use --statistics original, or drop "
             "--layerwise to compress in memory"
-        )
-    if run.compression.refit == "stream":
-        raise UserError(
-            "--refit stream runs the original and the compressed layers side by side in memory: use --refit "
-            "calibration with --layerwise, or drop --layerwise"
         )
 
 

@@ -336,8 +336,8 @@ def plan_compression(model: str, options: CompressOptions, layout: list[int] | N
 
 
 def planned_time(model: str, config, run, options: CompressOptions, memory: dict) -> dict:
-    """`time_estimate` of the run `compress` would make: layer by layer (what it resolves to there: no stream
-    refit) where only that fits in the memory free now, said in the estimate (`layerwise`)."""
+    """`time_estimate` of the run `compress` would make: layer by layer where only that fits in the memory free
+    now, said in the estimate (`layerwise`)."""
     gpu = resolve_device("auto").type == "cuda"
     available = memory.get("available_bytes")
     if options.layerwise or available is None or memory["in_memory_bytes"] <= available:

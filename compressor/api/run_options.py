@@ -214,9 +214,7 @@ def resolve_settings(
         sources["compression"].update(dict.fromkeys(changed, "option (--native)"))
         compression = native
         if sources["compression"]["refit"] == "default":  # neither the option nor the recipe set it
-            refit, reason = native_refit(
-                (shapes or {}).get("model_type"), options.layerwise, compression.targets
-            )
+            refit, reason = native_refit((shapes or {}).get("model_type"), compression.targets)
             compression = compression.model_copy(update={"refit": refit})
             sources["compression"]["refit"] = f"option (--native: {reason})"
     resolved = mlp_calibration(calibration, compression, options)
@@ -257,13 +255,13 @@ def mlp_calibration(
     return calibration.model_copy(update={"samples": calibration.mlp_samples})
 
 
-def native_refit(model_type: str | None, layerwise: bool, targets: str) -> tuple[str, str]:
+def native_refit(model_type: str | None, targets: str) -> tuple[str, str]:
     """`--native`'s refit where neither the option nor the recipe sets one, and why, in a few words: `stream` where
     it was chosen on the bundled model's validation split, with the MLP targeted (the model 20% smaller, attention
     and MLP: −0.95 [−1.18, −0.74] perplexity against `calibration`, benchmarks/results/choices/sequential-refit-
     validation.json; the MLP alone 20% smaller: −0.53 [−0.62, −0.43], choices/native-refit-mlp-validation.json),
-    and where it can run: in memory (it runs the original layers beside the compressed ones), on a family that adds
-    its blocks' outputs to the stream as they are and has no experts (whose MLP the refit does not read); else
+    and where it can run: on a family that adds its blocks' outputs to the stream as they are and has no experts
+    (whose MLP the refit does not read), in memory or `--layerwise` (the same checkpoint); else
     `calibration`. The attention alone is `calibration`'s: there `stream` lost, +0.145 [+0.088, +0.207] at 20% of
     the attention (choices/native-refit-attention-validation.json)."""
     from compressor.modeling.adapters import MLP_PROJECTIONS, target_projections
@@ -273,15 +271,13 @@ def native_refit(model_type: str | None, layerwise: bool, targets: str) -> tuple
     targeted = set(target_projections(targets))
     if not set(MLP_PROJECTIONS) & targeted:
         return "calibration", "the attention alone: calibration measured better on validation"
-    if layerwise:
-        return "calibration", "--layerwise has no stream refit"
     if family is None:
         return "calibration", "a family the stream refit was not checked on"
     if family.block_output_norm:
         return "calibration", f"{family.title} normalizes its blocks' outputs"
     if family.experts:
         return "calibration", f"{family.title}'s experts are kept whole"
-    return "stream", "in memory, chosen on validation"
+    return "stream", "chosen on validation"
 
 
 def native_settings(compression: CompressionSettings, options: CompressOptions) -> CompressionSettings:

@@ -10,7 +10,7 @@ one file with such a class plus one `register(...)` line in `compressor/methods/
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -224,6 +224,17 @@ class MethodContext:
     def block_influence(self, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Each layer's block influence on `windows` and the seconds it took (`statistics.block_influence`)."""
         return block_influence(self.model, self.adapter, windows, self.progress)
+
+    @contextmanager
+    def held(self, layer: int, original: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Decoder layer `layer` ready to run for the block: the model's own, as compressed so far, or `original`,
+        a copy made before anything was installed (`partly_compressed.original_layers`), with the original
+        weights. In memory both are there already; over an offloaded model they are materialised for the block."""
+        yield self.adapter.layers[layer] if original is None else original
+
+    def refitted(self, layer: int, projection: str) -> None:
+        """A method changed the weight of an installed module in place (the stream refit, inside `held`): with
+        `--layerwise` the stored tensor is rewritten (`OffloadedContext`)."""
 
     def install(self, layer: int, projection: str, module: nn.Module) -> None:
         self.adapter.set_projection(layer, projection, module)

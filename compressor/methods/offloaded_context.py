@@ -7,6 +7,7 @@ pile up in memory either. The checkpoint is then written tensor by tensor from t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,17 @@ class CompressedLayers(Mapping[str, torch.Tensor]):
             raise AssertionError(
                 f"layer {layer} was already written to disk: its method installed into it after finishing it"
             )
+
+    def rewrite(self, layer: int, projection: str) -> None:
+        """Store again the weight of a finished layer's projection, changed in place while the layer was onloaded
+        (`OffloadedModel.onloaded`: the materialised tensor is dropped on exit)."""
+        name = projection_prefix(self.om, layer, projection) + "weight"
+        if name not in self.index:
+            raise AssertionError(f"{name} was rewritten before its layer was finished")
+        path = self.directory / f"refit-{layer:05d}-{projection}.safetensors"
+        weight = self.om.adapter.projection(layer, projection).weight
+        save_file({name: weight.detach().to("cpu").contiguous()}, str(path))
+        self.index[name] = (path, name)
 
     def spill(self, layers: Iterable[int]) -> None:
         """Write the compressed projections of `layers` to one file and replace their tensors by meta ones."""
@@ -111,6 +123,14 @@ class OffloadedContext(MethodContext):
 
     def block_influence(self, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
         return block_influence_layerwise(self.offloaded, windows, self.progress)
+
+    def held(self, layer: int, original: nn.Module | None = None) -> AbstractContextManager[nn.Module]:
+        if original is None:  # the compressed projections from their files, the rest from the original's
+            return self.offloaded.onloaded(layer, self.compressed)
+        return self.offloaded.onloaded(layer, None, original)
+
+    def refitted(self, layer: int, projection: str) -> None:
+        self.compressed.rewrite(layer, projection)
 
     def install(self, layer: int, projection: str, module: nn.Module) -> None:
         self.compressed.check_open(layer)

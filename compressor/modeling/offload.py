@@ -52,11 +52,14 @@ class OffloadedModel:
         return self.weights[name]
 
     @contextmanager
-    def onloaded(self, index: int, replaced: Mapping[str, torch.Tensor] | None = None) -> Iterator[nn.Module]:
+    def onloaded(
+        self, index: int, replaced: Mapping[str, torch.Tensor] | None = None, layer: nn.Module | None = None
+    ) -> Iterator[nn.Module]:
         """Layer `index` with every meta tensor materialised on the device: from `replaced` (full name -> tensor:
         a compressed layer's spilled factors) when it holds the name, else from the original weights. On exit
-        the very same meta tensors are put back (ties included), so memory returns to what it was."""
-        layer = self.adapter.layers[index]
+        the very same meta tensors are put back (ties included), so memory returns to what it was. `layer`: a
+        copy of the layer made before anything was installed into it, materialised instead of the model's own."""
+        layer = self.adapter.layers[index] if layer is None else layer
         prefix = self.layer_prefix(index)
         restore: list[tuple[nn.Module, str, str, torch.Tensor]] = []
         try:

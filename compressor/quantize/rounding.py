@@ -147,7 +147,7 @@ def layer_autocorrelations(
     if not by_layer:
         return
     adapter = get_adapter(model)
-    runner = LayerRunner(model, adapter, windows)
+    runner = LayerRunner(adapter, windows)
     with progress_bar(what, total=max(by_layer) + 1, enabled=progress) as bar:
         for layer in range(max(by_layer) + 1):
             readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in by_layer.get(layer, {})}

@@ -110,7 +110,7 @@ class Workload:
     basis_layers: int = 4
     eval_seq_len: int = 0  # 0: no evaluation
     gate_input: bool = True  # with `mlp`: whether gate/up's input autocorrelation is collected
-    # `--refit stream` (in memory only): the calibration windows it reads (0: no stream refit)
+    # `--refit stream`: the calibration windows it reads (0: no stream refit)
     stream_refit: int = 0
 
     def inputs(self, shape: Shape) -> list[int]:
@@ -180,8 +180,9 @@ def cholesky_bytes(shape: Shape, w: Workload) -> int:
     return int(8 * per_input * max(w.inputs(shape)) ** 2)
 
 
-def stream_refit_bytes(shape: Shape, w: Workload) -> int:
-    """`--refit stream` (in memory only): the copy of the original decoder layers, the two streams and the
+def stream_refit_bytes(shape: Shape, w: Workload, copied_layers: int | None = None) -> int:
+    """`--refit stream`: the copy of the original decoder layers (`copied_layers`, all of them in memory; with
+    `--layerwise` the one onloaded beside the compressed layer), the two streams and the
     layer's outputs on the original one (four N×T×H tensors over the windows it reads), with MLP targets what
     down_proj's refit keeps to advance the stream without another pass (the stream after the attention and
     down_proj's input, N×T×(H + I)), one window's activations, and the widest refit input's fp64 moments (x xᵀ and
@@ -190,7 +191,7 @@ def stream_refit_bytes(shape: Shape, w: Workload) -> int:
     `gpu.json`; the native run without it was not measured there)."""
     if not w.stream_refit:
         return 0
-    copy = shape.layers * shape.layer_params() * w.dtype_bytes
+    copy = (shape.layers if copied_layers is None else copied_layers) * shape.layer_params() * w.dtype_bytes
     tokens = w.stream_refit * w.seq_len
     streams = 4 * tokens * shape.hidden * w.dtype_bytes
     kept = tokens * (shape.hidden + shape.intermediate) * w.dtype_bytes if w.mlp else 0
@@ -226,6 +227,7 @@ def phases(shape: Shape, w: Workload) -> dict[str, int]:
         "sensitivity": phase_sensitivity(shape, w),
         "compress": phase_compress(shape, w),
         "evaluation": phase_evaluation(shape, w),
+        "stream_refit": stream_refit_bytes(shape, w, copied_layers=1),
     }
 
 

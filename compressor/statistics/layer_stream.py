@@ -9,8 +9,8 @@ so memory does not grow with depth and a model larger than memory can be compres
   during the statistics pass; the gradient of the loss is then carried back one layer at a time (forward of one
   layer from its spilled input, backward from the gradient at its output), the hooks at the projections'
   outputs measuring the same sums as `sensitivity.collect_sensitivity`'s single backward pass.
-- Evaluation: chunks of windows are advanced through the layers; the last hidden states go through the model's
-  own head (final norm, LM head, any soft-capping) by replaying them in a forward pass whose layers are stand-ins.
+- Evaluation (`layer_evaluation.py`): chunks of windows advanced through the layers the same way, the last hidden
+  states through the model's own head by `LayerStream.log_probs`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from compressor.evaluation.perplexity import (
-    Faithfulness,
-    PerplexityResult,
-    checked_window_nll,
-    kl_and_agreement,
-    perplexity_result,
-)
+from compressor.modeling.adapters import DecoderAdapter
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.device import add_in_float64, autocast_to, float64_zeros, statistics_device
 from compressor.runtime.errors import NumericalError
@@ -65,8 +59,8 @@ class _StandIn(nn.Module):
 
 
 @contextmanager
-def _stand_ins(om: OffloadedModel, on_call: Callable) -> Iterator[None]:
-    layers = om.adapter.layers
+def _stand_ins(adapter: DecoderAdapter, on_call: Callable) -> Iterator[None]:
+    layers = adapter.layers
     originals = list(layers)
     for i, layer in enumerate(originals):
         layers[i] = _StandIn(layer, i, on_call)
@@ -77,26 +71,38 @@ def _stand_ins(om: OffloadedModel, on_call: Callable) -> Iterator[None]:
             layers[i] = layer
 
 
+@torch.no_grad()
+def layer_inputs(
+    adapter: DecoderAdapter, batches: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], dict[tuple[int, int], dict]]:
+    """Each batch of windows' hidden states at the first layer's input, and the keyword arguments every layer
+    receives in a normal forward pass ((layer, batch size) → kwargs: rotary tables, masks; per layer, as
+    sliding-window families differ), from decoder passes whose layers are stand-ins: no layer runs, so a model
+    whose layers are on disk gives them too."""
+    hidden: list[torch.Tensor] = []
+    kwargs: dict[tuple[int, int], dict] = {}
+
+    def record(index: int, h: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        if index == 0:
+            hidden.append(h.detach())
+        kwargs.setdefault((index, len(h)), layer_kwargs)
+        return h
+
+    with _stand_ins(adapter, record):
+        for batch in batches:
+            adapter.decoder(input_ids=batch.to(device), use_cache=False)
+    return hidden, kwargs
+
+
 class LayerStream:
     """The hidden states of some windows at the input of the next layer, and the keyword arguments every layer
-    receives in a normal forward pass (rotary tables, masks: per layer, as sliding-window families differ)."""
+    receives in a normal forward pass (`layer_inputs`)."""
 
     def __init__(self, om: OffloadedModel, windows: torch.Tensor, batch_size: int = 1):
         self.om = om
         self.windows = windows
         self.batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
-        self.hidden: list[torch.Tensor] = []
-        self.kwargs: dict[tuple[int, int], dict] = {}
-
-        def record(index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-            if index == 0:
-                self.hidden.append(hidden.detach())
-            self.kwargs.setdefault((index, len(hidden)), kwargs)
-            return hidden
-
-        with torch.no_grad(), _stand_ins(om, record):
-            for batch in self.batches:
-                om.adapter.decoder(input_ids=batch.to(om.device), use_cache=False)
+        self.hidden, self.kwargs = layer_inputs(om.adapter, self.batches, om.device)
 
     def run(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
         out = layer(hidden, **self.kwargs[(index, len(hidden))])
@@ -110,7 +116,7 @@ class LayerStream:
         def replay(index: int, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
             return hidden if index == last else h
 
-        with _stand_ins(self.om, replay):
+        with _stand_ins(self.om.adapter, replay):
             batch = self.batches[batch_index].to(self.om.device)
             logits = self.om.model(input_ids=batch, use_cache=False).logits[:, :-1]
         return torch.log_softmax(logits.float(), dim=-1)
@@ -352,97 +358,3 @@ def _gradient_sum(total: torch.Tensor):
         output.register_hook(on_gradient)
 
     return on_output
-
-
-# ------------------------------------------------------------------------------------------------------
-# evaluation
-
-
-def final_hidden_states(
-    om: OffloadedModel,
-    stream: LayerStream,
-    replaced: Mapping[str, torch.Tensor] | None = None,
-    progress: bool = True,
-    description: str = "Perplexity (layer by layer)",
-) -> list[torch.Tensor]:
-    """The last layer's output for every batch of `stream`, the layers' compressed tensors taken from
-    `replaced` where it holds them (the original weights elsewhere)."""
-    hidden = list(stream.hidden)
-    with torch.no_grad(), progress_bar(description, total=om.adapter.num_layers, enabled=progress) as bar:
-        for index in range(om.adapter.num_layers):
-            with om.onloaded(index, replaced) as layer:
-                hidden = [stream.run(layer, index, h) for h in hidden]
-            trim_heap()
-            bar.advance()
-    return hidden
-
-
-def _chunks(windows: torch.Tensor, chunk_windows: int) -> list[tuple[int, torch.Tensor]]:
-    return [
-        (first, windows[first : first + chunk_windows]) for first in range(0, len(windows), chunk_windows)
-    ]
-
-
-def spill_original_outputs(
-    om: OffloadedModel,
-    windows: torch.Tensor,
-    directory: Path,
-    batch_size: int = 1,
-    chunk_windows: int = 32,
-    progress: bool = True,
-) -> None:
-    """The original model's last hidden states on the evaluation windows, written to `directory` (chunk by chunk,
-    before compression: the layers then hold the compressed modules) for `evaluate_layerwise`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for first, chunk in _chunks(windows, chunk_windows):
-        stream = LayerStream(om, chunk, batch_size)
-        where = f"windows {first + 1}-{first + len(chunk)} of {len(windows)}"
-        hidden = final_hidden_states(om, stream, None, progress, f"Perplexity, original ({where})")
-        save_file(
-            {f"b{b}": h.contiguous().cpu() for b, h in enumerate(hidden)},
-            str(directory / f"{first:07d}.safetensors"),
-        )
-
-
-def evaluate_layerwise(
-    om: OffloadedModel,
-    windows: torch.Tensor,
-    compressed: Mapping[str, torch.Tensor],
-    directory: Path,
-    batch_size: int = 1,
-    chunk_windows: int = 32,
-    progress: bool = True,
-) -> tuple[PerplexityResult, PerplexityResult, Faithfulness]:
-    """The original's and the compressed model's perplexity on `windows` and the compressed model's faithfulness
-    (`evaluate.evaluate_against`'s numbers): the compressed model advanced layer by layer over chunks of
-    `chunk_windows` windows, the original's last hidden states read from `spill_original_outputs`' files."""
-    n, seq_len = windows.shape
-    nll: dict[str, list[float]] = {"original": [], "compressed": []}
-    # Each model's own time, as `evaluate_against` splits it (the KL counts as the compressed model's); the
-    # original's layers ran in `spill_original_outputs`, so here only its head.
-    seconds = {"original": 0.0, "compressed": 0.0}
-    kl_sum, agree_sum = 0.0, 0
-    for first, chunk in _chunks(windows, chunk_windows):
-        t = time.perf_counter()
-        stream = LayerStream(om, chunk, batch_size)
-        where = f"windows {first + 1}-{first + len(chunk)} of {n}"
-        candidate = final_hidden_states(om, stream, compressed, progress, f"Perplexity, compressed ({where})")
-        seconds["compressed"] += time.perf_counter() - t
-        with torch.no_grad(), safe_open(directory / f"{first:07d}.safetensors", framework="pt") as f:
-            for b, batch in enumerate(stream.batches):
-                batch = batch.to(om.device)
-                t = time.perf_counter()
-                reference = stream.log_probs(b, f.get_tensor(f"b{b}").to(om.device))
-                nll["original"].extend(checked_window_nll(reference, batch, first, "the original model"))
-                seconds["original"] += time.perf_counter() - t
-                t = time.perf_counter()
-                log_probs = stream.log_probs(b, candidate[b])
-                nll["compressed"].extend(checked_window_nll(log_probs, batch, first, "the compressed model"))
-                kl, agree = kl_and_agreement(reference, log_probs)
-                kl_sum, agree_sum = kl_sum + float(kl.sum()), agree_sum + int(agree.sum())
-                seconds["compressed"] += time.perf_counter() - t
-    tokens = [seq_len - 1] * n
-    before = perplexity_result(nll["original"], tokens, seq_len, seconds["original"])
-    after = perplexity_result(nll["compressed"], tokens, seq_len, seconds["compressed"])
-    faith = Faithfulness(kl_sum / after.tokens, agree_sum / after.tokens, after.ppl / before.ppl)
-    return before, after, faith

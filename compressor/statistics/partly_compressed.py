@@ -21,6 +21,7 @@ from compressor.runtime.device import autocast_to, float64_zeros
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
 from compressor.statistics.capture import add_cross, add_gram, check_gram, token_mean
+from compressor.statistics.layer_stream import layer_inputs
 
 
 class _Stop(Exception):
@@ -28,47 +29,15 @@ class _Stop(Exception):
 
 
 class LayerRunner:
-    """The calibration windows' hidden states, advanced through the decoder one layer at a time."""
+    """The calibration windows' hidden states, advanced through the decoder one layer at a time. The layers run
+    as they are when a step runs: in memory, or materialised from disk for that step (`--layerwise`:
+    `MethodContext.held`)."""
 
-    def __init__(self, model, adapter, windows: torch.Tensor, batch_size: int = 1):
+    def __init__(self, adapter, windows: torch.Tensor, batch_size: int = 1):
         self.adapter = adapter
-        device = next(model.parameters()).device
+        device = adapter.unembedding.weight.device  # on the device also when the layers are on disk
         self.batches = [windows[i : i + batch_size].to(device) for i in range(0, len(windows), batch_size)]
-        self.hidden: list[torch.Tensor] = []
-        self.layer_kwargs: dict[tuple[int, int], dict] = {}  # (layer, batch size) -> kwargs
-        sizes_seen: set[int] = set()
-        for batch in self.batches:
-            capture_kwargs = len(batch) not in sizes_seen
-            sizes_seen.add(len(batch))
-            self._first_pass(model, batch, capture_kwargs)
-
-    def _first_pass(self, model, batch: torch.Tensor, capture_kwargs: bool) -> None:
-        handles = []
-
-        def grab(index):
-            def hook(module, args, kwargs):
-                hidden = args[0] if args else kwargs["hidden_states"]
-                if index == 0:
-                    self.hidden.append(hidden.detach())
-                if capture_kwargs:
-                    self.layer_kwargs[(index, len(batch))] = {
-                        k: v for k, v in kwargs.items() if k != "hidden_states"
-                    }
-                if not capture_kwargs:
-                    raise _Stop
-
-            return hook
-
-        for i, layer in enumerate(self.adapter.layers):
-            handles.append(layer.register_forward_pre_hook(grab(i), with_kwargs=True))
-        try:
-            # A full pass only for the first batch of each size (to record every layer's kwargs).
-            model(input_ids=batch, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+        self.hidden, self.layer_kwargs = layer_inputs(adapter, self.batches, device)
 
     def _run(self, layer_index: int, batch_index: int) -> torch.Tensor:
         hidden = self.hidden[batch_index]
@@ -165,7 +134,7 @@ def install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFac
 
 
 def _install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
-    runner = LayerRunner(ctx.model, ctx.adapter, ctx.windows)
+    runner = LayerRunner(ctx.adapter, ctx.windows)
     wanted = set(targets)
     with progress_bar(
         "Residual factors (sequential)", total=ctx.adapter.num_layers, enabled=ctx.progress
@@ -231,36 +200,41 @@ def refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> Non
     `originals`: the original decoder layers (a copy made before anything was installed), run on the original
     stream beside the compressed ones. The least-squares solve reads fp64 sums of x xᵀ and t xᵀ; a Cholesky that
     needed damping is reported like the whitening's."""
-    with autocast_to(next(ctx.model.parameters()).device, ctx.stats.autocast), torch.no_grad():
+    with autocast_to(ctx.model_device, ctx.stats.autocast), torch.no_grad():
         _refit_on_stream(ctx, originals, matrices)
 
 
 def _refit_on_stream(ctx, originals, matrices: dict[int, tuple[str, ...]]) -> None:
     adapter = ctx.adapter
-    runner = LayerRunner(ctx.model, adapter, stream_refit_windows(ctx.windows))
+    runner = LayerRunner(adapter, stream_refit_windows(ctx.windows))
     stream = [h.clone() for h in runner.hidden]  # the original model's, advanced by `originals`
     start = time.perf_counter()
     with progress_bar("Refits on the stream", total=adapter.num_layers, enabled=ctx.progress) as bar:
         for layer in range(adapter.num_layers):
-            todo = matrices.get(layer, ())
-            outputs = [
-                _original_layer(*originals[layer], runner, layer, b, stream[b]) for b in range(len(stream))
-            ]
-            # The compressed attention runs twice (up to o_proj, then up to down_proj): handing o_proj's refitted
-            # output on instead measured no faster on the bundled model (32 windows, in turns: 66.0 and 62.2 s
-            # against 61.7 and 64.5 s), for N×T×H more memory; the time is in the products and moments.
-            if "o_proj" in todo:  # to the original stream after the attention, less the compressed input
-                _refit_o_proj(ctx, layer, runner, [(o + h) for o, _, h in outputs])
-            advanced = None
-            if "down_proj" in todo:  # to the original layer's output, less the compressed stream at the MLP
-                advanced = _refit_down_proj(ctx, layer, runner, [out for _, out, _ in outputs])
-            if advanced is None:
-                runner.advance(layer)
-            else:  # the refit's own pass gave the layer's output: no third pass through the layer
-                runner.hidden = advanced
-            stream = [out for _, out, _ in outputs]
+            original, paths = originals[layer]
+            with ctx.held(layer, original) as original, ctx.held(layer):
+                _refit_layer(ctx, layer, runner, stream, original, paths, matrices.get(layer, ()))
             bar.advance()
     ctx.seconds["stream_refit"] = time.perf_counter() - start
+
+
+def _refit_layer(ctx, layer: int, runner: LayerRunner, stream: list, original, paths, todo) -> None:
+    """One layer of `_refit_on_stream`: the original layer on the original `stream`, the refits of `todo` on the
+    compressed one; both streams advanced past the layer (`stream` in place)."""
+    outputs = [_original_layer(original, paths, runner, layer, b, stream[b]) for b in range(len(stream))]
+    # The compressed attention runs twice (up to o_proj, then up to down_proj): handing o_proj's refitted
+    # output on instead measured no faster on the bundled model (32 windows, in turns: 66.0 and 62.2 s
+    # against 61.7 and 64.5 s), for N×T×H more memory; the time is in the products and moments.
+    if "o_proj" in todo:  # to the original stream after the attention, less the compressed input
+        _refit_o_proj(ctx, layer, runner, [(o + h) for o, _, h in outputs])
+    advanced = None
+    if "down_proj" in todo:  # to the original layer's output, less the compressed stream at the MLP
+        advanced = _refit_down_proj(ctx, layer, runner, [out for _, out, _ in outputs])
+    if advanced is None:
+        runner.advance(layer)
+    else:  # the refit's own pass gave the layer's output: no third pass through the layer
+        runner.hidden = advanced
+    stream[:] = [out for _, out, _ in outputs]
 
 
 def _original_layer(layer_module, paths, runner: LayerRunner, index: int, batch: int, hidden: torch.Tensor):
@@ -345,3 +319,4 @@ def _least_squares(ctx, layer: int, projection: str, module: nn.Module, pairs) -
     if not factor.input_is_zero:
         refit = torch.cholesky_solve((cross / tokens).T.to(factor.S.device), factor.S).T
         module.weight.copy_(refit.to(dtype=module.weight.dtype, device=module.weight.device))
+        ctx.refitted(layer, projection)

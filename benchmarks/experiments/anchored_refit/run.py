@@ -53,8 +53,8 @@ def anchored_refit(
 ) -> None:
     """Refit every compressed down_proj in place, layer by layer, on the compressed model's own inputs."""
     before, after = get_adapter(original), get_adapter(compressed)
-    runner_orig = LayerRunner(original, before, windows)
-    runner_comp = LayerRunner(compressed, after, windows)
+    runner_orig = LayerRunner(before, windows)
+    runner_comp = LayerRunner(after, windows)
     for layer in range(before.num_layers):
         down_orig, down_comp = before.layers[layer].mlp.down_proj, after.layers[layer].mlp.down_proj
         width = down_comp.in_features

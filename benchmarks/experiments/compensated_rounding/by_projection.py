@@ -53,7 +53,7 @@ def q2_k_type(width: int) -> str:
 def rounded_weights(model, windows: torch.Tensor) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """(layer, projection) → {nearest, compensated: the weight it decodes to}, from the windows' statistics."""
     adapter = get_adapter(model)
-    runner = LayerRunner(model, adapter, windows)
+    runner = LayerRunner(adapter, windows)
     rounded = {}
     for layer in range(adapter.num_layers):
         readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in (*PROJECTIONS, *MLP_PROJECTIONS)}

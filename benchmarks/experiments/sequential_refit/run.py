@@ -96,8 +96,8 @@ def sequential_refit(original, compressed, windows, projections, residual: bool)
     """Refit `projections` of every layer of `compressed` (in place) on its own inputs, layer by layer; the
     calibration error of each refit matrix before and after (E‖t − W x‖² over the tokens, summed over outputs)."""
     start = time.perf_counter()
-    before = LayerRunner(original, get_adapter(original), windows, BATCH)
-    after = LayerRunner(compressed, get_adapter(compressed), windows, BATCH)
+    before = LayerRunner(get_adapter(original), windows, BATCH)
+    after = LayerRunner(get_adapter(compressed), windows, BATCH)
     errors = []
     for index in range(get_adapter(compressed).num_layers):
         for projection in projections:

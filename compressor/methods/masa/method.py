@@ -167,10 +167,11 @@ class Masa(Method):
             return self._apply(ctx)
         if ctx.windows is None:
             raise ValueError("--refit stream needs the calibration windows: pass `windows`")
-        if getattr(ctx, "offloaded", None) is not None:  # the CLI refuses it before any weight is read
-            raise ValueError("--refit stream runs in memory: the layers of an offloaded model are on disk")
-        originals = original_layers(ctx.adapter)  # before anything is installed
+        originals = original_layers(
+            ctx.adapter
+        )  # before anything is installed (with --layerwise: meta copies)
         plan = self._apply(ctx)
+        ctx.finished(range(ctx.shape.num_layers))  # every module installed: the refit changes weights only
         refit_on_stream(ctx, originals, stream_matrices(plan))
         return plan
 
