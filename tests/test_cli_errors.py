@@ -223,11 +223,6 @@ CASES = [
         "tokens",
     ),
     (
-        "--layerwise with sequential statistics",
-        lambda t, mp: ["smollm2-135m", "--layerwise", "--statistics", "sequential", "--sharing", "atoms"],
-        "--layerwise collects the statistics of the original model",
-    ),
-    (
         "a stream refit with nothing to refit",
         lambda t, mp: ["smollm2-135m", "--refit", "stream"],
         "--refit stream refits --attention heads' o_proj and --mlp neurons' down_proj: this run has neither",

@@ -83,6 +83,8 @@ def _both_ways(
         ("mistral", {"method": "basis-sharing"}),
         ("gemma", {"method": "shared-mean", "groups": 2}),
         ("llama", {"method": "flap", "targets": "attn,mlp"}),  # reads the inputs' means
+        # each layer's statistics on the inputs its compressed predecessors give, a group's atoms shared
+        ("mistral", {"statistics": "sequential", "sharing": "atoms", "groups": 2}),
         # --native's default: o_proj and down_proj refit on the compressed model's own stream
         (
             "qwen2",

@@ -44,11 +44,6 @@ def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
         raise UserError(
             f"'{run.source.spec}' is already a masa-compress checkpoint: compress the original model"
         )
-    if run.compression.statistics == "sequential":
-        raise UserError(
-            "--layerwise collects the statistics of the original model: use --statistics original, or drop "
-            "--layerwise to compress in memory"
-        )
 
 
 def spill_directory(options: CompressOptions, out: str) -> Path:

@@ -123,33 +123,41 @@ class LayerRunner:
         return {name: token_mean(total, tokens[name]) for name, total in totals.items()}
 
 
-def install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
+Install = Callable[[int, str, WhiteningFactor], None]
+
+
+def install_sequentially(ctx, targets, install: Install, groups: list[list[int]]) -> None:
     """Per layer: whiten q/k/v by the current layer input, install them, then whiten o by the attention output
-    of the partly compressed layer, install it, and advance the hidden states through the compressed layer."""
+    of the partly compressed layer, install it, and advance the hidden states through the compressed layer.
+    `groups`: the layers that share tensors (a group's atoms), each declared finished (`MethodContext.finished`)
+    once its last layer is installed."""
     if any(p not in PROJECTIONS for _, p in targets):
         raise ValueError("sequential statistics cover the attention projections only")
     # The forward passes compute as the original statistics' did (`--calib-precision`).
-    with autocast_to(next(ctx.model.parameters()).device, ctx.stats.autocast):
-        _install_sequentially(ctx, targets, install)
+    with autocast_to(ctx.model_device, ctx.stats.autocast):
+        _install_sequentially(ctx, targets, install, {max(layers): layers for layers in groups})
 
 
-def _install_sequentially(ctx, targets, install: Callable[[int, str, WhiteningFactor], None]) -> None:
+def _install_sequentially(ctx, targets, install: Install, finishing: dict[int, list[int]]) -> None:
     runner = LayerRunner(ctx.adapter, ctx.windows)
     wanted = set(targets)
     with progress_bar(
         "Residual factors (sequential)", total=ctx.adapter.num_layers, enabled=ctx.progress
     ) as bar:
         for layer in range(ctx.adapter.num_layers):
-            for group in (ATTN_INPUT_PROJECTIONS, ("o_proj",)):
-                todo = [p for p in group if (layer, p) in wanted]
-                if not todo:
-                    continue
-                factor = whitening_factor(runner.autocorr(layer, todo[0]).to(ctx.compute_device))
-                kind = "attn" if group != ("o_proj",) else "o"
-                ctx.record_damping(factor, layer=layer, input=kind, statistics="sequential")
-                for p in todo:
-                    install(layer, p, factor)
-            runner.advance(layer)
+            with ctx.held(layer):
+                for group in (ATTN_INPUT_PROJECTIONS, ("o_proj",)):
+                    todo = [p for p in group if (layer, p) in wanted]
+                    if not todo:
+                        continue
+                    factor = whitening_factor(runner.autocorr(layer, todo[0]).to(ctx.compute_device))
+                    kind = "attn" if group != ("o_proj",) else "o"
+                    ctx.record_damping(factor, layer=layer, input=kind, statistics="sequential")
+                    for p in todo:
+                        install(layer, p, factor)
+                runner.advance(layer)
+            if layer in finishing:
+                ctx.finished(finishing[layer])
             bar.advance()
 
 

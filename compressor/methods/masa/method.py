@@ -206,7 +206,7 @@ class Masa(Method):
                 install_neurons(ctx, plan, layer, neurons[layer])
 
         if ctx.settings.statistics == "sequential":
-            install_sequentially(ctx, targets, install)
+            install_sequentially(ctx, targets, install, [group.layers for group in plan.groups])
         else:
             with progress_bar("Residual factors", total=len(targets), enabled=ctx.progress) as bar:
                 for group in plan.groups:  # a group's layers share its atoms: finished together
