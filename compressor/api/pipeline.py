@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from compressor.modeling.offload import OffloadedModel
 from compressor.recipes.schema import CompressionSettings
 from compressor.statistics.capture import CalibrationStats
 from compressor.statistics.sensitivity import collect_sensitivity
+
+if TYPE_CHECKING:
+    from compressor.methods.masa.byte_structure import SizeTarget
 
 
 @dataclass
@@ -44,13 +48,13 @@ def compress_model(
     windows: torch.Tensor | None = None,
     offloaded: OffloadedModel | None = None,
     spill_dir: Path | None = None,
-    size=None,
+    size: SizeTarget | None = None,
 ) -> CompressionOutcome:
     """Replace the targeted projections of `model` in place; return the exact plan and a report.
 
     With `offloaded` (`--layerwise`: `model` is `offloaded.model`, its layers on disk), the original weights are
-    read from disk, and each finished layer is written to `spill_dir` (`outcome.compressed`). With `size` (a
-    `methods.masa.byte_structure.SizeTarget`), the method chooses the structure under a file's bytes instead."""
+    read from disk, and each finished layer is written to `spill_dir` (`outcome.compressed`). With `size`, the
+    method chooses the structure under a file's bytes instead."""
     method = get_method(settings.method)
     check_ratio(ratio)
     settings = method.effective_settings(settings)
