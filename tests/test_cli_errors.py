@@ -183,11 +183,6 @@ CASES = [
         ],  # fmt: skip
         "--native on phi3",
     ),
-    (
-        "--layerwise with fused projections",
-        lambda t, mp: [_family_dir(t, "phi3"), "--layerwise", "--out", str(t / "out")],
-        "--layerwise on phi3",
-    ),
     ("empty evaluation text", lambda t, mp: ["eval", "smollm2-135m", "--text", _text_file(t, "")], "empty"),
     (
         "unknown evaluation split",

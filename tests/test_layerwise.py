@@ -17,7 +17,7 @@ from compressor.api.pipeline import compress_model
 from compressor.checkpoint import save_compressed
 from compressor.evaluation.perplexity import evaluate_against
 from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapter
-from compressor.modeling.offload import load_offloaded
+from compressor.modeling.offload import FusedParts, load_offloaded
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
 from compressor.statistics.block_influence import block_influence, block_influence_layerwise
@@ -83,6 +83,8 @@ def _both_ways(
         ("mistral", {"method": "basis-sharing"}),
         ("gemma", {"method": "shared-mean", "groups": 2}),
         ("llama", {"method": "flap", "targets": "attn,mlp"}),  # reads the inputs' means
+        # fused qkv_proj and gate_up_proj in the files: each part read as its rows of the fused tensor
+        ("phi3", {"sharing": "none", "targets": "attn,mlp"}),
         # each layer's statistics on the inputs its compressed predecessors give, a group's atoms shared
         ("mistral", {"statistics": "sequential", "sharing": "atoms", "groups": 2}),
         # --native's default: o_proj and down_proj refit on the compressed model's own stream
@@ -151,6 +153,19 @@ def test_layerwise_bfloat16_forward_passes_give_the_in_memory_statistics_and_che
     for key, value in stats.sensitivity.weights.items():
         assert spilled.sensitivity[key] == pytest.approx(value, rel=1e-6)
     assert _sha(tmp_path / "in-memory") == _sha(tmp_path / "layerwise")
+
+
+def test_a_fused_projections_parts_are_read_as_its_rows_under_their_own_names():
+    store = {"l.0.qkv_proj.weight": torch.arange(12.0).view(6, 2), "l.0.qkv_proj.bias": torch.arange(6.0),
+             "l.0.norm.weight": torch.ones(2)}  # fmt: skip
+    parts = FusedParts(store, {"qkv_proj": {"q_proj": 2, "k_proj": 1, "v_proj": 3}})
+    assert set(parts) == {"l.0.norm.weight"} | {
+        f"l.0.qkv_proj.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")
+    }
+    assert len(parts) == len(set(parts)) == 7
+    assert torch.equal(parts["l.0.qkv_proj.k_proj.weight"], store["l.0.qkv_proj.weight"][2:3])
+    assert torch.equal(parts["l.0.qkv_proj.v_proj.bias"], torch.tensor([3.0, 4.0, 5.0]))
+    assert "l.0.qkv_proj.weight" not in parts and torch.equal(parts["l.0.norm.weight"], torch.ones(2))
 
 
 def test_onloaded_materialises_a_layer_and_gives_back_the_same_meta_tensors(tmp_path):

@@ -74,9 +74,7 @@ def resolve_run(model: str, options: CompressOptions) -> RunSpec:
     method.refuse_unread(given, resolved.compression)
     compression = method.effective_settings(resolved.compression)
     model_type = (shapes or {}).get("model_type")
-    check_family_forms(
-        model_type, compression.method, compression.attention, compression.targets, options.layerwise
-    )
+    check_family_forms(model_type, compression.method, compression.attention, compression.targets)
     sources = resolved.sources
     sources["compression"].update({k: f"method {method.name}" for k in method.preset if k not in given})
     return RunSpec(source, recipe, resolved.calibration, resolved.evaluation, compression, method, sources)

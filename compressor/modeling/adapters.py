@@ -61,13 +61,11 @@ __all__ = [
 QK_NORM = {name: f.qk_norm for name, f in FAMILIES.items() if f.qk_norm}
 
 
-def check_family_forms(
-    model_type: str | None, method: str, attention: str, targets: str, layerwise: bool = False
-) -> None:
+def check_family_forms(model_type: str | None, method: str, attention: str, targets: str) -> None:
     """Refuse, in one line and before any weight is read, a form this family cannot take
     (`families.form_refusal`: a form that would silently make another model than the method's, or that the
     family's modules cannot hold)."""
-    reason = form_refusal(model_type, method, attention, target_projections(targets), layerwise)
+    reason = form_refusal(model_type, method, attention, target_projections(targets))
     if reason:
         raise UserError(reason)
 

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Form:
     """A form of compression a family may take (a column of the README's support matrix), as `form_refusal`
-    reads it: the method, the attention's form, the targets (projection types) and `--layerwise`."""
+    reads it: the method, the attention's form and the targets (projection types); `--layerwise` runs every form
+    a family takes (its column: the default form, layer by layer)."""
 
     key: str
     heading: str
     method: str = "masa"
     attention: str = "factors"
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    layerwise: bool = False
 
 
 _ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -40,7 +40,7 @@ FORMS = (
     Form("flap", "`--method flap`", method="flap"),
     Form("modegpt", "`--method modegpt`", method="modegpt"),
     Form("svd-llm", "`--method svd-llm`", method="svd-llm"),
-    Form("layerwise", "`--layerwise`", layerwise=True),
+    Form("layerwise", "`--layerwise`"),
 )
 
 
@@ -142,9 +142,7 @@ def get_path(root, path: str):
     return root
 
 
-def form_refusal(
-    model_type: str | None, method: str, attention: str, targets: tuple[str, ...], layerwise: bool = False
-) -> str | None:
+def form_refusal(model_type: str | None, method: str, attention: str, targets: tuple[str, ...]) -> str | None:
     """Why `model_type` cannot take this form (one line naming the form, the family and what works instead), or
     None. `targets` are projection names (`adapters.target_projections`).
 
@@ -152,8 +150,7 @@ def form_refusal(
     - MoDeGPT keeps q/k dimensions inside each head and zero-fills the rest: a q/k RMSNorm then averages over the
       zeros too and rescales the kept dimensions (not the method's model).
     - Whole query heads (`--native`, FLAP) on a norm across heads: removing a head changes every other head's RMS;
-      in a fused qkv_proj: transformers splits its output by the config's head count.
-    - `--layerwise` reads the original weights from the files by name: a fused projection has no q/k/v there."""
+      in a fused qkv_proj: transformers splits its output by the config's head count."""
     family = family_of(model_type)
     if family is None:
         return None
@@ -187,14 +184,9 @@ def form_refusal(
             f"{form} on {name}: its fused {family.fused_into('q_proj')} is split by the config's head count, so "
             f"every layer keeps all its query heads; {instead}"
         )
-    if layerwise and family.fused:
-        return (
-            f"--layerwise on {name}: its fused {', '.join(family.fused)} are split into projections in memory "
-            "only; drop --layerwise"
-        )
     return None
 
 
 def refusal_of(model_type: str, form: Form) -> str | None:
     """`form_refusal` for one of `FORMS`."""
-    return form_refusal(model_type, form.method, form.attention, form.targets, form.layerwise)
+    return form_refusal(model_type, form.method, form.attention, form.targets)

@@ -174,11 +174,48 @@ def load_offloaded(
         )
     except OSError as err:
         raise UserError(f"could not load the model from '{location}': {str(err).splitlines()[0]}") from err
-    adapter = get_adapter(model)
-    weights = _offloaded_weights(model)
+    adapter = get_adapter(model)  # a fused projection's parts split (meta), under names of their own
+    weights = FusedParts(_offloaded_weights(model), adapter.fused_sizes())
     remove_hook_from_submodules(model)
     model.eval()
     return OffloadedModel(model, adapter, weights, device, frozenset(weights), time.perf_counter() - start)
+
+
+class FusedParts(Mapping[str, torch.Tensor]):
+    """The weight store as the adapter's model names its tensors: each part of a fused projection (Phi-3's
+    `qkv_proj`) under its own name (`qkv_proj.q_proj.weight`), its rows of the fused tensor in the file, as
+    `FusedLinear.split` cuts them in memory; the fused tensor's own name is gone, as from the model."""
+
+    def __init__(self, store: Mapping[str, torch.Tensor], fused_sizes: dict[str, dict[str, int]]):
+        self.store = store
+        self.parts: dict[
+            str, tuple[str, int, int]
+        ] = {}  # part's name -> (fused tensor's name, first row, rows)
+        for name in store:
+            for fused, sizes in fused_sizes.items():
+                for kind in ("weight", "bias"):
+                    if not name.endswith(f".{fused}.{kind}"):
+                        continue
+                    start, module = 0, name[: -len(kind)]
+                    for part, rows in sizes.items():
+                        self.parts[f"{module}{part}.{kind}"] = (name, start, rows)
+                        start += rows
+        self.fused = {name for name, _, _ in self.parts.values()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.parts:
+            fused, start, rows = self.parts[name]
+            return self.store[fused][start : start + rows]
+        if name in self.fused:
+            raise KeyError(name)
+        return self.store[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (name for name in self.store if name not in self.fused)
+        yield from self.parts
+
+    def __len__(self) -> int:
+        return len(self.store) - len(self.fused) + len(self.parts)
 
 
 def _offloaded_weights(model: nn.Module) -> Mapping[str, torch.Tensor]:
