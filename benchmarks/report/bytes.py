@@ -155,8 +155,9 @@ def _native_form() -> list[str]:
         return []
     return [
         "**Structure alone, in llama.cpp**: the `--native` model 20% smaller (`--targets attn,mlp --ratio 0.2 "
-        "--ratio-of model --native`: in memory its refits read the compressed model's own stream, `--refit "
-        "stream`; with `--layerwise`, as the 1.5B model ran, the original's statistics, `--refit calibration`), "
+        "--ratio-of model --native`: its refits read the compressed model's own stream, `--refit stream`; the "
+        "1.5B model's run, layer by layer before the stream refit ran that way, read the original's statistics, "
+        "`--refit calibration`), "
         "exported at f16, scored by llama.cpp against the original in transformers: "
         + "; ".join(parts)
         + ".",
