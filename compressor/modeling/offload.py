@@ -188,9 +188,8 @@ class FusedParts(Mapping[str, torch.Tensor]):
 
     def __init__(self, store: Mapping[str, torch.Tensor], fused_sizes: dict[str, dict[str, int]]):
         self.store = store
-        self.parts: dict[
-            str, tuple[str, int, int]
-        ] = {}  # part's name -> (fused tensor's name, first row, rows)
+        # part's name -> (fused tensor's name, its first row, its rows)
+        self.parts: dict[str, tuple[str, int, int]] = {}
         for name in store:
             for fused, sizes in fused_sizes.items():
                 for kind in ("weight", "bias"):

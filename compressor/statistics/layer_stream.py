@@ -168,12 +168,15 @@ class SpilledStats:
 
 
 def _input_hooks(om: OffloadedModel, index: int, inputs: dict[str, str], grams: dict, sums: dict):
-    handles = []
-    for kind, projection in inputs.items():
-        module = om.adapter.projection(index, projection)
-        hook = lambda m, a, kind=kind: add_input(grams[kind], sums[kind][index], a[0])  # noqa: E731
-        handles.append(module.register_forward_pre_hook(hook))
-    return handles
+    """Hooks that add each input of layer `index` to its autocorrelation (`grams`) and its sum (`sums`' row)."""
+
+    def adding(kind: str):
+        return lambda module, args: add_input(grams[kind], sums[kind][index], args[0])
+
+    return [
+        om.adapter.projection(index, projection).register_forward_pre_hook(adding(kind))
+        for kind, projection in inputs.items()
+    ]
 
 
 @torch.no_grad()

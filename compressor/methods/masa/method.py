@@ -167,9 +167,8 @@ class Masa(Method):
             return self._apply(ctx)
         if ctx.windows is None:
             raise ValueError("--refit stream needs the calibration windows: pass `windows`")
-        originals = original_layers(
-            ctx.adapter
-        )  # before anything is installed (with --layerwise: meta copies)
+        # Copied before anything is installed (with --layerwise: meta copies, onloaded layer by layer).
+        originals = original_layers(ctx.adapter)
         plan = self._apply(ctx)
         ctx.finished(range(ctx.shape.num_layers))  # every module installed: the refit changes weights only
         refit_on_stream(ctx, originals, stream_matrices(plan))
