@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -285,20 +286,28 @@ def test_too_little_disk_for_the_temporary_files_is_refused_before_any_pass(tmp_
     import shutil
     from collections import namedtuple
 
-    from compressor.api.layerwise import check_spill_disk
+    from compressor.api.layerwise import check_spill_disk, spill_disk_needed
     from compressor.methods import ModelShape
     from compressor.runtime.errors import UserError, cli_wording
 
     _, om = _offloaded(tmp_path)
     shape = ModelShape.from_adapter(om.adapter, PROJECTIONS)
+    common = dict(per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
+    needed = spill_disk_needed(om, shape, 4, **common)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
     with pytest.raises(UserError, match="pass an offload_dir on a larger disk"):
-        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
+        check_spill_disk(tmp_path, needed)
     with cli_wording(), pytest.raises(UserError, match="pass --offload-dir on a larger disk"):
-        check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
+        check_spill_disk(tmp_path, needed)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
-    check_spill_disk(tmp_path, om, shape, 4, per_layer=16 * 32, final=8 * 32, kinds=("attn", "o"))
+    check_spill_disk(tmp_path, needed)
+    # The stream refit writes o_proj and down_proj again: at most their whole size, in every layer.
+    refits = om.adapter.num_layers * sum(
+        math.prod(om.adapter.geometry.shape(p)) for p in ("o_proj", "down_proj")
+    )
+    grown = spill_disk_needed(om, shape, 4, **common, stream_refit=True) - needed
+    assert grown == pytest.approx(1.05 * 4 * refits, abs=1)
 
 
 def test_device_map_puts_every_decoder_layer_on_disk_and_the_rest_on_the_device():

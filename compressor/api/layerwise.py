@@ -11,6 +11,7 @@ also on failure. The result is the checkpoint in-memory compression writes, bit 
 from __future__ import annotations
 
 import collections
+import math
 import shutil
 import tempfile
 import time
@@ -36,6 +37,7 @@ from compressor.runtime.progress import note
 from compressor.statistics.capture import captured_inputs
 from compressor.statistics.layer_evaluation import evaluate_layerwise, spill_original_outputs
 from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
+from compressor.statistics.partly_compressed import STREAM_MATRICES
 
 
 def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
@@ -104,7 +106,11 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     # ...and the original's last hidden states on the evaluation windows, once.
     final_tokens = eval_windows.numel() if eval_windows is not None else 0
     inputs = captured_inputs(with_mlp, prepared.gate_input)
-    check_spill_disk(spill, om, shape, element, per_layer_tokens, final_tokens, tuple(inputs))
+    stream_refit = run.compression.refit == "stream"
+    needed = spill_disk_needed(
+        om, shape, element, per_layer_tokens, final_tokens, tuple(inputs), stream_refit
+    )
+    check_spill_disk(spill, needed)
     if options.evaluate:  # the original's outputs, before its layers hold the compressed modules
         t = time.perf_counter()
         spill_original_outputs(om, eval_windows, spill / "eval", options.batch_size, progress=progress)
@@ -141,23 +147,31 @@ def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_tex
     return loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before
 
 
-def check_spill_disk(
-    spill: Path,
+def spill_disk_needed(
     om: OffloadedModel,
     shape: ModelShape,
     element: int,
     per_layer: int,
     final: int,
     kinds: tuple[str, ...],
-) -> None:
-    """Refuse to start when the temporary files cannot fit: every layer's fp64 statistics, the compressed
-    projections (at most the targeted weights), the sensitivity windows' hidden states at every layer
-    (`per_layer` tokens) and the original's last hidden states on the evaluation windows (`final` tokens);
-    `kinds`: the inputs whose statistics are spilled (`capture.captured_inputs`)."""
+    stream_refit: bool = False,
+) -> int:
+    """Bytes of the run's temporary files: every layer's fp64 statistics, the compressed projections (at most the
+    targeted weights), the sensitivity windows' hidden states at every layer (`per_layer` tokens), the original's
+    last hidden states on the evaluation windows (`final` tokens) and, with `stream_refit`, the refitted o_proj
+    and down_proj written again (at most their whole size); `kinds`: the inputs whose statistics are spilled
+    (`capture.captured_inputs`). 5% and 64 MiB on top."""
     geometry, layers = om.adapter.geometry, om.adapter.num_layers
     stats = layers * sum(8 * geometry.input_size(kind) ** 2 for kind in kinds)
     hidden = (layers * per_layer + final) * geometry.hidden_size * element
-    needed = int(1.05 * (stats + shape.params_before * element + hidden)) + 64 * 2**20
+    refits = (
+        layers * sum(math.prod(geometry.shape(p)) for p in STREAM_MATRICES) * element if stream_refit else 0
+    )
+    return int(1.05 * (stats + shape.params_before * element + hidden + refits)) + 64 * 2**20
+
+
+def check_spill_disk(spill: Path, needed: int) -> None:
+    """Refuse to start when `needed` bytes of temporary files (`spill_disk_needed`) cannot fit on `spill`'s disk."""
     free = shutil.disk_usage(spill).free
     if free < needed:
         raise UserError(
