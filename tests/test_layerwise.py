@@ -21,7 +21,7 @@ from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS, get_adapt
 from compressor.modeling.offload import FusedParts, load_offloaded
 from compressor.modeling.remote_code.masa_modules import LowRankLinear
 from compressor.recipes.schema import CompressionSettings
-from compressor.statistics.block_influence import block_influence, block_influence_layerwise
+from compressor.statistics.block_influence import block_influence
 from compressor.statistics.capture import collect_statistics
 from compressor.statistics.layer_evaluation import evaluate_layerwise, spill_original_outputs
 from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
@@ -125,8 +125,8 @@ def test_layerwise_block_influence_is_the_in_memory_one_bit_for_bit(tmp_path):
     source, om = _offloaded(tmp_path, "gemma")
     model = type(om.model).from_pretrained(source, dtype=torch.float32).eval()
     windows = random_windows(3, 32)
-    expected, _ = block_influence(model, get_adapter(model), windows, progress=False)
-    influence, _ = block_influence_layerwise(om, windows, progress=False)
+    expected, _ = block_influence(get_adapter(model), windows, progress=False)
+    influence, _ = block_influence(om.adapter, windows, held=om.onloaded, progress=False)
     assert torch.equal(influence, expected) and len(set(influence.tolist())) == len(influence)
 
 

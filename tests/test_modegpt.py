@@ -103,7 +103,7 @@ def test_block_influence_is_zero_for_a_layer_that_changes_nothing():
     adapter = get_adapter(model)
     for name in ("o_proj", "down_proj"):  # layer 1 adds nothing to the residual stream
         adapter.projection(1, name).weight.data.zero_()
-    influence, _ = block_influence(model, adapter, random_windows(n=2), progress=False)
+    influence, _ = block_influence(adapter, random_windows(n=2), progress=False)
     assert float(influence[1]) == pytest.approx(0.0, abs=1e-6)
     assert float(influence[0]) > 1e-3
 

@@ -222,8 +222,9 @@ class MethodContext:
         return self.grouping(n_groups).groups
 
     def block_influence(self, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Each layer's block influence on `windows` and the seconds it took (`statistics.block_influence`)."""
-        return block_influence(self.model, self.adapter, windows, self.progress)
+        """Each layer's block influence on `windows` and the seconds it took (`statistics.block_influence`), each
+        layer run as `held` holds it."""
+        return block_influence(self.adapter, windows, self.held, self.progress)
 
     @contextmanager
     def held(self, layer: int, original: nn.Module | None = None) -> Iterator[nn.Module]:

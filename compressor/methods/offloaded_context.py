@@ -19,7 +19,6 @@ from torch import nn
 from compressor.methods.base import MethodContext
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.errors import NumericalError, all_finite
-from compressor.statistics.block_influence import block_influence_layerwise
 
 
 def projection_prefix(om: OffloadedModel, layer: int, projection: str) -> str:
@@ -120,9 +119,6 @@ class OffloadedContext(MethodContext):
     def bias(self, layer: int, projection: str) -> torch.Tensor | None:
         name = projection_prefix(self.offloaded, layer, projection) + "bias"
         return self.offloaded.original(name).to(self.model_dtype) if name in self.offloaded.names else None
-
-    def block_influence(self, windows: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return block_influence_layerwise(self.offloaded, windows, self.progress)
 
     def held(self, layer: int, original: nn.Module | None = None) -> AbstractContextManager[nn.Module]:
         if original is None:  # the compressed projections from their files, the rest from the original's
