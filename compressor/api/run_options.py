@@ -106,9 +106,12 @@ class CompressOptions:
 
     @classmethod
     def from_values(cls, values: dict) -> CompressOptions:
-        """The options among `values` (e.g. a CLI command's `locals()`), ignoring other names."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """The options among `values` (e.g. a CLI command's `locals()`), ignoring other names; None for an option
+        whose default is not None (`--ratio` not given) means that default."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        return cls(
+            **{k: v for k, v in values.items() if k in defaults and (v is not None or defaults[k] is None)}
+        )
 
     def given_compression_settings(self) -> dict[str, object]:
         """The compression settings the user gave explicitly (not None)."""

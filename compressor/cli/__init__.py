@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import compressor.cli.option_sets as sets
 import compressor.cli.options as o
 from compressor import SUMMARY, __version__
 from compressor.cli.help import EVALUATION, TASKS, HelpCommand, HelpGroup
@@ -56,6 +57,7 @@ def _root(
 
 
 @app.command("eval", cls=HelpCommand)
+@sets.with_option_sets
 def eval_command(
     model: o.Model,
     text: Annotated[
@@ -126,16 +128,16 @@ def eval_command(
             help="llama.cpp's flash attention: faster, not exact (docs/options.md says how far).",
         ),
     ] = False,
-    device: o.Device = "auto",
-    dtype: o.Dtype = "auto",
-    batch_size: o.BatchSize = 1,
+    compute: sets.OptionSet = sets.COMPUTE,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
+    **given,
 ) -> None:
     """Perplexity of MODEL on held-out text, with a 95% interval.
 
     For a checkpoint (or a GGUF written by `export`) also its KL divergence from the original and top-1
     agreement, in the same pass. `--engine llama.cpp` runs a GGUF file in llama.cpp itself."""
+    device, dtype, batch_size = given["device"], given["dtype"], given["batch_size"]
     if tasks or items is not None:
         _eval_tasks(model, tasks, tasks_path, limit, batch_size, device, dtype, as_json, items)
         return

@@ -9,51 +9,30 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import compressor.cli.option_sets as sets
 import compressor.cli.options as o
 from compressor.api import compress
-from compressor.api.run_options import DEFAULT_RATIO, CompressOptions
+from compressor.api.run_options import CompressOptions
 from compressor.cli.help import CALIBRATION, HARDWARE, OUTPUT, RUN, HelpCommand
 from compressor.cli.inspect import show_plan
-from compressor.cli.size import compress_to_size_command
+from compressor.cli.size import compress_to_size_command, refuse_without_budget
 from compressor.math.accounting import NEURON_READER
 from compressor.report import basis_label, group_label, kept_by_type, stage_times_table
-from compressor.runtime.errors import UserError
 
 console = Console()
 
 
+@sets.with_option_sets
 def compress_command(
     model: o.Model,
-    ratio: o.Ratio = None,
-    ratio_of: o.RatioOf = "targets",
-    method: o.Method = None,
-    targets: o.Targets = None,
-    recipe_file: o.RecipeFile = None,
+    the_run: sets.OptionSet = sets.THE_RUN,
     dry_run: Annotated[
         bool,
         typer.Option(
             "--dry-run", rich_help_panel=RUN, help="Only print the plan: no weights, no calibration."
         ),
     ] = False,
-    sharing: o.Sharing = None,
-    basis_layers: o.BasisLayers = None,
-    allocation: o.Allocation = None,
-    sensitivity_samples: o.SensitivitySamples = None,
-    statistics: o.Statistics = None,
-    attention: o.Attention = None,
-    native: o.Native = False,
-    mlp: o.Mlp = None,
-    uniform_mlp: o.UniformMlp = None,
-    width_multiple: o.WidthMultiple = None,
-    neuron_order: o.NeuronOrder = None,
-    refit: o.Refit = None,
-    groups: o.Groups = None,
-    bases: o.Bases = None,
-    largest_group_bases: o.LargestGroupBases = None,
-    end_boundaries: o.EndBoundaries = None,
-    logit_lens: o.LogitLens = None,
-    atoms: o.Atoms = None,
-    singletons: o.Singletons = None,
+    settings: sets.OptionSet = sets.COMPRESSION_SETTINGS,
     auto_groups: o.AutoGroups = None,
     calib: o.Calib = None,
     calib_samples: o.CalibSamples = None,
@@ -107,12 +86,8 @@ def compress_command(
     ] = False,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
-    device: o.Device = "auto",
-    dtype: o.Dtype = "auto",
-    batch_size: o.BatchSize = 1,
-    size: o.Size = None,
-    bits_per_weight: o.BitsPerWeight = None,
-    only_types: o.OnlyTypes = None,
+    compute: sets.OptionSet = sets.COMPUTE,
+    budget: sets.OptionSet = sets.BYTE_BUDGET,
     rounding: o.Rounding = None,
     imatrix: o.ImatrixFile = None,
     layerwise: Annotated[
@@ -132,21 +107,15 @@ def compress_command(
             help="--layerwise's temporary files (default: beside --out).",
         ),
     ] = None,
+    **given,
 ) -> None:
     """Compress MODEL: remove --ratio or fit --size, score it (its time: `plan`)."""
-    ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
-    options = CompressOptions.from_values({**locals(), "evaluate": not no_eval, "save": not no_save})
-    if size is not None or bits_per_weight is not None:
+    options = CompressOptions.from_values({**locals(), **given, "evaluate": not no_eval, "save": not no_save})
+    ratio_given, device, dtype = given["ratio"] is not None, given["device"], given["dtype"]
+    if given["size"] is not None or given["bits_per_weight"] is not None:
         compress_to_size_command(model, options, ratio_given, dry_run, as_json, device, dtype, quiet)
         return
-    if only_types is not None:  # a one-line error: it belongs to --size
-        from compressor.quantize.byte_budget import parse_only_types
-
-        parse_only_types(only_types, budget_given=False)
-    if rounding is not None:
-        raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
-    if imatrix is not None:
-        raise UserError(f"--imatrix {imatrix} weighs a GGUF's rounding: add --size (or use export --imatrix)")
+    refuse_without_budget(given["only_types"], rounding, imatrix)
     if dry_run:
         show_plan(model, options, layout=None, as_json=as_json)
         return

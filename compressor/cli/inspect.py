@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+import compressor.cli.option_sets as sets
 import compressor.cli.options as o
 from compressor.api.inspection import (
     INSPECT_CALIB_SAMPLES,
@@ -19,8 +20,9 @@ from compressor.api.inspection import (
     write_inspect_outputs,
 )
 from compressor.api.preview import plan_compression
-from compressor.api.run_options import DEFAULT_RATIO, CompressOptions
+from compressor.api.run_options import CompressOptions
 from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
+from compressor.cli.size import refuse_without_budget, show_size_plan
 from compressor.report import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 from compressor.runtime.errors import UserError
 
@@ -31,6 +33,7 @@ console = Console()
 # inspect
 
 
+@sets.with_option_sets
 def inspect_command(
     model: o.Model,
     groups: Annotated[
@@ -74,9 +77,8 @@ def inspect_command(
     ] = None,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
-    device: o.Device = "auto",
-    dtype: o.Dtype = "auto",
-    batch_size: o.BatchSize = 1,
+    compute: sets.OptionSet = sets.COMPUTE,
+    **given,
 ) -> None:
     """Calibrate briefly and show how layers would share.
 
@@ -94,10 +96,10 @@ def inspect_command(
         seq_len=seq_len,
         seed=seed,
         recipe_file=recipe_file,
-        batch_size=batch_size,
+        batch_size=given["batch_size"],
     )
     progress = not (quiet or as_json)
-    result = inspect_model(model, options, device=device, dtype=dtype, progress=progress)
+    result = inspect_model(model, options, device=given["device"], dtype=given["dtype"], progress=progress)
     if out:
         result["files"] = [str(p) for p in write_inspect_outputs(out, result)]
     if as_json:
@@ -149,37 +151,15 @@ def _parse_layout(text: str | None) -> list[int] | None:
         raise UserError(f"--layout '{text}' is not a list of group sizes: write e.g. 1,28,1") from None
 
 
+@sets.with_option_sets
 def plan_command(
     model: o.Model,
-    ratio: o.Ratio = None,
-    ratio_of: o.RatioOf = "targets",
-    method: o.Method = None,
-    targets: o.Targets = None,
-    recipe_file: o.RecipeFile = None,
-    sharing: o.Sharing = None,
-    basis_layers: o.BasisLayers = None,
-    allocation: o.Allocation = None,
-    sensitivity_samples: o.SensitivitySamples = None,
-    statistics: o.Statistics = None,
-    attention: o.Attention = None,
-    native: o.Native = False,
-    mlp: o.Mlp = None,
-    uniform_mlp: o.UniformMlp = None,
-    width_multiple: o.WidthMultiple = None,
-    neuron_order: o.NeuronOrder = None,
-    refit: o.Refit = None,
-    groups: o.Groups = None,
-    bases: o.Bases = None,
-    largest_group_bases: o.LargestGroupBases = None,
-    end_boundaries: o.EndBoundaries = None,
-    logit_lens: o.LogitLens = None,
-    atoms: o.Atoms = None,
-    singletons: o.Singletons = None,
+    the_run: sets.OptionSet = sets.THE_RUN,
+    settings: sets.OptionSet = sets.COMPRESSION_SETTINGS,
     layout: o.Layout = None,
-    size: o.Size = None,
-    bits_per_weight: o.BitsPerWeight = None,
-    only_types: o.OnlyTypes = None,
+    budget: sets.OptionSet = sets.BYTE_BUDGET,
     as_json: o.Json = False,
+    **given,
 ) -> None:
     """What a run would store, counted exactly, its memory and its time: no weights needed.
 
@@ -187,17 +167,12 @@ def plan_command(
     model's config (a hub model's from its recipe: offline); the time, this machine's rates, measured once. Exits
     with status 1 when the request does not fit.
     """
-    ratio_given, ratio = ratio is not None, DEFAULT_RATIO if ratio is None else ratio
-    if size is not None or bits_per_weight is not None:
-        from compressor.cli.size import show_size_plan
-
-        show_size_plan(model, CompressOptions.from_values(locals()), ratio_given, as_json)
+    options = CompressOptions.from_values(given)
+    if given["size"] is not None or given["bits_per_weight"] is not None:
+        show_size_plan(model, options, given["ratio"] is not None, as_json)
         return
-    if only_types is not None:  # a one-line error: it belongs to --size
-        from compressor.quantize.byte_budget import parse_only_types
-
-        parse_only_types(only_types, budget_given=False)
-    show_plan(model, CompressOptions.from_values(locals()), _parse_layout(layout), as_json)
+    refuse_without_budget(given["only_types"])
+    show_plan(model, options, _parse_layout(layout), as_json)
 
 
 def show_plan(model: str, options: CompressOptions, layout: list[int] | None, as_json: bool) -> None:

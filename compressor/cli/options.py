@@ -1,7 +1,8 @@
 """Every option that more than one command takes, declared once (`compress`, `plan`, `inspect`, `eval`).
 
-The parameter names are the fields of `config.CompressOptions` (and of `CompressionSettings` for the
-compression settings), so a command builds its options with `CompressOptions.from_values(locals())`.
+The parameter names are the fields of `run_options.CompressOptions` (and of `CompressionSettings` for the
+compression settings), so a command builds its options with `CompressOptions.from_values`. The options that
+commands take together are listed once more, as sets (`cli/option_sets.py`), not in each command.
 
 Each option has one line of help (`--help` must fit 80 columns: `cli/help.py`) and sits in a help panel; the
 long explanations are in docs/options.md. Where the default is the recipe's, the help names the value every

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from compressor.api.run_options import CompressOptions
 from compressor.report import stage_times_table, time_line
+from compressor.runtime.errors import UserError
 
 console = Console()
 
@@ -30,6 +31,20 @@ def compress_to_size_command(model, options, ratio_given, dry_run, as_json, devi
         print(json.dumps(run.summary))
         return
     print_size_summary(run.summary)
+
+
+def refuse_without_budget(
+    only_types: str | None, rounding: str | None = None, imatrix: str | None = None
+) -> None:
+    """The options of a byte budget given without one (`--size` / `--bits-per-weight`), refused in one line."""
+    if only_types is not None:
+        from compressor.quantize.byte_budget import parse_only_types
+
+        parse_only_types(only_types, budget_given=False)
+    if rounding is not None:
+        raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
+    if imatrix is not None:
+        raise UserError(f"--imatrix {imatrix} weighs a GGUF's rounding: add --size (or use export --imatrix)")
 
 
 def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_json: bool) -> None:
