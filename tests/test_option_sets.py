@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import compressor.cli.option_sets as sets
 import compressor.cli.options as o
-from compressor.api.run_options import DEFAULT_RATIO, NATIVE_FORMS, CompressOptions
+from compressor.api.run_options import DEFAULT_RATIO, NATIVE_FORMS, CompressOptions, resolve_settings
 from compressor.cli import app
 from compressor.cli.commands import register
 from compressor.recipes.schema import CompressionSettings
@@ -89,3 +89,22 @@ def test_options_from_values_read_none_as_the_default_where_the_default_is_a_val
     assert options.ratio == DEFAULT_RATIO and options.ratio_of == "targets" and options.batch_size == 1
     assert options.groups is None and options.bases == 2  # None here is "the recipe's value"
     assert CompressOptions.from_values({"ratio": 0.3}).ratio == 0.3
+
+
+def test_a_setting_is_one_line_from_its_schema_field_to_the_run():
+    """A setting no command takes yet (`dense_when_cheaper`, a recipe's key), given its one line in a set: the
+    command parses its switch, and the run's resolved settings take the value, named as the user's."""
+    received = {}
+    the_line = sets.OptionSet((sets.setting("dense_when_cheaper", None, "Sharing", "Whole where cheaper"),))
+
+    @sets.with_option_sets
+    def command(model: o.Model, settings: sets.OptionSet = the_line, **given) -> None:
+        received.update(given)
+
+    for argv, expected in ((["M"], None), (["M", "--no-dense-when-cheaper"], False)):
+        result = CliRunner().invoke(_command(command), argv)
+        assert result.exit_code == 0, result.output
+        assert received == {"dense_when_cheaper": expected}
+    resolved = resolve_settings(CompressOptions.from_values(received), None)
+    assert resolved.compression.dense_when_cheaper is False
+    assert resolved.sources["compression"]["dense_when_cheaper"] == "option"

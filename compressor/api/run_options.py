@@ -3,15 +3,15 @@ options; None means "the recipe's value"), resolved into the recipe's validated 
 the user gave, else the recipe's explicit value, else what follows the model's shapes (`model_defaults`), else
 the schema's default; `resolve_settings` says which for every setting.
 
-Every compression setting is an option of the same name (`CompressionSettings`' fields), so a new setting needs
-its schema field and its CLI flag, nothing here. Options a method does not read are refused by the method
-(`Method.refuse_unread`), never silently ignored.
+Every compression setting is an option of the same name (`CompressionSettings`' fields, `CompressOptions`' base
+class built from them), so a new setting needs its schema field and its line in `cli/option_sets.py`, nothing
+here. Options a method does not read are refused by the method (`Method.refuse_unread`), never silently ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -38,35 +38,21 @@ EVALUATION_OPTIONS = {"eval_text": "source", "eval_split": "split", "eval_seq_le
 DEFAULT_RATIO = 0.2
 
 
+#: One option per compression setting, of the same name (`CompressionSettings`' fields); None: the recipe's value.
+#: Built from the schema, so a new setting is not typed here again.
+_CompressionSettingOptions = make_dataclass(
+    "_CompressionSettingOptions",
+    [(name, info.annotation | None, None) for name, info in CompressionSettings.model_fields.items()],
+)
+
+
 @dataclass
-class CompressOptions:
-    """Everything a compression run (and its `--dry-run` / `plan`) can be told; None means "the recipe's value"."""
+class CompressOptions(_CompressionSettingOptions):
+    """Everything a compression run (and its `--dry-run` / `plan`) can be told: the compression settings (its base
+    class, one field per setting) and what follows; None means "the recipe's value"."""
 
     ratio: float = DEFAULT_RATIO
     ratio_of: str = "targets"  # targets: the ratio counts the targeted projections; model: every parameter
-    # compression settings (CompressionSettings' fields)
-    method: str | None = None
-    groups: int | None = None
-    bases: int | None = None
-    largest_group_bases: int | None = None
-    end_boundaries: bool | None = None
-    logit_lens: str | None = None
-    allocation: str | None = None
-    dense_when_cheaper: bool | None = None
-    atoms: str | None = None
-    singletons: str | None = None
-    statistics: str | None = None
-    targets: str | None = None
-    auto_groups: bool | None = None
-    attention: str | None = None
-    mlp: str | None = None
-    uniform_mlp: bool | None = None
-    width_multiple: int | None = None
-    neuron_order: str | None = None
-    refit: str | None = None
-    sharing: str | None = None
-    basis_layers: int | None = None
-    sensitivity_samples: int | None = None
     # calibration and evaluation text
     calib: str | None = None
     calib_samples: int | None = None

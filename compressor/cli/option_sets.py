@@ -5,8 +5,10 @@ in its signature (a parameter whose default is the set) and receives their value
     def plan_command(model: o.Model, the_run: OptionSet = THE_RUN, ..., **given) -> None:
         options = CompressOptions.from_values({**locals(), **given})
 
-So a new compression setting is its schema field (`CompressionSettings`), its annotated type (`cli/options.py`)
-and one line here; `compress` and `plan` take it from that line, in the same place of their `--help`.
+A compression setting's option is built from its schema field (`setting`: the type, the flag, the values and the
+default the help names), so a new setting is its field in `CompressionSettings`, one line in
+`COMPRESSION_SETTINGS` and its explanation in docs/options.md; `compress` and `plan` take it from that line, in
+the same place of their `--help`, and `CompressOptions` has it as a field already.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Optional, get_args
+
+import typer
 
 import compressor.cli.options as o
+from compressor.cli.help import ATOMS, MLP, SHARING
+from compressor.recipes.schema import CompressionSettings
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,10 @@ class OptionSet:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.options)
+
+    def annotation(self, name: str) -> Any:
+        """The annotated type of option `name`, for a command that takes it alone."""
+        return next(annotation for option, annotation, _ in self.options if option == name)
 
 
 #: What a run compresses and by how much: the first options of `compress` and `plan`.
@@ -41,28 +51,70 @@ THE_RUN = OptionSet(
     )
 )
 
-#: The compression settings (`CompressionSettings`' fields of the same names) that `compress` and `plan` take.
+
+def setting(
+    name: str,
+    metavar: str | None,
+    panel: str,
+    text: str | None = None,
+    *,
+    flags: tuple[str, ...] = (),
+    minimum: int | None = None,
+    default_text: str | None = None,
+) -> tuple[str, Any, Any]:
+    """The option of the compression setting `name` (a field of `CompressionSettings`), as a set lists it: its
+    type read from the schema, its flag `--name` (a switch: `--name/--no-name`) and `flags` beside it, and its help
+    `text` (a choice's values when not given), with the schema's default (or `default_text`) after it. None: the
+    recipe's value."""
+    field = CompressionSettings.model_fields[name]
+    types = (field.annotation, *get_args(field.annotation))  # `int | None` is an int setting
+    kind = next((t for t in (bool, int) if t in types), str)
+    flag = "--" + name.replace("_", "-")
+    if kind is bool and not flags:
+        flags = (f"{flag}/--no-{flag[2:]}",)
+    elif not any(f.startswith("--") for f in flags):
+        flags = (flag, *flags)
+    help_text = f"{text or o.choices(name)} (default: {default_text or o.default(name)})."
+    option = typer.Option(*flags, metavar=metavar, min=minimum, rich_help_panel=panel, help=help_text)
+    return name, Annotated[Optional[kind], option], None  # noqa: UP045 (typer reads Optional on Python 3.10)
+
+
+#: The compression settings that `compress` and `plan` take, one option each: a new setting is its schema field,
+#: one line here, and its explanation in docs/options.md.
 COMPRESSION_SETTINGS = OptionSet(
     (
-        ("sharing", o.Sharing, None),
-        ("basis_layers", o.BasisLayers, None),
-        ("allocation", o.Allocation, None),
-        ("sensitivity_samples", o.SensitivitySamples, None),
-        ("statistics", o.Statistics, None),
-        ("attention", o.Attention, None),
-        ("native", o.Native, False),
-        ("mlp", o.Mlp, None),
-        ("uniform_mlp", o.UniformMlp, None),
-        ("width_multiple", o.WidthMultiple, None),
-        ("neuron_order", o.NeuronOrder, None),
-        ("refit", o.Refit, None),
-        ("groups", o.Groups, None),
-        ("bases", o.Bases, None),
-        ("largest_group_bases", o.LargestGroupBases, None),
-        ("end_boundaries", o.EndBoundaries, None),
-        ("logit_lens", o.LogitLens, None),
-        ("atoms", o.Atoms, None),
-        ("singletons", o.Singletons, None),
+        setting("sharing", "FORM", SHARING),
+        setting("basis_layers", "N", SHARING, "Consecutive layers per shared basis", minimum=2),
+        setting("allocation", "RULE", SHARING, "How ranks are allocated"),
+        setting("sensitivity_samples", "N", SHARING, "Windows for global-loss's gradients", minimum=1),
+        setting("statistics", "WHICH", SHARING),
+        setting("attention", "FORM", MLP),
+        ("native", o.Native, False),  # not a setting: several at once (NATIVE_FORMS)
+        setting("mlp", "FORM", MLP),
+        setting(
+            "uniform_mlp", None, MLP, "One MLP width in every layer", flags=("--uniform-mlp/--per-layer-mlp",)
+        ),
+        setting("width_multiple", "N", MLP, "MLP widths in multiples of N", minimum=1),
+        setting("neuron_order", "ORDER", MLP, ", ".join(o.values("neuron_order")), default_text="auto"),
+        setting("refit", "HOW", MLP, default_text="auto"),
+        setting("groups", "G", ATOMS, "Groups of consecutive layers", flags=("-g",), minimum=1),
+        setting("bases", "B", ATOMS, "Atoms per group and projection", flags=("-b",), minimum=0),
+        setting(
+            "largest_group_bases", "B", ATOMS, "Atoms of the largest group", minimum=0, default_text="--bases"
+        ),
+        setting("end_boundaries", None, ATOMS, "End layers may be groups alone"),
+        setting("logit_lens", "LENS", ATOMS),
+        setting("atoms", "KIND", ATOMS),
+        setting("singletons", "WHAT", ATOMS),
+    )
+)
+
+#: The settings only `compress` takes (`plan` cannot choose G and B: that needs the calibration).
+AUTO_GROUPS = OptionSet(
+    (
+        setting(
+            "auto_groups", None, ATOMS, "Choose G and B by a proxy", flags=("--auto-groups/--fixed-groups",)
+        ),
     )
 )
 

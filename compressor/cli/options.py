@@ -15,7 +15,7 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from compressor.cli.help import ATOMS, CALIBRATION, EVALUATION, HARDWARE, MLP, OUTPUT, RUN, SHARING
+from compressor.cli.help import ATOMS, CALIBRATION, EVALUATION, HARDWARE, MLP, OUTPUT, RUN
 from compressor.methods import REGISTRY
 from compressor.recipes.schema import CompressionSettings
 
@@ -28,10 +28,15 @@ def default(name: str) -> str:
     return ("yes" if value else "no") if isinstance(value, bool) else str(value)
 
 
+def values(name: str) -> list[str]:
+    """A compression setting's values, from its schema type."""
+    return list(get_args(CompressionSettings.model_fields[name].annotation))
+
+
 def choices(name: str) -> str:
-    """A compression setting's values, `a, b or c`, from its schema type."""
-    values = list(get_args(CompressionSettings.model_fields[name].annotation))
-    return ", ".join(values[:-1]) + f" or {values[-1]}"
+    """A compression setting's values, `a, b or c`."""
+    *first, last = values(name)
+    return ", ".join(first) + f" or {last}"
 
 
 def _methods() -> str:
@@ -136,195 +141,13 @@ Layout = Annotated[
     ),
 ]
 
-# -- sharing and allocation ---------------------------------------------------------------------------------
-Sharing = Annotated[
-    Opt[str],
-    typer.Option(
-        "--sharing",
-        metavar="FORM",
-        rich_help_panel=SHARING,
-        help=f"{choices('sharing')} (default: {default('sharing')}).",
-    ),
-]
-BasisLayers = Annotated[
-    Opt[int],
-    typer.Option(
-        "--basis-layers",
-        min=2,
-        metavar="N",
-        rich_help_panel=SHARING,
-        help=f"Consecutive layers per shared basis (default: {default('basis_layers')}).",
-    ),
-]
-Allocation = Annotated[
-    Opt[str],
-    typer.Option(
-        "--allocation",
-        metavar="RULE",
-        rich_help_panel=SHARING,
-        help=f"How ranks are allocated (default: {default('allocation')}).",
-    ),
-]
-SensitivitySamples = Annotated[
-    Opt[int],
-    typer.Option(
-        "--sensitivity-samples",
-        min=1,
-        metavar="N",
-        rich_help_panel=SHARING,
-        help=f"Windows for global-loss's gradients (default: {default('sensitivity_samples')}).",
-    ),
-]
-Statistics = Annotated[
-    Opt[str],
-    typer.Option(
-        "--statistics",
-        metavar="WHICH",
-        rich_help_panel=SHARING,
-        help=f"{choices('statistics')} (default: {default('statistics')}).",
-    ),
-]
-
-# -- the MLP ------------------------------------------------------------------------------------------------
-Attention = Annotated[
-    Opt[str],
-    typer.Option(
-        "--attention",
-        metavar="FORM",
-        rich_help_panel=MLP,
-        help=f"{choices('attention')} (default: {default('attention')}).",
-    ),
-]
+# -- the compression settings: one option each, declared as a table in cli/option_sets.py ------------------
 Native = Annotated[
     bool,
     typer.Option(
         "--native",
         rich_help_panel=MLP,
         help="Engine forms only: whole heads, MLPs in 32s.",
-    ),
-]
-Mlp = Annotated[
-    Opt[str],
-    typer.Option(
-        "--mlp",
-        metavar="FORM",
-        rich_help_panel=MLP,
-        help=f"{choices('mlp')} (default: {default('mlp')}).",
-    ),
-]
-NeuronOrder = Annotated[
-    Opt[str],
-    typer.Option(
-        "--neuron-order",
-        metavar="ORDER",
-        rich_help_panel=MLP,
-        help=", ".join(get_args(CompressionSettings.model_fields["neuron_order"].annotation))
-        + " (default: auto)",
-    ),
-]
-Refit = Annotated[
-    Opt[str],
-    typer.Option(
-        "--refit",
-        metavar="HOW",
-        rich_help_panel=MLP,
-        help=f"{choices('refit')} (default: auto)",
-    ),
-]
-UniformMlp = Annotated[
-    Opt[bool],
-    typer.Option(
-        "--uniform-mlp/--per-layer-mlp",
-        rich_help_panel=MLP,
-        help=f"One MLP width in every layer (default: {default('uniform_mlp')}).",
-    ),
-]
-
-WidthMultiple = Annotated[
-    Opt[int],
-    typer.Option(
-        "--width-multiple",
-        min=1,
-        metavar="N",
-        rich_help_panel=MLP,
-        help=f"MLP widths in multiples of N (default: {default('width_multiple')}).",
-    ),
-]
-
-# -- the atoms form -------------------------------------------------------------------------------------------
-Groups = Annotated[
-    Opt[int],
-    typer.Option(
-        "--groups",
-        "-g",
-        min=1,
-        metavar="G",
-        rich_help_panel=ATOMS,
-        help=f"Groups of consecutive layers (default: {default('groups')}).",
-    ),
-]
-Bases = Annotated[
-    Opt[int],
-    typer.Option(
-        "--bases",
-        "-b",
-        min=0,
-        metavar="B",
-        rich_help_panel=ATOMS,
-        help=f"Atoms per group and projection (default: {default('bases')}).",
-    ),
-]
-LargestGroupBases = Annotated[
-    Opt[int],
-    typer.Option(
-        "--largest-group-bases",
-        min=0,
-        metavar="B",
-        rich_help_panel=ATOMS,
-        help="Atoms of the largest group (default: --bases).",
-    ),
-]
-EndBoundaries = Annotated[
-    Opt[bool],
-    typer.Option(
-        "--end-boundaries/--no-end-boundaries",
-        rich_help_panel=ATOMS,
-        help=f"End layers may be groups alone (default: {default('end_boundaries')}).",
-    ),
-]
-LogitLens = Annotated[
-    Opt[str],
-    typer.Option(
-        "--logit-lens",
-        metavar="LENS",
-        rich_help_panel=ATOMS,
-        help=f"{choices('logit_lens')} (default: {default('logit_lens')}).",
-    ),
-]
-Atoms = Annotated[
-    Opt[str],
-    typer.Option(
-        "--atoms",
-        metavar="KIND",
-        rich_help_panel=ATOMS,
-        help=f"{choices('atoms')} (default: {default('atoms')}).",
-    ),
-]
-Singletons = Annotated[
-    Opt[str],
-    typer.Option(
-        "--singletons",
-        metavar="WHAT",
-        rich_help_panel=ATOMS,
-        help=f"{choices('singletons')} (default: {default('singletons')}).",
-    ),
-]
-AutoGroups = Annotated[
-    Opt[bool],
-    typer.Option(
-        "--auto-groups/--fixed-groups",
-        rich_help_panel=ATOMS,
-        help=f"Choose G and B by a proxy (default: {default('auto_groups')}).",
     ),
 ]
 
