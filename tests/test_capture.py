@@ -244,7 +244,7 @@ def test_a_run_sums_the_gate_input_only_for_a_method_that_reads_it(
     (every method reads what it needs: a missing input is an error, never a silent substitute) completes."""
     from conftest import tiny_model_dir
 
-    import compressor.api.run as run_module
+    import compressor.api.holding as holding_module
     from compressor.api import CompressOptions, compress
 
     collected = []
@@ -254,7 +254,7 @@ def test_a_run_sums_the_gate_input_only_for_a_method_that_reads_it(
         collected.append(stats.inputs)
         return stats
 
-    monkeypatch.setattr(run_module, "collect_statistics", recording)
+    monkeypatch.setattr(holding_module, "collect_statistics", recording)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     options = CompressOptions(

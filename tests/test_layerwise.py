@@ -238,6 +238,11 @@ def test_layerwise_evaluation_equals_evaluate_against(tmp_path):
     assert (before2.ppl, after2.ppl) == (pytest.approx(ref.ppl, rel=1e-6), pytest.approx(after.ppl, rel=1e-6))
     assert faith2.kl_to_original == pytest.approx(faith.kl_to_original, rel=1e-5, abs=1e-9)
     assert faith2.top1_agreement == faith.top1_agreement
+    # the per-window KL (paired intervals) and the per-token percentiles, as llama.cpp reports them
+    assert (
+        faith2.window_kl == pytest.approx(faith.window_kl, rel=1e-5, abs=1e-9) and len(faith.window_kl) == 5
+    )
+    assert faith2.kl_percentiles == pytest.approx(faith.kl_percentiles, rel=1e-5, abs=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""`masa-compress MODEL --layerwise`: the main job for a model larger than memory. The same resolution, checks,
-method, summary and checkpoint as `api.compress`, with the decoder layers left on disk (`modeling/offload.py`:
+"""`masa-compress MODEL --layerwise`: the main job for a model larger than memory. The same steps as `api.compress`
+in memory (`LayerByLayer`, a way of `holding.Holding` the model), with the decoder layers left on disk (`modeling/offload.py`:
 transformers' / accelerate's disk offload, one layer materialised at a time), every pass layer by layer
 (`statistics/layer_stream.py`: the statistics and the loss sensitivity; `statistics/layer_evaluation.py`: the
 evaluation), the finished layers spilled (`methods/offloaded_context.py`: the method's context over an offloaded
@@ -11,41 +11,127 @@ also on failure. The result is the checkpoint in-memory compression writes, bit 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from compressor.api.holding import Holding
 from compressor.api.model_loading import LoadedModel, bundled_model_dir, read_config
-from compressor.api.pipeline import compress_model, reads_loss_sensitivity
+from compressor.api.pipeline import reads_loss_sensitivity
 from compressor.api.run_options import CompressOptions
-from compressor.api.session import (
-    RunSpec,
-    calibration_autocast_of,
-    check_free_disk,
-    check_output_dir,
-    prepare_run,
-    read_texts,
-)
+from compressor.api.session import Prepared, RunSpec, calibration_autocast_of
+from compressor.calibration.sources import TextSource
 from compressor.evaluation.perplexity import quality_summary
 from compressor.methods import ModelShape
 from compressor.modeling.adapters import MLP_PROJECTIONS, PROJECTIONS
 from compressor.modeling.offload import OffloadedModel, load_offloaded
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.progress import note
-from compressor.statistics.capture import captured_inputs
+from compressor.statistics.capture import CalibrationStats, captured_inputs
 from compressor.statistics.layer_evaluation import evaluate_layerwise, spill_original_outputs
 from compressor.statistics.layer_stream import collect_sensitivity_layerwise, collect_statistics_layerwise
 from compressor.statistics.partly_compressed import STREAM_MATRICES
 
 
-def check_layerwise(run: RunSpec, options: CompressOptions) -> None:
-    """What the layer-by-layer pipeline cannot do, refused before any weights are read."""
-    if run.source.kind == "compressed":
-        raise UserError(
-            f"'{run.source.spec}' is already a masa-compress checkpoint: compress the original model"
+class LayerByLayer(Holding):
+    """`--layerwise`: the decoder layers on disk, every pass layer by layer, the finished layers spilled; the
+    intermediate files in a temporary folder (`--offload-dir`, default: beside the output)."""
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        self.spill = spill_directory(self.options, self.out)
+        try:
+            yield
+        finally:
+            shutil.rmtree(self.spill, ignore_errors=True)
+
+    def load(self, device: str, dtype: str) -> LoadedModel:
+        loaded = load_layerwise(self.run, device, dtype, self.spill, self.progress)
+        self.om: OffloadedModel = loaded.offloaded
+        self.seconds["load"] = loaded.seconds
+        self.summary.update(calibration_cache="not used with --layerwise", layerwise=True)
+        return loaded
+
+    def adapter(self, loaded: LoadedModel):
+        return loaded.offloaded.adapter
+
+    def check_room(self, loaded: LoadedModel, prepared: Prepared) -> None:
+        """The temporary files' disk (`spill_disk_needed`)."""
+        # the sensitivity windows' inputs, at every layer
+        per_layer_tokens = self._sensitivity_windows(prepared) * prepared.calib_windows.shape[1]
+        # ...and the original's last hidden states on the evaluation windows, once.
+        eval_windows = prepared.eval_windows
+        final_tokens = eval_windows.numel() if eval_windows is not None else 0
+        inputs = captured_inputs(prepared.with_mlp, prepared.gate_input)
+        stream_refit = self.run.compression.refit == "stream"
+        needed = spill_disk_needed(
+            self.om, prepared.shape, prepared.element_size, per_layer_tokens, final_tokens, tuple(inputs),
+            stream_refit,
+        )  # fmt: skip
+        check_spill_disk(self.spill, needed)
+
+    def evaluate_before(self, loaded: LoadedModel, prepared: Prepared) -> None:
+        """The original's outputs, spilled before its layers hold the compressed modules."""
+        if self.options.evaluate:
+            start = time.perf_counter()
+            spill_original_outputs(
+                self.om,
+                prepared.eval_windows,
+                self.spill / "eval",
+                self.options.batch_size,
+                progress=self.progress,
+            )
+            self.seconds["eval_before"] = time.perf_counter() - start
+
+    def statistics(self, loaded: LoadedModel, text: TextSource, prepared: Prepared) -> CalibrationStats:
+        """Every layer's statistics, spilled per layer, and the loss sensitivity from the hidden states the
+        calibration kept of its first windows; never cached."""
+        om, progress, spill = self.om, self.progress, self.spill
+        autocast = calibration_autocast_of(self.run, loaded.dtype, om.device, progress)
+        stats, tail = collect_statistics_layerwise(
+            om, prepared.calib_windows, spill / "stats", self.options.batch_size, progress, prepared.with_mlp,
+            self._sensitivity_windows(prepared), autocast, prepared.gate_input,
+        )  # fmt: skip
+        note(
+            "[dim]calibration: statistics cache not used with --layerwise (the statistics are spilled per layer)[/]",
+            progress,
         )
+        self.seconds["calibration"] = stats.seconds
+        if tail is not None:
+            projections = PROJECTIONS + (MLP_PROJECTIONS if prepared.with_mlp else ())
+            stats.sensitivity = collect_sensitivity_layerwise(
+                om, tail, spill / "stats", projections, progress, autocast
+            )
+        return stats
+
+    def _sensitivity_windows(self, prepared: Prepared) -> int:
+        """The calibration windows whose hidden states the loss sensitivity's backward passes start from."""
+        settings = self.run.compression
+        samples = settings.sensitivity_samples if reads_loss_sensitivity(settings) else 0
+        return min(samples, len(prepared.calib_windows))
+
+    def compress_arguments(self, loaded: LoadedModel) -> dict:
+        return {"offloaded": self.om, "spill_dir": self.spill}
+
+    def evaluate_after(
+        self, loaded: LoadedModel, outcome, prepared: Prepared, device: str, dtype: str
+    ) -> dict:
+        before, after, faith = evaluate_layerwise(
+            self.om, prepared.eval_windows, outcome.compressed, self.spill / "eval", self.options.batch_size,
+            progress=self.progress,
+        )  # fmt: skip
+        return quality_summary(before, after, faith if self.options.compare else None)
+
+    def stored_tensors(self, loaded: LoadedModel, outcome) -> collections.ChainMap:
+        """The compressed layers' files, then the original's."""
+        return collections.ChainMap(outcome.compressed, loaded.offloaded.weights)
+
+    def model(self, loaded: LoadedModel) -> None:
+        return None
 
 
 def spill_directory(options: CompressOptions, out: str) -> Path:
@@ -69,82 +155,6 @@ def load_layerwise(run: RunSpec, device: str, dtype: str, spill: Path, progress:
     om = load_offloaded(location, kwargs, torch_device, torch_dtype, spill / "offload")
     tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     return LoadedModel(om.model, tokenizer, run.source, torch_device, torch_dtype, om.seconds, offloaded=om)
-
-
-def compress_layerwise(
-    run: RunSpec, options: CompressOptions, out: str, device: str, dtype: str, progress: bool
-):
-    """Everything `api.compress` does after resolving the run, layer by layer; returns (loaded, outcome,
-    quality, seconds, texts, the model's parameters before) for `api` to summarise and save, and the temporary
-    folder, which the caller removes once the checkpoint is written."""
-    check_layerwise(run, options)
-    if options.save:
-        check_output_dir(out, options.overwrite)
-    calib_text, eval_text = read_texts(run, options.evaluate, options.allow_overlap)
-    spill = spill_directory(options, out)
-    try:
-        return _run(run, options, out, device, dtype, progress, spill, calib_text, eval_text) + (spill,)
-    except BaseException:
-        shutil.rmtree(spill, ignore_errors=True)
-        raise
-
-
-def _run(run, options, out, device, dtype, progress, spill, calib_text, eval_text):
-    loaded = load_layerwise(run, device, dtype, spill, progress)
-    om: OffloadedModel = loaded.offloaded
-    seconds = {"load": loaded.seconds}
-    prepared = prepare_run(run, options, om.model, om.adapter, loaded.tokenizer, calib_text, eval_text)
-    shape, ratio, with_mlp = prepared.shape, prepared.ratio, prepared.with_mlp
-    model_params_before = prepared.model_params_before
-    calib_windows, eval_windows, eval_name = prepared.calib_windows, prepared.eval_windows, prepared.eval_name
-    element = prepared.element_size
-    if options.save:
-        check_free_disk(out, int((model_params_before - ratio * shape.params_before) * element))
-    samples = run.compression.sensitivity_samples if reads_loss_sensitivity(run.compression) else 0
-    samples = min(samples, len(calib_windows))
-    per_layer_tokens = samples * calib_windows.shape[1]  # the sensitivity windows' inputs, at every layer
-    # ...and the original's last hidden states on the evaluation windows, once.
-    final_tokens = eval_windows.numel() if eval_windows is not None else 0
-    inputs = captured_inputs(with_mlp, prepared.gate_input)
-    stream_refit = run.compression.refit == "stream"
-    needed = spill_disk_needed(
-        om, shape, element, per_layer_tokens, final_tokens, tuple(inputs), stream_refit
-    )
-    check_spill_disk(spill, needed)
-    if options.evaluate:  # the original's outputs, before its layers hold the compressed modules
-        t = time.perf_counter()
-        spill_original_outputs(om, eval_windows, spill / "eval", options.batch_size, progress=progress)
-        seconds["eval_before"] = time.perf_counter() - t
-    autocast = calibration_autocast_of(run, loaded.dtype, om.device, progress)
-    stats, tail = collect_statistics_layerwise(
-        om, calib_windows, spill / "stats", options.batch_size, progress, with_mlp, samples, autocast,
-        prepared.gate_input,
-    )  # fmt: skip
-    note(
-        "[dim]calibration: statistics cache not used with --layerwise (the statistics are spilled per layer)[/]",
-        progress,
-    )
-    seconds["calibration"] = stats.seconds
-    if tail is not None:
-        projections = PROJECTIONS + (MLP_PROJECTIONS if with_mlp else ())
-        stats.sensitivity = collect_sensitivity_layerwise(
-            om, tail, spill / "stats", projections, progress, autocast
-        )
-    outcome = compress_model(
-        om.model, om.adapter, stats, run.compression, ratio, progress, windows=calib_windows,
-        offloaded=om, spill_dir=spill, size=options.byte_target,
-    )  # fmt: skip
-    seconds.update(outcome.seconds)
-    quality = {}
-    if options.evaluate:
-        t = time.perf_counter()
-        before, after, faith = evaluate_layerwise(
-            om, eval_windows, outcome.compressed, spill / "eval", options.batch_size, progress=progress
-        )
-        quality = quality_summary(before, after, faith if options.compare else None)
-        quality["evaluation_text"] = eval_name
-        seconds["eval"] = time.perf_counter() - t
-    return loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before
 
 
 def spill_disk_needed(
@@ -179,8 +189,3 @@ def check_spill_disk(spill: Path, needed: int) -> None:
             f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free: pass "
             + wording("--offload-dir on a larger disk", "an offload_dir on a larger disk")
         )
-
-
-def stored_tensors(loaded: LoadedModel, outcome) -> collections.ChainMap:
-    """Where the checkpoint's meta tensors are read from: the compressed layers' files, then the original's."""
-    return collections.ChainMap(outcome.compressed, loaded.offloaded.weights)

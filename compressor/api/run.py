@@ -6,13 +6,13 @@ texts, windows, output checks) is `session.py`'s; the methods are `methods/`'s. 
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from compressor import __version__
-from compressor.api.layerwise import compress_layerwise, stored_tensors
+from compressor.api.holding import InMemory
+from compressor.api.layerwise import LayerByLayer
 from compressor.api.memory_check import check_memory, run_memory
 from compressor.api.model_loading import (
     ENGINES,
@@ -25,15 +25,11 @@ from compressor.api.model_loading import (
 from compressor.api.pipeline import (
     CompressionOutcome,
     compress_model,
-    reads_loss_sensitivity,
-    sensitivity_projections,
 )
 from compressor.api.preview import read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
 from compressor.api.session import (
-    Prepared,
     RunSpec,
-    calibration_autocast_of,
     calibration_summary,
     check_free_disk,
     check_output_dir,
@@ -52,18 +48,13 @@ from compressor.evaluation.perplexity import (
     PerplexityResult,
     evaluate_against,
     evaluate_perplexity,
-    quality_summary,
 )
 from compressor.math.accounting import with_legacy_keys
-from compressor.methods import get_method
-from compressor.modeling.adapters import get_adapter
 from compressor.recipes.schema import EvaluationSettings
 from compressor.report import write_run_report
 from compressor.runtime.errors import UserError, wording
 from compressor.runtime.hub import check_hub_model
 from compressor.runtime.progress import note
-from compressor.statistics.cache import attach_cached_sensitivity, cached_statistics, save_sensitivity
-from compressor.statistics.capture import CalibrationStats, collect_statistics
 
 __all__ = ["CompressOptions", "EvalSettings", "compress", "evaluate"]
 
@@ -218,7 +209,9 @@ def compress(
     dtype: str = "auto",
     progress: bool = True,
 ) -> CompressionRun:
-    """The main job: calibrate, compress, evaluate before/after, and write the checkpoint."""
+    """The main job: calibrate, compress, evaluate before/after, and write the checkpoint. One sequence of steps
+    whether the model is held in memory or layer by layer (`--layerwise`): `holding.Holding` does the steps
+    that differ."""
     start_all = time.perf_counter()
     run = resolve_run(model, options)
     out = options.out or default_output_dir(
@@ -226,57 +219,41 @@ def compress(
     )
     check_hub_model(run.source)  # a model that cannot be had says so first, then one that cannot fit
     check_memory(run_memory(read_model_config(run.source)[0], run, options, device, dtype))
-    if options.layerwise:
-        return _compress_layerwise(run, options, out, device, dtype, progress, start_all)
+    held = (LayerByLayer if options.layerwise else InMemory)(run, options, out, progress)
     if options.save:
         check_output_dir(out, options.overwrite)
     calib_text, eval_text = read_texts(run, options.evaluate, options.allow_overlap)
-
-    t = time.perf_counter()
-    loaded = load_model(run.source, device=device, dtype=dtype, progress=progress)
-    seconds = {"load": time.perf_counter() - t}
-    adapter = get_adapter(loaded.model)
-    prepared = prepare_run(run, options, loaded.model, adapter, loaded.tokenizer, calib_text, eval_text)
-    ratio, with_mlp, model_params_before = prepared.ratio, prepared.with_mlp, prepared.model_params_before
-    calib_windows, eval_windows, eval_name = prepared.calib_windows, prepared.eval_windows, prepared.eval_name
-    if options.save:
-        removed = ratio * prepared.shape.params_before
-        check_free_disk(out, int((model_params_before - removed) * prepared.element_size))
-    before = None
-    if options.evaluate and not options.compare:
-        before = evaluate_perplexity(
-            loaded.model, eval_windows, options.batch_size, progress, "Perplexity (original)"
+    with held.opened():
+        loaded = held.load(device, dtype)
+        adapter = held.adapter(loaded)
+        prepared = prepare_run(run, options, loaded.model, adapter, loaded.tokenizer, calib_text, eval_text)
+        if options.save:
+            removed = prepared.ratio * prepared.shape.params_before
+            check_free_disk(out, int((prepared.model_params_before - removed) * prepared.element_size))
+        held.check_room(loaded, prepared)
+        held.evaluate_before(loaded, prepared)
+        stats = held.statistics(loaded, calib_text, prepared)
+        outcome = compress_model(
+            loaded.model, adapter, stats, run.compression, prepared.ratio, progress, windows=prepared.calib_windows,
+            size=options.byte_target, **held.compress_arguments(loaded),
+        )  # fmt: skip
+        held.compressed(stats)
+        del stats
+        seconds = held.seconds | outcome.seconds
+        quality = {}
+        if options.evaluate:
+            start = time.perf_counter()
+            quality = held.evaluate_after(loaded, outcome, prepared, device, dtype)
+            quality["evaluation_text"] = prepared.eval_name
+            seconds["eval"] = time.perf_counter() - start
+        params_before = prepared.model_params_before
+        summary = _summary(
+            run, options, loaded, outcome, quality, calib_text, prepared.eval_name, params_before
         )
-        seconds["eval_before"] = before.seconds
-
-    autocast = calibration_autocast_of(run, loaded.dtype, loaded.device, progress)
-    stats, cache_note, key = _calibration_statistics(
-        loaded, adapter, calib_text, prepared, run.compression, autocast, options, progress
-    )
-    seconds["calibration"] = stats.seconds
-    # Measured during a fresh capture (its first windows' forward passes shared), else perhaps cached.
-    cached_sensitivity = stats.sensitivity is None and _cached_sensitivity(
-        stats, key, run.compression, adapter, with_mlp
-    )
-    outcome = compress_model(
-        loaded.model, adapter, stats, run.compression, ratio, progress, windows=calib_windows,
-        size=options.byte_target,
-    )  # fmt: skip
-    if key is not None and stats.sensitivity is not None and not cached_sensitivity:
-        save_sensitivity(stats.sensitivity, key)
-    seconds.update(outcome.seconds)
-    del stats
-
-    quality = {}
-    if options.evaluate:
-        t = time.perf_counter()
-        quality = _evaluate_after(loaded, run.source, before, eval_windows, options, device, dtype, progress)
-        seconds["eval"] = time.perf_counter() - t
-        quality["evaluation_text"] = eval_name
-    summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
-    summary["calibration_cache"] = cache_note
-    _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress)
-    return CompressionRun(summary=summary, model=loaded.model, tokenizer=loaded.tokenizer, outcome=outcome)
+        summary.update(held.summary)
+        _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress,
+                held.stored_tensors(loaded, outcome))  # fmt: skip
+    return CompressionRun(summary, model=held.model(loaded), tokenizer=loaded.tokenizer, outcome=outcome)
 
 
 def _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress, on_disk=None) -> None:
@@ -297,79 +274,6 @@ def _finish(run, options, loaded, outcome, summary, out, seconds, start_all, pro
     if summary["out"]:
         # The run report (JSON + plots) sits beside the checkpoint; the checkpoint itself is complete.
         summary["report_files"] = [str(p) for p in write_run_report(Path(summary["out"]), summary)]
-
-
-def _compress_layerwise(run, options, out, device, dtype, progress, start_all) -> CompressionRun:
-    """`compress` with `--layerwise` (`layerwise_run`): the same summary, report and checkpoint."""
-    loaded, outcome, quality, seconds, (calib_text, eval_name), model_params_before, spill = (
-        compress_layerwise(run, options, out, device, dtype, progress)
-    )
-    try:
-        summary = _summary(run, options, loaded, outcome, quality, calib_text, eval_name, model_params_before)
-        summary["calibration_cache"] = "not used with --layerwise"
-        summary["layerwise"] = True
-        _finish(run, options, loaded, outcome, summary, out, seconds, start_all, progress,
-                stored_tensors(loaded, outcome))  # fmt: skip
-    finally:
-        shutil.rmtree(spill, ignore_errors=True)
-    return CompressionRun(summary=summary, model=None, tokenizer=loaded.tokenizer, outcome=outcome)
-
-
-def _evaluate_after(loaded, source, before, windows, options, device, dtype, progress) -> dict:
-    """Perplexity of the compressed model and, with `options.compare`, its faithfulness to the original.
-
-    The original is loaded again (the compressed model was changed in place) and both models see every
-    window in one pass: the original's next-token distributions are far too large to keep for a later pass.
-    Without comparison, `before` is the perplexity measured before compression.
-    """
-    if options.compare:
-        reference = load_model(source, device=device, dtype=dtype, progress=progress)
-        before, scored = evaluate_against(
-            reference.model, {"compressed": loaded.model}, windows, options.batch_size, progress
-        )
-        after, faith = scored["compressed"]
-        del reference
-    else:
-        after = evaluate_perplexity(
-            loaded.model, windows, options.batch_size, progress, "Perplexity (compressed)"
-        )
-        faith = None
-    return quality_summary(before, after, faith)
-
-
-def _calibration_statistics(
-    loaded: LoadedModel, adapter, text: TextSource, prepared: Prepared, settings, autocast, options, progress
-) -> tuple[CalibrationStats, str, str | None]:
-    """The calibration statistics (forward passes in `autocast`'s dtype), from the validated cache when it holds
-    them for this model, text and windows; a note on where they came from; their cache key (None: cache off).
-    Collected afresh for a run that weighs by the loss sensitivity, they carry it (measured on the first windows)."""
-    loss_weighted = reads_loss_sensitivity(get_method(settings.method).effective_settings(settings))
-    windows, with_mlp, gate_input = prepared.calib_windows, prepared.with_mlp, prepared.gate_input
-
-    def collect() -> CalibrationStats:
-        return collect_statistics(
-            loaded.model, adapter, windows, options.batch_size, progress, mlp=with_mlp,
-            sensitivity_projections=sensitivity_projections(with_mlp) if loss_weighted else (),
-            sensitivity_windows=settings.sensitivity_samples, autocast=autocast, gate_input=gate_input,
-        )  # fmt: skip
-
-    if not options.stats_cache:
-        return collect(), "statistics cache off", None
-    return cached_statistics(
-        loaded.model, adapter, text.fingerprint, windows, loaded.dtype, with_mlp, collect,
-        lambda lookup: note(f"[dim]calibration: {lookup}[/]", progress), autocast, gate_input,
-    )  # fmt: skip
-
-
-def _cached_sensitivity(stats: CalibrationStats, key: str | None, settings, adapter, with_mlp: bool) -> bool:
-    """Put the cached loss sensitivity of these statistics on `stats` when the run reads one and the cache
-    holds it for the same number of windows; whether it did."""
-    if key is None or not reads_loss_sensitivity(get_method(settings.method).effective_settings(settings)):
-        return False
-    projections = sensitivity_projections(with_mlp)
-    return attach_cached_sensitivity(
-        stats, key, settings.sensitivity_samples, adapter.num_layers, projections
-    )
 
 
 def _summary(

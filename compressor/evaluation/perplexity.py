@@ -210,20 +210,27 @@ def evaluate_against(
     scored = {}
     for name in candidates:
         result = perplexity_result(cand_nll[name], tokens, seq_len, seconds[name])
-        window_kl = [float(kl.sum()) for kl in cand_kl[name]]
-        token_kl = torch.cat(cand_kl[name]).numpy() if cand_kl[name] else np.zeros(1)
-        faith = Faithfulness(
-            kl_to_original=sum(window_kl) / result.tokens,
-            top1_agreement=cand_agree[name] / result.tokens,
-            ppl_ratio=result.ppl / ref.ppl,
-            window_kl=window_kl,
-            kl_percentiles={
-                "p99": float(np.percentile(token_kl, 99)),
-                "p99.9": float(np.percentile(token_kl, 99.9)),
-            },
-        )
-        scored[name] = (result, faith)
+        scored[name] = (result, faithfulness(result, ref, cand_kl[name], cand_agree[name]))
     return ref, scored
+
+
+def faithfulness(
+    result: PerplexityResult, reference: PerplexityResult, token_kl: list[torch.Tensor], agreements: int
+) -> Faithfulness:
+    """A candidate's faithfulness to the reference scored on the same windows: `token_kl`, each window's
+    per-token KL (`kl_and_agreement(per_token=True)`); `agreements`, the positions whose argmaxes agree."""
+    window_kl = [float(kl.sum()) for kl in token_kl]
+    tokens_kl = torch.cat(token_kl).numpy() if token_kl else np.zeros(1)
+    return Faithfulness(
+        kl_to_original=sum(window_kl) / result.tokens,
+        top1_agreement=agreements / result.tokens,
+        ppl_ratio=result.ppl / reference.ppl,
+        window_kl=window_kl,
+        kl_percentiles={
+            "p99": float(np.percentile(tokens_kl, 99)),
+            "p99.9": float(np.percentile(tokens_kl, 99.9)),
+        },
+    )
 
 
 def quality_summary(before: PerplexityResult, after: PerplexityResult, faith: Faithfulness | None) -> dict:

@@ -18,6 +18,7 @@ from compressor.evaluation.perplexity import (
     Faithfulness,
     PerplexityResult,
     checked_window_nll,
+    faithfulness,
     kl_and_agreement,
     perplexity_result,
 )
@@ -89,7 +90,8 @@ def evaluate_layerwise(
     # Each model's own time, as `evaluate_against` splits it (the KL counts as the compressed model's); the
     # original's layers ran in `spill_original_outputs`, so here only its head.
     seconds = {"original": 0.0, "compressed": 0.0}
-    kl_sum, agree_sum = 0.0, 0
+    token_kl: list[torch.Tensor] = []  # per window, each token's KL
+    agreements = 0
     for first, chunk in _chunks(windows, chunk_windows):
         t = time.perf_counter()
         stream = LayerStream(om, chunk, batch_size)
@@ -106,11 +108,11 @@ def evaluate_layerwise(
                 t = time.perf_counter()
                 log_probs = stream.log_probs(b, candidate[b])
                 nll["compressed"].extend(checked_window_nll(log_probs, batch, first, "the compressed model"))
-                kl, agree = kl_and_agreement(reference, log_probs)
-                kl_sum, agree_sum = kl_sum + float(kl.sum()), agree_sum + int(agree.sum())
+                kl, agree = kl_and_agreement(reference, log_probs, per_token=True)
+                token_kl.extend(kl.cpu())
+                agreements += int(agree.sum())
                 seconds["compressed"] += time.perf_counter() - t
     tokens = [seq_len - 1] * n
     before = perplexity_result(nll["original"], tokens, seq_len, seconds["original"])
     after = perplexity_result(nll["compressed"], tokens, seq_len, seconds["compressed"])
-    faith = Faithfulness(kl_sum / after.tokens, agree_sum / after.tokens, after.ppl / before.ppl)
-    return before, after, faith
+    return before, after, faithfulness(after, before, token_kl, agreements)
