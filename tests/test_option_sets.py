@@ -108,3 +108,12 @@ def test_a_setting_is_one_line_from_its_schema_field_to_the_run():
     resolved = resolve_settings(CompressOptions.from_values(received), None)
     assert resolved.compression.dense_when_cheaper is False
     assert resolved.sources["compression"]["dense_when_cheaper"] == "option"
+
+
+def test_a_set_s_place_named_like_one_of_its_options_is_refused():
+    """Named like an option, the place would take that option's value instead of `**given`."""
+
+    def clash(model: o.Model, batch_size: sets.OptionSet = sets.COMPUTE, **given) -> None: ...
+
+    with pytest.raises(TypeError, match="taken twice: batch_size"):
+        sets.with_option_sets(clash)

@@ -1,8 +1,8 @@
 """`masa-compress MODEL --layerwise`: the main job for a model larger than memory. The same steps as `api.compress`
-in memory (`LayerByLayer`, a way of `holding.Holding` the model), with the decoder layers left on disk (`modeling/offload.py`:
-transformers' / accelerate's disk offload, one layer materialised at a time), every pass layer by layer
-(`statistics/layer_stream.py`: the statistics and the loss sensitivity; `statistics/layer_evaluation.py`: the
-evaluation), the finished layers spilled (`methods/offloaded_context.py`: the method's context over an offloaded
+in memory (`LayerByLayer`, one way of `holding.Holding` the model), with the decoder layers left on disk
+(`modeling/offload.py`: transformers' / accelerate's disk offload, one layer materialised at a time), every pass
+layer by layer (`statistics/layer_stream.py`: the statistics and the loss sensitivity;
+`statistics/layer_evaluation.py`: the evaluation), the finished layers spilled (`methods/offloaded_context.py`: the method's context over an offloaded
 model) and the checkpoint written tensor by tensor; memory stays flat in depth.
 Intermediate files go to a temporary folder (`--offload-dir`, default: beside the output) removed at the end,
 also on failure. The result is the checkpoint in-memory compression writes, bit for bit (tests/test_layerwise.py).
@@ -53,7 +53,7 @@ class LayerByLayer(Holding):
         loaded = load_layerwise(self.run, device, dtype, self.spill, self.progress)
         self.om: OffloadedModel = loaded.offloaded
         self.seconds["load"] = loaded.seconds
-        self.summary.update(calibration_cache="not used with --layerwise", layerwise=True)
+        self.summary["layerwise"] = True
         return loaded
 
     def adapter(self, loaded: LoadedModel):
@@ -101,6 +101,7 @@ class LayerByLayer(Holding):
             progress,
         )
         self.seconds["calibration"] = stats.seconds
+        self.summary["calibration_cache"] = "not used with --layerwise"
         if tail is not None:
             projections = PROJECTIONS + (MLP_PROJECTIONS if prepared.with_mlp else ())
             stats.sensitivity = collect_sensitivity_layerwise(

@@ -33,7 +33,7 @@ def compress_command(
         ),
     ] = False,
     settings: sets.OptionSet = sets.COMPRESSION_SETTINGS,
-    auto_groups: sets.OptionSet = sets.AUTO_GROUPS,
+    choosing_groups: sets.OptionSet = sets.AUTO_GROUPS,
     calib: o.Calib = None,
     calib_samples: o.CalibSamples = None,
     seq_len: o.SeqLen = None,

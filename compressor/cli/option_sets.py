@@ -3,7 +3,7 @@ in its signature (a parameter whose default is the set) and receives their value
 
     @with_option_sets
     def plan_command(model: o.Model, the_run: OptionSet = THE_RUN, ..., **given) -> None:
-        options = CompressOptions.from_values({**locals(), **given})
+        options = CompressOptions.from_values(given)
 
 A compression setting's option is built from its schema field (`setting`: the type, the flag, the values and the
 default the help names), so a new setting is its field in `CompressionSettings`, one line in
@@ -141,11 +141,12 @@ def with_option_sets(command: Callable) -> Callable:
     """`command` as typer reads it: each parameter whose default is an `OptionSet` replaced, in place, by the set's
     options; typer then passes their values to the command's `**given`."""
     signature = inspect.signature(command, eval_str=True)
-    parameters, variadic = [], None
+    parameters, variadic, places = [], None, []
     for parameter in signature.parameters.values():
         if parameter.kind is parameter.VAR_KEYWORD:
             variadic = parameter
         elif isinstance(parameter.default, OptionSet):
+            places.append(parameter.name)  # named like an option, it would take that option's value
             parameters += [
                 inspect.Parameter(name, parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=value)
                 for name, annotation, value in parameter.default.options
@@ -154,7 +155,7 @@ def with_option_sets(command: Callable) -> Callable:
             parameters.append(parameter)
     if variadic is None:
         raise TypeError(f"{command.__name__} takes option sets: it needs a **given to receive them")
-    names = [p.name for p in parameters]
+    names = [p.name for p in parameters] + places
     repeated = {name for name in names if names.count(name) > 1}
     if repeated:
         raise TypeError(f"{command.__name__}: options taken twice: {', '.join(sorted(repeated))}")
