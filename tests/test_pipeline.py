@@ -148,7 +148,7 @@ def test_global_allocation_spends_the_budget_better_than_the_paper_split():
 def test_sequential_statistics_of_an_uncompressed_model_equal_the_original(family):
     """The layer runner reproduces the model's own forward: with nothing compressed, its statistics equal
     the hooks' ones layer after layer (Gemma: per-layer kwargs such as sliding-window masks)."""
-    from compressor.statistics.partly_compressed import LayerRunner
+    from compressor.statistics.layer_runner import LayerRunner
 
     model = tiny_model(family)
     adapter = get_adapter(model)

@@ -18,7 +18,8 @@ from compressor.modeling.families import FAMILIES
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics
-from compressor.statistics.partly_compressed import LayerRunner, _refit_down_proj
+from compressor.statistics.layer_runner import LayerRunner
+from compressor.statistics.partly_compressed import _refit_down_proj
 
 VOCAB = 96
 NATIVE = dict(method="masa", targets="attn,mlp", attention="heads", mlp="neurons", sharing="none",

@@ -24,7 +24,7 @@ from compressor.quantize.compensated import DAMPING, compensated_quantize, inver
 from compressor.quantize.ggml_quantize import ggml_block, tensor_category
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.partly_compressed import LayerRunner
+from compressor.statistics.layer_runner import LayerRunner
 
 ROUNDING_CHOICES = ("nearest", "compensated")
 #: Where each layer's statistics come from (`compensated_blocks`'s `stream`).
@@ -150,9 +150,9 @@ def layer_autocorrelations(
     runner = LayerRunner(adapter, windows)
     with progress_bar(what, total=max(by_layer) + 1, enabled=progress) as bar:
         for layer in range(max(by_layer) + 1):
-            readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in by_layer.get(layer, {})}
-            autocorrs = runner.advance_measuring(layer, readers, advance=stream == "original")
-            yield layer, {name: autocorr.cpu() for name, autocorr in autocorrs.items()}, runner
+            readers = {INPUT_OF[p]: p for p in by_layer.get(layer, {})}
+            measured = runner.advance_measuring(layer, readers, advance=stream == "original")
+            yield layer, {name: moments.autocorr.cpu() for name, moments in measured.items()}, runner
             bar.advance(1)
 
 

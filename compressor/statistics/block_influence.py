@@ -2,7 +2,7 @@
 cosine similarity between the hidden state it reads and the one it writes, over calibration tokens. A layer that
 barely turns its input (influence near 0) is the one that can lose most.
 
-The windows are advanced one layer at a time (`partly_compressed.LayerRunner`, one window per pass), each layer
+The windows are advanced one layer at a time (`layer_runner.LayerRunner`, one window per pass), each layer
 held for its step by the caller (`MethodContext.held`: in memory it is there; with `--layerwise` it is onloaded
 from disk), so one computation serves both and gives the same numbers.
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from compressor.modeling.adapters import DecoderAdapter
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.partly_compressed import LayerRunner
+from compressor.statistics.layer_runner import LayerRunner
 
 
 @torch.no_grad()

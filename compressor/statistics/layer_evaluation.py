@@ -1,4 +1,4 @@
-"""The evaluation of `--layerwise` (`statistics.layer_stream`'s walk over the layers): chunks of evaluation windows
+"""The evaluation of `--layerwise` (`layer_runner.LayerRunner`'s walk over the layers): chunks of evaluation windows
 advanced through the layers, the original's last hidden states spilled before compression and the compressed
 model's computed after, both through the model's own head (final norm, LM head, any soft-capping) by replaying
 them in a forward pass whose layers are stand-ins, as `evaluation.perplexity.evaluate_against` computes them.
@@ -24,12 +24,12 @@ from compressor.evaluation.perplexity import (
 )
 from compressor.modeling.offload import OffloadedModel, trim_heap
 from compressor.runtime.progress import progress_bar
-from compressor.statistics.layer_stream import LayerStream
+from compressor.statistics.layer_runner import LayerRunner
 
 
 def final_hidden_states(
     om: OffloadedModel,
-    stream: LayerStream,
+    stream: LayerRunner,
     replaced: Mapping[str, torch.Tensor] | None = None,
     progress: bool = True,
     description: str = "Perplexity (layer by layer)",
@@ -39,8 +39,8 @@ def final_hidden_states(
     hidden = list(stream.hidden)
     with torch.no_grad(), progress_bar(description, total=om.adapter.num_layers, enabled=progress) as bar:
         for index in range(om.adapter.num_layers):
-            with om.onloaded(index, replaced) as layer:
-                hidden = [stream.run(layer, index, h) for h in hidden]
+            with om.onloaded(index, replaced):
+                hidden = [stream.run(index, h) for h in hidden]
             trim_heap()
             bar.advance()
     return hidden
@@ -64,7 +64,7 @@ def spill_original_outputs(
     before compression: the layers then hold the compressed modules) for `evaluate_layerwise`."""
     directory.mkdir(parents=True, exist_ok=True)
     for first, chunk in _chunks(windows, chunk_windows):
-        stream = LayerStream(om, chunk, batch_size)
+        stream = LayerRunner(om.adapter, chunk, batch_size)
         where = f"windows {first + 1}-{first + len(chunk)} of {len(windows)}"
         hidden = final_hidden_states(om, stream, None, progress, f"Perplexity, original ({where})")
         save_file(
@@ -94,13 +94,12 @@ def evaluate_layerwise(
     agreements = 0
     for first, chunk in _chunks(windows, chunk_windows):
         t = time.perf_counter()
-        stream = LayerStream(om, chunk, batch_size)
+        stream = LayerRunner(om.adapter, chunk, batch_size)
         where = f"windows {first + 1}-{first + len(chunk)} of {n}"
         candidate = final_hidden_states(om, stream, compressed, progress, f"Perplexity, compressed ({where})")
         seconds["compressed"] += time.perf_counter() - t
         with torch.no_grad(), safe_open(directory / f"{first:07d}.safetensors", framework="pt") as f:
             for b, batch in enumerate(stream.batches):
-                batch = batch.to(om.device)
                 t = time.perf_counter()
                 reference = stream.log_probs(b, f.get_tensor(f"b{b}").to(om.device))
                 nll["original"].extend(checked_window_nll(reference, batch, first, "the original model"))

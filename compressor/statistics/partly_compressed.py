@@ -1,9 +1,8 @@
 """Sequential calibration: layer l's statistics are collected on the model whose layers < l (and, for o_proj,
 whose own q/k/v) are already compressed, so each residual corrects the error that reaches it.
 
-The calibration windows are run through the decoder one layer at a time (hidden states of all windows kept:
-N·T·hidden numbers), with the keyword arguments each layer received in a normal forward pass (rotary
-embeddings, masks: they differ per layer in some families, e.g. Gemma's sliding-window layers).
+The calibration windows are run through the decoder one layer at a time by `layer_runner.LayerRunner` (hidden
+states of all windows kept: N·T·hidden numbers).
 """
 
 from __future__ import annotations
@@ -16,112 +15,12 @@ import torch
 from torch import nn
 
 from compressor.math.whitening import WhiteningFactor, whitening_factor
-from compressor.modeling.adapters import ATTN_INPUT_PROJECTIONS, INPUT_OF, PROJECTIONS
+from compressor.modeling.adapters import ATTN_INPUT_PROJECTIONS, PROJECTIONS
 from compressor.runtime.device import autocast_to, float64_zeros
 from compressor.runtime.errors import UserError
 from compressor.runtime.progress import progress_bar
 from compressor.statistics.capture import add_cross, add_gram, check_gram, token_mean
-from compressor.statistics.layer_stream import layer_inputs
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once it has what it needs."""
-
-
-class LayerRunner:
-    """The calibration windows' hidden states, advanced through the decoder one layer at a time. The layers run
-    as they are when a step runs: in memory, or materialised from disk for that step (`--layerwise`:
-    `MethodContext.held`)."""
-
-    def __init__(self, adapter, windows: torch.Tensor, batch_size: int = 1):
-        self.adapter = adapter
-        device = adapter.unembedding.weight.device  # on the device also when the layers are on disk
-        self.batches = [windows[i : i + batch_size].to(device) for i in range(0, len(windows), batch_size)]
-        self.hidden, self.layer_kwargs = layer_inputs(adapter, self.batches, device)
-
-    def _run(self, layer_index: int, batch_index: int) -> torch.Tensor:
-        hidden = self.hidden[batch_index]
-        out = self.adapter.layers[layer_index](hidden, **self.layer_kwargs[(layer_index, len(hidden))])
-        return out[0] if isinstance(out, tuple) else out
-
-    def each_input(self, layer_index: int, projection: str, watched: tuple[str, ...] = ()):
-        """Per batch, with the layer as it is now: (the batch's index, `projection`'s input, the outputs of the
-        `watched` projections, which run before it). Each pass stops where `projection` would run."""
-        module = self.adapter.projection(layer_index, projection)
-        seen: dict[str, torch.Tensor] = {}
-
-        def on_input(_, args):
-            seen["x"] = args[0].detach()
-            raise _Stop
-
-        def on_output(name: str):
-            return lambda _, args, out: seen.__setitem__(name, out.detach())
-
-        handles = [module.register_forward_pre_hook(on_input)]
-        handles += [
-            self.adapter.projection(layer_index, w).register_forward_hook(on_output(w)) for w in watched
-        ]
-        try:
-            for b in range(len(self.hidden)):
-                seen.clear()
-                try:
-                    self._run(layer_index, b)
-                except _Stop:
-                    pass
-                yield b, seen["x"], {name: seen[name] for name in watched}
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    @torch.no_grad()
-    def autocorr(self, layer_index: int, projection: str) -> torch.Tensor:
-        """Σ xᵀx / T (fp64, the token mean as `capture` stores it) of a projection's input over all windows, with
-        the layer as it is now."""
-        size = self.adapter.geometry.input_size(INPUT_OF[projection])
-        total = float64_zeros(size, size, device=self.hidden[0].device)
-        tokens = 0
-        for _, x, _ in self.each_input(layer_index, projection):
-            add_gram(total, x)
-            tokens += x.numel() // x.shape[-1]
-        check_gram(total, f"layer {layer_index} {projection}")
-        return token_mean(total, tokens)
-
-    @torch.no_grad()
-    def advance(self, layer_index: int) -> None:
-        self.hidden = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
-
-    @torch.no_grad()
-    def advance_measuring(
-        self, layer_index: int, modules: dict[str, nn.Module], advance: bool = True
-    ) -> dict[str, torch.Tensor]:
-        """`advance` through layer `layer_index` (unless not `advance`: the hidden states stay), and Σ xᵀx / T
-        (fp64, as `autocorr`) of the input of each of `modules` (name → a module of that layer) over all
-        windows, measured in that same pass."""
-        totals = {
-            name: float64_zeros(m.in_features, m.in_features, device=self.hidden[0].device)
-            for name, m in modules.items()
-        }
-        tokens = dict.fromkeys(modules, 0)
-
-        def on_input(name: str):
-            def hook(_, args):
-                add_gram(totals[name], args[0].detach())
-                tokens[name] += args[0].numel() // args[0].shape[-1]
-
-            return hook
-
-        handles = [m.register_forward_pre_hook(on_input(name)) for name, m in modules.items()]
-        try:
-            outputs = [self._run(layer_index, b).detach() for b in range(len(self.hidden))]
-        finally:
-            for handle in handles:
-                handle.remove()
-        if advance:
-            self.hidden = outputs
-        for name, total in totals.items():
-            check_gram(total, f"layer {layer_index} {name}")
-        return {name: token_mean(total, tokens[name]) for name, total in totals.items()}
-
+from compressor.statistics.layer_runner import LayerRunner
 
 Install = Callable[[int, str, WhiteningFactor], None]
 
@@ -256,7 +155,7 @@ def _original_layer(layer_module, paths, runner: LayerRunner, index: int, batch:
         down.register_forward_hook(lambda m, a, out: seen.__setitem__("down", out.detach())),
     ]
     try:
-        out = layer_module(hidden, **runner.layer_kwargs[(index, len(hidden))])
+        out = runner.run(index, hidden, layer_module)
     finally:
         for handle in handles:
             handle.remove()

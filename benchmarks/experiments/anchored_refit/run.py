@@ -30,7 +30,7 @@ from compressor.math.whitening import whitening_factor
 from compressor.modeling.adapters import get_adapter
 from compressor.runtime.device import float64_zeros
 from compressor.statistics.capture import add_gram, token_mean
-from compressor.statistics.partly_compressed import LayerRunner
+from compressor.statistics.layer_runner import LayerRunner
 
 
 class _Capture:

@@ -32,7 +32,7 @@ from compressor.modeling.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS,
 from compressor.quantize.compensated import compensated_quantize, inverse_factor
 from compressor.quantize.ggml_quantize import dequantize_with_llama_cpp, quantize_with_llama_cpp
 from compressor.recipes.schema import EvaluationSettings
-from compressor.statistics.partly_compressed import LayerRunner
+from compressor.statistics.layer_runner import LayerRunner
 
 SETS = {
     "q, k": ("q_proj", "k_proj"),
@@ -56,10 +56,10 @@ def rounded_weights(model, windows: torch.Tensor) -> dict[tuple[int, str], dict[
     runner = LayerRunner(adapter, windows)
     rounded = {}
     for layer in range(adapter.num_layers):
-        readers = {INPUT_OF[p]: adapter.projection(layer, p) for p in (*PROJECTIONS, *MLP_PROJECTIONS)}
-        autocorrs = runner.advance_measuring(layer, readers)
+        readers = {INPUT_OF[p]: p for p in (*PROJECTIONS, *MLP_PROJECTIONS)}
+        measured = runner.advance_measuring(layer, readers)
         for projection in (*PROJECTIONS, *MLP_PROJECTIONS):
-            autocorr = autocorrs[INPUT_OF[projection]].cpu()
+            autocorr = measured[INPUT_OF[projection]].autocorr.cpu()
             weight = adapter.projection(layer, projection).weight.detach().numpy()
             type_name = q2_k_type(weight.shape[1])
             importance = np.diag(autocorr.numpy()).astype(np.float32)

@@ -32,7 +32,7 @@ from benchmarks.suite.quality import build_variant, validation_header, validatio
 from benchmarks.suite.whole_model import model_ratio_as_targets
 from compressor.modeling.adapters import get_adapter
 from compressor.statistics.capture import add_gram, check_gram
-from compressor.statistics.partly_compressed import LayerRunner
+from compressor.statistics.layer_runner import LayerRunner
 
 #: Variant → (the matrices refit, in the order of the layer's computation; whether the target closes the
 #: residual stream's gap).
