@@ -113,6 +113,22 @@ def test_lazy_batches_change_nothing_but_the_order_of_sums():
     assert abs(output_error(array, batched, autocorr) - error) < 1e-3 * error
 
 
+def test_the_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+    """U upper, positive diagonal, UᵀU = (H + d·mean(diag H)·I)⁻¹: the factor GPTQ's code builds (factor H, form
+    its inverse, factor that), which is unique, built here from one factorization of the reversed H."""
+    autocorr = correlated_inputs(256)
+    factor = inverse_factor(autocorr)
+    upper = factor.U
+    assert torch.equal(upper, torch.triu(upper)) and bool((torch.diagonal(upper) > 0).all())
+    damped = autocorr + factor.damping * float(torch.diagonal(autocorr).mean()) * torch.eye(
+        256, dtype=torch.float64
+    )
+    gptq = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    torch.testing.assert_close(upper, gptq, rtol=1e-10, atol=1e-12 * float(gptq.abs().max()))
+    identity = upper @ damped @ upper.T  # U H Uᵀ = I when UᵀU = H⁻¹
+    torch.testing.assert_close(identity, torch.eye(256, dtype=torch.float64), rtol=0, atol=1e-9)
+
+
 def test_damping_grows_until_the_inverse_factors_and_is_reported():
     """Not positive definite (an eigenvalue of −0.5, mean diagonal 0.25): relative damping 0.01, 0.1 and 1 fail,
     10 factors (the fourth attempt); all zero: None (no output error to compensate); not finite: one error."""
