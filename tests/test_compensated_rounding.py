@@ -324,6 +324,76 @@ def test_a_budget_priced_on_compensated_errors_fits_and_predicts_less(tmp_path):
     assert plans["compensated"].predicted < 0.8 * plans["nearest"].predicted, plans
 
 
+def test_the_rounding_after_the_allocation_reads_the_statistics_its_walk_kept(tmp_path, monkeypatch):
+    """`kept`: the errors' walk keeps each layer's autocorrelations; the rounding then reads them (no walk: the
+    runner refuses to start) and writes the blocks it writes after a walk of its own, bit for bit."""
+    from compressor.quantize import rounding
+    from compressor.quantize.rounding import KeptAutocorrelations, compensated_blocks, compensated_errors
+
+    model = correlated_model()
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    role_of = {suffix: role for role, suffix in ROLES.items()}
+    matrices = [
+        (f"blk.{layer}.{role_of[f'{block}.{name}']}.weight", m.weight.detach().numpy(), path, "Q4_0")
+        for path, m in model.named_modules() if path in rounding.layer_projections(model)
+        for layer, block, name in [path.split(".")[2:5]]
+    ]  # fmt: skip
+    walked, record = compensated_blocks(model, ids, matrices, progress=False)
+    assert not record.kept_statistics
+    kept = KeptAutocorrelations(tmp_path)
+    compensated_errors(model, ids, [m[:3] for m in matrices], lambda a: ["Q4_0"], progress=False, kept=kept)
+    assert kept.inputs == {0: {"attn", "o", "mlp", "down"}, 1: {"attn", "o", "mlp", "down"}}
+    kept_numbers = sum(t.numel() for layer in kept.inputs for t in kept.read(layer).values())
+    assert rounding.autocorrelation_bytes(model, matrices) == 8 * kept_numbers
+    monkeypatch.setattr(rounding, "LayerRunner", lambda *a, **k: pytest.fail("walked again"))
+    read, record = compensated_blocks(model, ids, matrices, progress=False, kept=kept)
+    assert record.kept_statistics and read.keys() == walked.keys()
+    assert all(np.array_equal(read[name], walked[name]) for name in walked)
+    with pytest.raises(ValueError, match="original stream"):
+        compensated_blocks(model, ids, matrices, progress=False, stream="quantized", kept=kept)
+
+
+def test_a_compensated_budget_walks_the_calibration_once_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    """`export --size --rounding compensated` on a tiny model folder: one walk (the allocation's), the rounding
+    from the statistics it kept, the temporary folder beside the output gone after, and gone also when the
+    rounding fails."""
+    from conftest import cache_of_its_own, tiny_model_dir
+
+    import compressor.api.export as export_module
+    from compressor.quantize import rounding
+
+    monkeypatch.setenv(
+        "MASA_CACHE", str(cache_of_its_own(tmp_path / "cache"))
+    )  # no errors from an earlier test
+    folder = tiny_model_dir(tmp_path / "tiny", hidden_size=256, intermediate_size=512)
+    tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")
+    out = tmp_path / "out"
+    out.mkdir()
+    walks = []
+    runner = rounding.LayerRunner
+    monkeypatch.setattr(rounding, "LayerRunner", lambda *a, **k: walks.append(1) or runner(*a, **k))
+    options = dict(
+        bits_per_weight=5.5, rounding="compensated", calib_samples=4, tokenizer_from=str(tokenizer)
+    )
+    result = export_module.export(str(folder), out / "m.gguf", **options, progress=False)
+    assert len(walks) == 1 and result.details["rounding"]["kept_statistics"]
+    assert sorted(p.name for p in out.iterdir()) == ["m.gguf"]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the rounding failed")
+
+    monkeypatch.setattr(rounding, "compensated_quantize", failing)
+    monkeypatch.setattr(rounding, "compensated_errors", lambda *a, kept=None, **k: _keep_one(kept) or {})
+    with pytest.raises(RuntimeError, match="the rounding failed"):
+        export_module.export(str(folder), out / "n.gguf", **options, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["m.gguf"]
+
+
+def _keep_one(kept) -> None:
+    """Keep one layer's statistics in `kept`: the folder then holds a file when the failure comes."""
+    kept.keep(0, {"attn": torch.eye(2, dtype=torch.float64)})
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_bundled_q2_k_mix_compensated_is_closer_to_the_original_in_llama_cpp(tmp_path):

@@ -5,8 +5,10 @@ weighing each column by the mean square of its input (the importance matrix). `c
 layers' matrices with GPTQ's error feedback (`compensated.py`), from each input's full autocorrelation over the
 calibration windows: the windows run through the model one layer at a time (the hidden states of all windows
 kept: N·T·hidden numbers, one layer's autocorrelations at a time), each matrix is rounded once its layer's inputs
-are measured, and the file is still exactly llama.cpp's format. The embedding (looked up, not multiplied), the
-output matrix, the value projection (`compensates`) and experts' stacked matrices keep `nearest`.
+are measured, and the file is still exactly llama.cpp's format. A byte budget walks the windows once, for the
+allocation's errors, and keeps the autocorrelations on disk for the rounding (`KeptAutocorrelations`). The
+embedding (looked up, not multiplied), the output matrix, the value projection (`compensates`) and experts'
+stacked matrices keep `nearest`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from compressor.modeling.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS, get_adapter
@@ -73,12 +78,14 @@ class RoundingRecord:
     damped: dict[str, float] = field(default_factory=dict)
     input_zero: list[str] = field(default_factory=list)
     stream: str = "original"
+    #: Whether the statistics were those the allocation's walk kept (`KeptAutocorrelations`), not walked again.
+    kept_statistics: bool = False
 
     def to_dict(self) -> dict:
         return {
             "rounding": "compensated", "matrices": self.matrices, "windows": self.windows, "tokens": self.tokens,
             "seconds": round(self.seconds, 1), "damped": dict(self.damped), "input_zero": list(self.input_zero),
-            "stream": self.stream,
+            "stream": self.stream, "kept_statistics": self.kept_statistics,
         }  # fmt: skip
 
 
@@ -101,6 +108,7 @@ def compensated_blocks(
     progress: bool = True,
     damping: float = DAMPING,
     stream: str = "original",
+    kept: KeptAutocorrelations | None = None,
 ) -> tuple[dict[str, np.ndarray], RoundingRecord]:
     """ggml's blocks of every decoder-layer matrix of `matrices` (GGUF name, fp32 array as written, module path
     whose input it reads, GGML type) that a quantized type holds, rounded with compensation on the statistics of
@@ -108,7 +116,8 @@ def compensated_blocks(
 
     `stream`: each layer's statistics measured on the inputs the `original` model's earlier layers produce, or on
     those of the earlier layers already `quantized` (so a layer compensates what the ones below it lost: one
-    more pass per layer; the model's weights are restored afterwards)."""
+    more pass per layer; the model's weights are restored afterwards). `kept`: the original stream's statistics
+    an earlier walk over the same windows kept (`layer_autocorrelations`)."""
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     start = time.perf_counter()
@@ -117,7 +126,10 @@ def compensated_blocks(
     blocks: dict[str, np.ndarray] = {}
     originals: dict = {}
     try:
-        walk = layer_autocorrelations(model, windows, by_layer, "Compensated rounding", progress, stream)
+        walk = layer_autocorrelations(
+            model, windows, by_layer, "Compensated rounding", progress, stream, kept
+        )
+        record.kept_statistics = kept is not None and kept.covers(by_layer)
         for layer, autocorrs, runner in walk:
             decoded = {}
             for projection, tensors in by_layer.get(layer, {}).items():
@@ -132,6 +144,35 @@ def compensated_blocks(
     return blocks, record
 
 
+class KeptAutocorrelations:
+    """The input autocorrelations one walk measured on the original model's stream, kept in `directory` (one file
+    per layer) for the next pass over the same windows: `export --size --rounding compensated` walks the
+    calibration for the allocation's errors, then rounds the chosen types on the same statistics without walking
+    it again (on the 1.5B model a walk is most of the rounding's time: its forward and its autocorrelations)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.inputs: dict[int, set[str]] = {}  # layer → the inputs whose autocorrelations are kept
+
+    def path(self, layer: int) -> Path:
+        return self.directory / f"autocorr-{layer:05d}.safetensors"
+
+    def keep(self, layer: int, autocorrs: dict[str, torch.Tensor]) -> None:
+        save_file({name: a.contiguous() for name, a in autocorrs.items()}, str(self.path(layer)))
+        self.inputs[layer] = set(autocorrs)
+
+    def covers(self, by_layer: dict[int, dict]) -> bool:
+        """Whether every input the projections of `by_layer` read is kept."""
+        return all(
+            {INPUT_OF[p] for p in projections} <= self.inputs.get(layer, set())
+            for layer, projections in by_layer.items()
+        )
+
+    def read(self, layer: int) -> dict[str, torch.Tensor]:
+        with safe_open(self.path(layer), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
 def layer_autocorrelations(
     model: nn.Module,
     windows: torch.Tensor,
@@ -139,12 +180,22 @@ def layer_autocorrelations(
     what: str,
     progress: bool,
     stream: str = "original",
-) -> Iterator[tuple[int, dict[str, torch.Tensor], LayerRunner]]:
+    kept: KeptAutocorrelations | None = None,
+) -> Iterator[tuple[int, dict[str, torch.Tensor], LayerRunner | None]]:
     """Walk the decoder layers up to the last of `by_layer` (layer → {projection: ...}) with `windows`, yielding
     (layer, {input name: Σ xᵀx / T on the CPU, fp64} of the inputs its projections read, the runner): the
     statistics of the stream advanced past the layer already (`original`), or not yet (`quantized`: the caller
-    installs the layer's rounded weights and advances the runner itself)."""
+    installs the layer's rounded weights and advances the runner itself). With `kept` (the `original` stream's
+    only): read from it where it holds every input wanted (no walk, no runner), else each layer's kept there."""
     if not by_layer:
+        return
+    if kept is not None and stream != "original":
+        raise ValueError("kept autocorrelations are the original stream's")
+    if kept is not None and kept.covers(by_layer):
+        with progress_bar(f"{what} (kept statistics)", total=len(by_layer), enabled=progress) as bar:
+            for layer in sorted(by_layer):
+                yield layer, kept.read(layer), None
+                bar.advance(1)
         return
     adapter = get_adapter(model)
     runner = LayerRunner(adapter, windows)
@@ -152,7 +203,10 @@ def layer_autocorrelations(
         for layer in range(max(by_layer) + 1):
             readers = {INPUT_OF[p]: p for p in by_layer.get(layer, {})}
             measured = runner.advance_measuring(layer, readers, advance=stream == "original")
-            yield layer, {name: moments.autocorr.cpu() for name, moments in measured.items()}, runner
+            autocorrs = {name: moments.autocorr.cpu() for name, moments in measured.items()}
+            if kept is not None and autocorrs:
+                kept.keep(layer, autocorrs)
+            yield layer, autocorrs, runner
             bar.advance(1)
 
 
@@ -216,11 +270,13 @@ def compensated_errors(
     types_of: Callable[[np.ndarray], list[str]],
     progress: bool = True,
     damping: float = DAMPING,
+    kept: KeptAutocorrelations | None = None,
 ) -> dict[str, dict[str, float]]:
     """What each decoder-layer matrix of `matrices` (GGUF name, fp32 array, module path) would lose in each of its
     candidate types (`types_of(array)`) if rounded compensated: tr(ΔW H ΔWᵀ), H its input's autocorrelation on
     `windows`, measured on `SAMPLE_ROWS` evenly spaced rows (rows round independently) and scaled to every row;
-    a float type rounded as it is stored. The byte budget's allocation prices these in place of `nearest`'s."""
+    a float type rounded as it is stored. The byte budget's allocation prices these in place of `nearest`'s.
+    `kept`: where the walk keeps its statistics for the rounding after the allocation."""
     from compressor.quantize.byte_budget import SAMPLE_ROWS, evenly_spaced
 
     where = layer_projections(model)
@@ -231,7 +287,7 @@ def compensated_errors(
             by_layer.setdefault(layer, {}).setdefault(projection, []).append((tensor_name, array))
     errors: dict[str, dict[str, float]] = {}
     for layer, autocorrs, _ in layer_autocorrelations(model, windows, by_layer, "Compensated rounding errors",
-                                                      progress):  # fmt: skip
+                                                      progress, kept=kept):  # fmt: skip
         for projection, tensors in by_layer.get(layer, {}).items():
             autocorr = autocorrs[INPUT_OF[projection]]
             factor = inverse_factor(autocorr, damping)
@@ -257,3 +313,15 @@ def _rounded(rows: np.ndarray, type_name: str, factor) -> np.ndarray:
 
 #: `write_gguf`'s `rounding`: the matrices (GGUF name, array, module path, type) → blocks of those it rounded.
 Rounder = Callable[[list[tuple[str, np.ndarray, str, str]]], dict[str, np.ndarray]]
+
+
+def autocorrelation_bytes(model: nn.Module, matrices) -> int:
+    """The bytes of the fp64 input autocorrelations (one per layer and input) that the compensated decoder-layer
+    matrices of `matrices` (GGUF name, array, module path, ...) read: what `KeptAutocorrelations` writes."""
+    where = layer_projections(model)
+    widths = {}
+    for tensor_name, array, path, *_ in matrices:
+        if path in where and array.ndim == 2 and compensates(tensor_name):
+            layer, projection = where[path]
+            widths[(layer, INPUT_OF[projection])] = array.shape[1]
+    return sum(8 * width * width for width in widths.values())
