@@ -325,3 +325,56 @@ def test_the_readmes_llama_cpp_eval_limitation_gives_each_builds_span_and_its_fl
     assert "3.0-3.7x (2.5-2.9x with `--flash-attention`) the transformers time with the prebuilt" in text
     assert "1.4-2.2x with llama.cpp built for it (" in text and text.count("--flash-attention") == 1
     assert "AMX included" not in text  # said only of a build whose own system info lists AMX_INT8
+
+
+def test_the_frontier_pairs_the_mean_kl_per_window_and_the_readme_leads_with_it(monkeypatch):
+    """score_ladder: each budget's KL difference is the paired one over the same windows (ours − the mix, from the
+    per-window KL sums), and the per-token tails reach the rows; the README's table then leads with that KL and
+    its reading, where a run without per-window KL keeps the perplexity-led table and says why."""
+    from types import SimpleNamespace
+
+    import benchmarks.engines.bytes_frontier as frontier
+    from benchmarks.report.readme import _bytes_rows
+    from compressor.evaluation.intervals import paired_mean_difference
+
+    tokens = [511] * 4
+    kl_sums = {"mix": [60.0, 50.0, 70.0, 55.0], "ours": [20.0, 25.0, 15.0, 30.0], "f16": [0.0] * 4}
+
+    def scored(name: str):
+        result = SimpleNamespace(
+            ppl=20.0 if name != "f16" else 18.0,
+            ppl_ci95=[19.0, 21.0],
+            window_nll=[1500.0 + 10 * i for i in range(4)],
+            window_tokens=tokens,
+        )
+        faith = SimpleNamespace(
+            kl_to_original=sum(kl_sums[name]) / sum(tokens),
+            top1_agreement=0.9,
+            window_kl=kl_sums[name],
+            kl_percentiles={"p99": 1.0, "p99.9": 2.5},
+        )
+        return result, faith  # fmt: skip
+
+    reference = SimpleNamespace(
+        text="t", windows=4, seq_len=512, tokens=sum(tokens), ppl=18.0, ppl_ci95=[17, 19]
+    )
+    names = {"f16|none": "f16", "q2_k|calibration": "mix", "q2_k|size": "ours"}
+    monkeypatch.setattr(
+        frontier, "score_files", lambda *a, **k: (reference, {p: scored(n) for p, n in names.items()})
+    )
+    written = {"out": "x.gguf", "bytes": 1000, "type_counts": {"Q2_K": 1}, "fallbacks": []}
+    files = {("f16", "none"): written, ("q2_k", "calibration"): written, ("q2_k", "size"): written}
+    results, rows = frontier.score_ladder("m", files, 2048)
+    (row,) = results["frontier"]
+    expected = paired_mean_difference(kl_sums["ours"], kl_sums["mix"], tokens)
+    assert row["kl_diff"] == pytest.approx(expected.value) and row["kl_diff"] < 0
+    assert [row["kl_diff_lo"], row["kl_diff_hi"]] == pytest.approx(list(expected.ci95))
+    assert all(r["kl_p999"] == 2.5 and r["kl_p99"] == 1.0 for r in rows)
+    data = {**results, "rows": rows, "model": "smollm2-135m"}
+    led = _bytes_rows(data, "smollm2-135m", "T").splitlines()
+    assert led[0].startswith("| budget (the size of llama.cpp's mix) | mean KL to the original")
+    assert "**closer**" in led[2] and "per-window KL" not in led[-1]
+    for r in data["frontier"]:
+        del r["kl_diff"]
+    plain = _bytes_rows(data, "smollm2-135m", "T").splitlines()
+    assert "perplexity" in plain[0].split("|")[2] and "runs kept no per-window KL" in plain[-1]

@@ -7,7 +7,8 @@ llama.cpp itself.
 2. every file run by llama.cpp on the same capped TEST windows, in one pass against the original in transformers:
    perplexity with its interval, KL and top-1 (`evaluation.perplexity.evaluate_against`);
 3. per type, the paired difference of perplexity, plain minus importance-weighted, and `--size` minus the
-   importance-weighted mix of the same bytes, on those windows (95% bootstrap interval; inside it, a tie).
+   importance-weighted mix of the same bytes, on those windows (95% bootstrap interval; inside it, a tie); for
+   the latter also of the mean KL to the original (the verdict the tables lead with).
 
 Writes `benchmarks/results/bytes-<model>.json` and `.md`. Speeds are not timed here (`make bench-engines` times
 its files in turns on an otherwise idle machine). `python -m benchmarks.engines.bytes_frontier --model
@@ -30,7 +31,7 @@ from compressor.api.run_options import CompressOptions
 from compressor.api.session import evaluation_token_windows
 from compressor.api.size import compress_to_size
 from compressor.calibration.sources import load_documents
-from compressor.evaluation.intervals import paired_difference
+from compressor.evaluation.intervals import paired_difference, paired_mean_difference
 from compressor.evaluation.perplexity import evaluate_against
 from compressor.quantize.byte_budget import parse_size
 from compressor.quantize.ggml_quantize import K_QUANT_MIXES, NEEDS_IMATRIX
@@ -193,7 +194,7 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
     """Every file of the ladder on the capped test windows (`score_files`), with the paired differences."""
     paths = {f"{t}|{i}": written["out"] for (t, i), written in files.items() if "out" in written}
     reference, scored = score_files(model, paths, max_tokens, per_pass)
-    rows, per_window = [], {}
+    rows, per_window, window_kl = [], {}, {}
     for (tensor_type, imatrix), written in files.items():
         if "out" not in written:
             rows.append(
@@ -207,9 +208,11 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
             continue
         result, faith = scored[f"{tensor_type}|{imatrix}"]
         per_window[(tensor_type, imatrix)] = result
+        window_kl[(tensor_type, imatrix)] = faith.window_kl
         rows.append({
             "type": tensor_type, "imatrix": imatrix, "bytes": written["bytes"], "ppl": result.ppl,
             "ppl_ci95": result.ppl_ci95, "kl": faith.kl_to_original, "top1": faith.top1_agreement,
+            **{f"kl_{k.replace('.', '')}": v for k, v in faith.kl_percentiles.items()},  # kl_p99, kl_p999
             "type_counts": written["type_counts"], "fallbacks": len(written["fallbacks"]),
             **{k: written[k] for k in ("removed_parameters", "mlp_widths", "heads") if k in written},
         })  # fmt: skip
@@ -219,6 +222,15 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
             per_window[a].window_nll, per_window[b].window_nll, per_window[a].window_tokens
         )
         return difference.value, *difference.ci95
+
+    def paired_kl(a, b) -> dict:
+        """The mean KL to the original of a minus b, paired over the windows (the verdict llama.cpp users read)."""
+        difference = paired_mean_difference(window_kl[a], window_kl[b], per_window[a].window_tokens)
+        return {
+            "kl_diff": difference.value,
+            "kl_diff_lo": difference.ci95[0],
+            "kl_diff_hi": difference.ci95[1],
+        }
 
     gains, frontier, below = {}, {}, []
     for tensor_type in {t for t, i in files if i == "calibration" and (t, "none") in files}:
@@ -241,7 +253,7 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
         value, lo, hi = paired(ours, (name, "calibration"))
         frontier[name] = row | {
             "baseline_bytes": files[(name, "calibration")]["bytes"], "baseline_ppl": per_window[(name, "calibration")].ppl,
-            "diff": value, "diff_lo": lo, "diff_hi": hi,
+            "diff": value, "diff_lo": lo, "diff_hi": hi, **paired_kl(ours, (name, "calibration")),
         }  # fmt: skip
     protocol = {
         "text": reference.text, "split": "test", "windows": reference.windows, "seq_len": reference.seq_len,
@@ -260,6 +272,7 @@ KINDS = {"none": "llama.cpp's mix", "calibration": "llama.cpp's mix + importance
 
 def render(results: dict) -> str:
     p = results["protocol"]
+    tails = any("kl_p999" in row for row in results["rows"])  # the per-token KL's percentiles, as llama.cpp's
     lines = [
         f"# {results['model']} in bytes: llama.cpp's mixes, `export --size` and `compress --size`",
         "",
@@ -268,19 +281,27 @@ def render(results: dict) -> str:
         f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
         f"{results['imatrix']}.",
         "",
-        "| budget | file | MiB | parameters removed | perplexity [95%] | KL | top-1 | matrices by type |",
-        "|---|---|---:|---:|---|---:|---:|---|",
+        "| budget | file | MiB | parameters removed | perplexity [95%] | KL | top-1 | matrices by type |"
+        + (" KL p99 · p99.9 |" if tails else ""),
+        "|---|---|---:|---:|---|---:|---:|---|" + ("---:|" if tails else ""),
     ]
     for row in sorted(results["rows"], key=lambda r: (-r["bytes"], r["imatrix"])):
         if "refused" in row:
             lines.append(f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | | refused: "
-                         "below the smallest file of types alone | | | |")  # fmt: skip
+                         "below the smallest file of types alone | | | |" + (" |" if tails else ""))  # fmt: skip
             continue
         mix = ", ".join(f"{n} {t}" for t, n in row["type_counts"].items())
         lines.append(
             f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | "
             f"{row.get('removed_parameters', 0):,} | {number(row['ppl'])}{interval(row['ppl_ci95'])} | "
             f"{row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
+            + (
+                f" {row['kl_p99']:.3f} · {row['kl_p999']:.3f} |"
+                if "kl_p999" in row
+                else " — |"
+                if tails
+                else ""
+            )
         )
     if results.get("frontier"):
         lines += [
@@ -412,17 +433,21 @@ def merged(earlier: dict, latest: dict) -> dict:
 #: results.json's name for each model's figures.
 SUMMARY_NAMES = {"smollm2-135m": "bundled", "qwen2.5-coder-1.5b": "1p5b"}
 FRONTIER_FIELDS = ("type", "baseline_bytes", "baseline_ppl", "ours_bytes", "ours_ppl", "diff_lo", "diff_hi")
+#: The paired mean-KL difference, where the run kept the per-window KL.
+KL_FIELDS = ("kl_diff", "kl_diff_lo", "kl_diff_hi")
 
 
 def summarize(results: dict, summary: Path) -> None:
     """Copy a run's frontier and importance-matrix gains into results.json, beside the other benchmarks' figures:
     `bytes_frontier_<model>` (rows of FRONTIER_FIELDS; diff = ours − the importance-weighted mix, its 95%
-    interval) and `imatrix_gain_<type>_<model>` (plain − importance-weighted, paired, with its interval)."""
+    interval; `KL_FIELDS` too where kept) and `imatrix_gain_<type>_<model>` (plain − importance-weighted, paired, with its interval)."""
     name = SUMMARY_NAMES.get(results["model"])
     if name is None or not summary.is_file():
         return
     figures = {
-        f"bytes_frontier_{name}": [{k: row[k] for k in FRONTIER_FIELDS} for row in results["frontier"]]
+        f"bytes_frontier_{name}": [
+            {k: row[k] for k in (*FRONTIER_FIELDS, *KL_FIELDS) if k in row} for row in results["frontier"]
+        ]
     }
     for tensor_type, gain in results["imatrix_gain"].items():
         figures[f"imatrix_gain_{tensor_type}_{name}"] = gain

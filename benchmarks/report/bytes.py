@@ -34,20 +34,31 @@ def by_budget(data: dict) -> list[dict]:
 
 def frontier_table(data: dict) -> list[str]:
     """The tool's `--size` file against llama.cpp's mix of the same bytes, one row per budget (this page and the
-    results page `bytes_frontier` writes); where structure was allocated too, its file against types alone."""
+    results page `bytes_frontier` writes), led by the paired mean KL to the original where the run kept it; where
+    structure was allocated too, its file against types alone."""
     structure = any("minus_types_only" in row for row in data["frontier"])
     timed = any("decode_ratio" in row for row in data["frontier"])  # a merged run: some budgets untimed
+    kl = any("kl_diff" in row for row in data["frontier"])
     lines = [
-        "| budget | llama.cpp's mix (with the importance weights) | `--size` | ours − mix [95%] | reading |"
+        "| budget | llama.cpp's mix (with the importance weights) | `--size` |"
+        + (" mean KL to the original, ours − mix [95%] | reading |" if kl else "")
+        + " ours − mix [95%] | reading |"
         + (" parameters removed | structure − types only [95%] |" if structure else "")
         + (" decode, ours / mix (1 · 2 threads) |" if timed else ""),
-        "|---|---|---|---|---|" + ("---|---|" if structure else "") + ("---|" if timed else ""),
+        "|---|---|---|---|---|"
+        + ("---|---|" if kl else "")
+        + ("---|---|" if structure else "")
+        + ("---|" if timed else ""),
     ]
     for row in by_budget(data):
         line = (
             f"| {row['type']} | {row['baseline_bytes'] / 2**20:.2f} MiB, {row['baseline_ppl']:.2f} | "
-            f"{row['ours_bytes'] / 2**20:.2f} MiB, {row['ours_ppl']:.2f} | {row['diff']:+.3f} "
-            f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | "
+            f"{row['ours_bytes'] / 2**20:.2f} MiB, {row['ours_ppl']:.2f} |"
+        )
+        if kl:
+            line += f" {_kl_difference(row)} |"
+        line += (
+            f" {row['diff']:+.3f} [{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}] | "
             f"{reading(row['diff_lo'], row['diff_hi'], 'ours better', 'ours worse')} |"
         )
         if structure:
@@ -60,6 +71,14 @@ def frontier_table(data: dict) -> list[str]:
             )
         lines.append(line)
     return lines
+
+
+def _kl_difference(row: dict) -> str:
+    """A frontier row's paired mean-KL difference and its reading (two cells), `— | —` where not kept."""
+    if "kl_diff" not in row:
+        return "— | —"
+    lo, hi = row["kl_diff_lo"], row["kl_diff_hi"]
+    return f"{row['kl_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] | {reading(lo, hi, 'ours closer', 'ours further')}"
 
 
 def _versus_types(row: dict) -> str:

@@ -162,14 +162,32 @@ def _bytes_rows(data: dict, name: str, title: str) -> str:
     structure = any(row.get("ours") == "structure" for row in data["frontier"])
     ours = "`compress --size`" if structure else "`export --size`"
     kl = {(r["type"], r["imatrix"]): r["kl"] for r in data["rows"] if "kl" in r}
-    lines = [
-        "| budget (the size of llama.cpp's mix) | llama.cpp's mix, same importance weights: perplexity | "
-        f"{ours}: MiB, perplexity | ours − mix [95%] | mean KL to the original: mix → ours (× the mix's) |",
-        "|---|---|---|---|---|",
-    ]
+    paired_kl = all("kl_diff" in row for row in data["frontier"])  # the run kept each window's KL
+    if paired_kl:  # led by the KL, as llama.cpp's users compare files
+        lines = [
+            "| budget (the size of llama.cpp's mix) | mean KL to the original: mix → ours (× the mix's) | "
+            f"ours − mix [95%] | {ours}: MiB | perplexity: mix → ours, ours − mix [95%] |",
+            "|---|---|---|---|---|",
+        ]
+    else:
+        lines = [
+            "| budget (the size of llama.cpp's mix) | llama.cpp's mix, same importance weights: perplexity | "
+            f"{ours}: MiB, perplexity | ours − mix [95%] | mean KL to the original: mix → ours (× the mix's) |",
+            "|---|---|---|---|---|",
+        ]
     for row in by_budget(data):
         verdict = reading(row["diff_lo"], row["diff_hi"], "**better**", "worse")
         mix_kl, ours_kl = kl[(row["type"], "calibration")], kl[(row["type"], row.get("ours", "size"))]
+        if paired_kl:
+            kl_verdict = reading(row["kl_diff_lo"], row["kl_diff_hi"], "**closer**", "further")
+            lines.append(
+                f"| {row['type']}: {row['baseline_bytes'] / 2**20:.1f} MiB | {mix_kl:.4f} → {ours_kl:.4f} "
+                f"({ours_kl / mix_kl:.2f}x) | {row['kl_diff']:+.4f} [{row['kl_diff_lo']:+.4f}, "
+                f"{row['kl_diff_hi']:+.4f}] {kl_verdict} | {row['ours_bytes'] / 2**20:.1f} | "
+                f"{row['baseline_ppl']:.2f} → {row['ours_ppl']:.2f}, {row['diff']:+.2f} "
+                f"[{row['diff_lo']:+.2f}, {row['diff_hi']:+.2f}] {verdict} |"
+            )
+            continue
         lines.append(
             f"| {row['type']}: {row['baseline_bytes'] / 2**20:.1f} MiB | {row['baseline_ppl']:.2f} | "
             f"{row['ours_bytes'] / 2**20:.1f}, {row['ours_ppl']:.2f} | {row['diff']:+.2f} "
@@ -187,9 +205,13 @@ def _bytes_rows(data: dict, name: str, title: str) -> str:
         f"{title} as GGUF files run by llama.cpp: perplexity on the first {p['tokens']:,} predicted tokens of the "
         f"test split ({p['windows']} windows of {p['seq_len']}), paired on the same windows; the original at f16: "
         f"{f16:.2f}. The KL is per predicted token, to the original's next-token distribution in transformers, "
-        f"averaged (the f16 file's own: {f16_kl:.1e}, what the engine adds on a float file); its intervals need "
-        "the frontier measured again (the runs kept no per-window KL). "
-        f"{_structure_reading(data) if structure else 'Types only: no structure in these files.'} "
+        f"averaged (the f16 file's own: {f16_kl:.1e}, what the engine adds on a float file)"
+        + (
+            "; its difference paired over the same windows. "
+            if paired_kl
+            else "; its intervals need the frontier measured again (the runs kept no per-window KL). "
+        )
+        + f"{_structure_reading(data) if structure else 'Types only: no structure in these files.'} "
         f"The importance weights alone (llama.cpp's mix without them minus with them): {gain}. "
         + CAVEATS[name]
         + f" Every row: [benchmarks/results/bytes-{name}.md](benchmarks/results/bytes-{name}.md).",
