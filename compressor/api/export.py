@@ -113,14 +113,11 @@ def export(
     rounder = (CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream, out)
                if rounding == "compensated" else None)  # fmt: skip
     with rounder or contextlib.nullcontext():
-        chooser = (
-            budget_chooser(loaded.model, measured, budget, progress, allowed, rounder) if budget else None
-        )
+        chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
         written: GgufExport = write_gguf(
-            loaded.model, tokenizer, out, tensor_type=tensor_type, name=name or source.describe(),
-            overwrite=overwrite, extra_fields=recorded_fields(original, record, allowed, rounding),
-            importance=measured.weights if use_importance else None,
-            imatrix_note=imatrix_note if use_importance else "", choose_types=chooser, rounding=rounder,
+            loaded.model, tokenizer, out, tensor_type=tensor_type, name=name or source.describe(), overwrite=overwrite,
+            extra_fields=recorded_fields(original, record, allowed, rounding), choose_types=chooser, rounding=rounder,
+            importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         )  # fmt: skip
     details = export_details(written, rounder, chooser and (budget, chooser.plan.predicted), loaded.model)
     if imatrix_out is not None:
