@@ -22,8 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.report.bytes import below_table, commands, frontier_table, gain_table
-from benchmarks.report.markdown import interval, number
+from benchmarks.report.bytes import results_page
 from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
 from compressor.api.model_loading import load_model, load_with_llama_cpp, resolve_model
@@ -265,64 +264,6 @@ def score_ladder(model: str, files: dict, max_tokens: int, per_pass: int = 0) ->
     return {"protocol": protocol, "imatrix_gain": gains, "frontier": ladder, "below_ladder": below}, rows
 
 
-#: How the results page names each kind of file.
-KINDS = {"none": "llama.cpp's mix", "calibration": "llama.cpp's mix + importance weights",
-         "size": "`export --size` (types only)", "structure": "`compress --size` (structure and types)"}  # fmt: skip
-
-
-def render(results: dict) -> str:
-    p = results["protocol"]
-    tails = any("kl_p999" in row for row in results["rows"])  # the per-token KL's percentiles, as llama.cpp's
-    lines = [
-        f"# {results['model']} in bytes: llama.cpp's mixes, `export --size` and `compress --size`",
-        "",
-        f"{commands(results)}. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
-        f"the test split ({p['windows']} windows of {p['seq_len']}; {p['text']}); KL and top-1 against the "
-        f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
-        f"{results['imatrix']}.",
-        "",
-        "| budget | file | MiB | parameters removed | perplexity [95%] | KL | top-1 | matrices by type |"
-        + (" KL p99 · p99.9 |" if tails else ""),
-        "|---|---|---:|---:|---|---:|---:|---|" + ("---:|" if tails else ""),
-    ]
-    for row in sorted(results["rows"], key=lambda r: (-r["bytes"], r["imatrix"])):
-        if "refused" in row:
-            lines.append(f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | | refused: "
-                         "below the smallest file of types alone | | | |" + (" |" if tails else ""))  # fmt: skip
-            continue
-        mix = ", ".join(f"{n} {t}" for t, n in row["type_counts"].items())
-        lines.append(
-            f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | "
-            f"{row.get('removed_parameters', 0):,} | {number(row['ppl'])}{interval(row['ppl_ci95'])} | "
-            f"{row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
-            + (
-                f" {row['kl_p99']:.3f} · {row['kl_p999']:.3f} |"
-                if "kl_p999" in row
-                else " — |"
-                if tails
-                else ""
-            )
-        )
-    if results.get("frontier"):
-        lines += [
-            "",
-            "At each mix's bytes, the tool's `--size` file (`compress --size`: structure and types; `export --size` "
-            "where no structure was run) against that mix, paired on the same windows (ours − llama.cpp's mix; "
-            "inside the interval, a tie):",
-            "",
-            *frontier_table(results),
-        ]
-    if results.get("below_ladder"):
-        lines += ["", "Under the ladder (no mix of these bytes):", "", *below_table(results)]
-    lines += [
-        "",
-        "Paired on the same windows, perplexity without the importance weights minus with them:",
-        "",
-    ]
-    lines += gain_table(results)
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -368,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                 command_line("benchmarks.engines.bytes_frontier", argv),
             )  # fmt: skip
         write_json(out, results)
-        out.with_suffix(".md").write_text(render(results))
+        out.with_suffix(".md").write_text(results_page(results))
         return
     if args.summarize:
         summarize(json.loads(args.summarize.read_text()), RESULTS / "results.json")
@@ -395,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge and out.is_file():
         results = merged(json.loads(out.read_text()), results)
     write_json(out, results)
-    out.with_suffix(".md").write_text(render(results))
+    out.with_suffix(".md").write_text(results_page(results))
     summarize(results, RESULTS / "results.json")
     log(f"wrote {out} and {out.with_suffix('.md')}")
 

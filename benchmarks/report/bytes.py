@@ -8,7 +8,7 @@ import json
 
 from benchmarks.report.byte_choices import byte_choice_lines
 from benchmarks.report.eval_speed import eval_speed_lines
-from benchmarks.report.markdown import difference, interval, paired_reading, reading
+from benchmarks.report.markdown import difference, interval, number, paired_reading, reading
 from benchmarks.report.plots import REPO
 from compressor.statistics.partly_compressed import STREAM_REFIT_WINDOWS
 
@@ -338,3 +338,62 @@ def bytes_section() -> list[str]:
         *_native_form(),
         *byte_choice_lines(),
     ]
+
+
+#: How the results page names each kind of file.
+KINDS = {"none": "llama.cpp's mix", "calibration": "llama.cpp's mix + importance weights",
+         "size": "`export --size` (types only)", "structure": "`compress --size` (structure and types)"}  # fmt: skip
+
+
+def results_page(results: dict) -> str:
+    """`bytes_frontier`'s results page, `benchmarks/results/bytes-<model>.md`: every file, then the frontier."""
+    p = results["protocol"]
+    tails = any("kl_p999" in row for row in results["rows"])  # the per-token KL's percentiles, as llama.cpp's
+    lines = [
+        f"# {results['model']} in bytes: llama.cpp's mixes, `export --size` and `compress --size`",
+        "",
+        f"{commands(results)}. llama.cpp scores every file on the first {p['tokens']:,} predicted tokens of "
+        f"the test split ({p['windows']} windows of {p['seq_len']}; {p['text']}); KL and top-1 against the "
+        f"original in transformers (perplexity {number(p['original_transformers_ppl'])}). Importance weights: "
+        f"{results['imatrix']}.",
+        "",
+        "| budget | file | MiB | parameters removed | perplexity [95%] | KL | top-1 | matrices by type |"
+        + (" KL p99 · p99.9 |" if tails else ""),
+        "|---|---|---:|---:|---|---:|---:|---|" + ("---:|" if tails else ""),
+    ]
+    for row in sorted(results["rows"], key=lambda r: (-r["bytes"], r["imatrix"])):
+        if "refused" in row:
+            lines.append(f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | | refused: "
+                         "below the smallest file of types alone | | | |" + (" |" if tails else ""))  # fmt: skip
+            continue
+        mix = ", ".join(f"{n} {t}" for t, n in row["type_counts"].items())
+        lines.append(
+            f"| {row['type']} | {KINDS[row['imatrix']]} | {row['bytes'] / 2**20:.1f} | "
+            f"{row.get('removed_parameters', 0):,} | {number(row['ppl'])}{interval(row['ppl_ci95'])} | "
+            f"{row['kl']:.4f} | {row['top1']:.3f} | {mix} |"
+            + (
+                f" {row['kl_p99']:.3f} · {row['kl_p999']:.3f} |"
+                if "kl_p999" in row
+                else " — |"
+                if tails
+                else ""
+            )
+        )
+    if results.get("frontier"):
+        lines += [
+            "",
+            "At each mix's bytes, the tool's `--size` file (`compress --size`: structure and types; `export --size` "
+            "where no structure was run) against that mix, paired on the same windows (ours − llama.cpp's mix; "
+            "inside the interval, a tie):",
+            "",
+            *frontier_table(results),
+        ]
+    if results.get("below_ladder"):
+        lines += ["", "Under the ladder (no mix of these bytes):", "", *below_table(results)]
+    lines += [
+        "",
+        "Paired on the same windows, perplexity without the importance weights minus with them:",
+        "",
+    ]
+    lines += gain_table(results)
+    return "\n".join(lines) + "\n"

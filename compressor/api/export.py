@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +27,6 @@ from compressor.quantize.tensor_types import check_recipe_output, write_recipe
 from compressor.recipes.schema import CalibrationSettings
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
-from compressor.runtime.progress import note
 
 FORMATS = ("gguf", "hf")
 SOURCE_KEY = "masa_compress.source"  # the spec of the original model, in every GGUF this tool writes
@@ -110,7 +107,7 @@ def export(
     budget = None if wanted is None else wanted.bytes_for(sum(p.numel() for p in loaded.model.parameters()))
     measured, imatrix_note = export_importance(loaded, given, (calibration, calib_text) if measure else None,
                                                progress, source)  # fmt: skip
-    rounder = (CompensatedRounder(loaded, calibration, calib_text, progress, rounding_stream, out)
+    rounder = (compensated_rounder(loaded, calibration, calib_text, progress, rounding_stream, out)
                if rounding == "compensated" else None)  # fmt: skip
     with rounder or contextlib.nullcontext():
         chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
@@ -188,65 +185,15 @@ def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounde
     return BudgetChooser(model, measured, budget, progress, allowed, compensated)
 
 
-class CompensatedRounder:
-    """`write_gguf`'s `rounding` for `--rounding compensated`, on the calibration windows the importance weights
-    were measured on, its statistics from the `stream` of `compensated_blocks`; `record` says what it did.
+def compensated_rounder(
+    loaded, calibration: CalibrationSettings, calib_text, progress: bool, stream: str, out: Path
+):
+    """`rounding.CompensatedRounder` on the calibration windows the importance weights are measured on."""
+    from compressor.api.session import calibration_token_windows
+    from compressor.quantize.rounding import CompensatedRounder
 
-    A context: with a byte budget, the allocation's walk (`errors`) keeps the original stream's autocorrelations
-    in a temporary folder beside the output (`rounding.KeptAutocorrelations`), and the rounding after it reads
-    them instead of walking the calibration again; the folder is removed on exit, also after a failure. Where
-    they would not fit on that disk, the rounding walks again, and says so."""
-
-    def __init__(
-        self, loaded, calibration: CalibrationSettings, calib_text, progress: bool, stream: str, out: Path
-    ):
-        from compressor.api.session import calibration_token_windows
-
-        self.model, self.progress, self.stream, self.out = loaded.model, progress, stream, out
-        self.windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
-        self.record = None
-        self.kept = None
-
-    def __enter__(self) -> CompensatedRounder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.kept is not None:
-            shutil.rmtree(self.kept.directory, ignore_errors=True)
-            self.kept = None
-
-    def __call__(self, matrices):
-        from compressor.quantize.rounding import compensated_blocks
-
-        kept = self.kept if self.stream == "original" else None
-        blocks, self.record = compensated_blocks(
-            self.model, self.windows, matrices, self.progress, stream=self.stream, kept=kept
-        )
-        return blocks
-
-    def errors(self, matrices, types_of):
-        """Each decoder-layer matrix's output error per candidate type, rounded compensated (the allocation's)."""
-        from compressor.quantize.rounding import compensated_errors
-
-        if self.stream == "original" and self.kept is None:
-            self.kept = self._keeping(matrices)
-        return compensated_errors(self.model, self.windows, matrices, types_of, self.progress, kept=self.kept)
-
-    def _keeping(self, matrices):
-        """A temporary folder beside the output for the walk's statistics, or None (noted) where the inputs'
-        autocorrelations (fp64, one per input a matrix reads) would not fit on its disk."""
-        from compressor.quantize.rounding import KeptAutocorrelations, autocorrelation_bytes
-
-        parent = self.out.resolve().parent
-        needed, free = autocorrelation_bytes(self.model, matrices), shutil.disk_usage(parent).free
-        if needed > free // 2:  # half the free disk at most: the GGUF itself is written beside them next
-            note(
-                f"[dim]compensated rounding: the allocation's statistics ({needed / 2**30:.1f} GiB) would not fit "
-                f"beside the output ({free / 2**30:.1f} GiB free), so the rounding measures them again[/]",
-                self.progress,
-            )
-            return None
-        return KeptAutocorrelations(Path(tempfile.mkdtemp(prefix=".masa-rounding-", dir=parent)))
+    windows = calibration_token_windows(loaded.tokenizer, calibration, calib_text)
+    return CompensatedRounder(loaded.model, windows, progress, stream, out)
 
 
 def importance_text(source: ModelSource, original: ModelSource, calib_samples: int | None) -> tuple:

@@ -13,6 +13,8 @@ stacked matrices keep `nearest`.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from compressor.modeling.adapters import INPUT_OF, MLP_PROJECTIONS, PROJECTIONS,
 from compressor.quantize.compensated import DAMPING, compensated_quantize, inverse_factor, output_error
 from compressor.quantize.ggml_quantize import ggml_block, tensor_category
 from compressor.runtime.errors import UserError
-from compressor.runtime.progress import progress_bar
+from compressor.runtime.progress import note, progress_bar
 from compressor.statistics.layer_runner import LayerRunner
 
 ROUNDING_CHOICES = ("nearest", "compensated")
@@ -325,3 +327,53 @@ def autocorrelation_bytes(model: nn.Module, matrices) -> int:
             layer, projection = where[path]
             widths[(layer, INPUT_OF[projection])] = array.shape[1]
     return sum(8 * width * width for width in widths.values())
+
+
+class CompensatedRounder:
+    """`write_gguf`'s `rounding` for `--rounding compensated`, on the calibration `windows`, its statistics from the
+    `stream` of `compensated_blocks`; `record` says what it did.
+
+    A context: with a byte budget, the allocation's walk (`errors`) keeps the original stream's autocorrelations
+    in a temporary folder beside the output (`KeptAutocorrelations`), and the rounding after it reads
+    them instead of walking the calibration again; the folder is removed on exit, also after a failure. Where
+    they would not fit on that disk, the rounding walks again, and says so."""
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor, progress: bool, stream: str, out: Path):
+        self.model, self.windows, self.progress, self.stream, self.out = model, windows, progress, stream, out
+        self.record: RoundingRecord | None = None
+        self.kept: KeptAutocorrelations | None = None
+
+    def __enter__(self) -> CompensatedRounder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.kept is not None:
+            shutil.rmtree(self.kept.directory, ignore_errors=True)
+            self.kept = None
+
+    def __call__(self, matrices):
+        kept = self.kept if self.stream == "original" else None
+        blocks, self.record = compensated_blocks(
+            self.model, self.windows, matrices, self.progress, stream=self.stream, kept=kept
+        )
+        return blocks
+
+    def errors(self, matrices, types_of):
+        """Each decoder-layer matrix's output error per candidate type, rounded compensated (the allocation's)."""
+        if self.stream == "original" and self.kept is None:
+            self.kept = self._keeping(matrices)
+        return compensated_errors(self.model, self.windows, matrices, types_of, self.progress, kept=self.kept)
+
+    def _keeping(self, matrices):
+        """A temporary folder beside the output for the walk's statistics, or None (noted) where the inputs'
+        autocorrelations (fp64, one per input a matrix reads) would not fit on its disk."""
+        parent = self.out.resolve().parent
+        needed, free = autocorrelation_bytes(self.model, matrices), shutil.disk_usage(parent).free
+        if needed > free // 2:  # half the free disk at most: the GGUF itself is written beside them next
+            note(
+                f"[dim]compensated rounding: the allocation's statistics ({needed / 2**30:.1f} GiB) would not fit "
+                f"beside the output ({free / 2**30:.1f} GiB free), so the rounding measures them again[/]",
+                self.progress,
+            )
+            return None
+        return KeptAutocorrelations(Path(tempfile.mkdtemp(prefix=".masa-rounding-", dir=parent)))
