@@ -131,8 +131,8 @@ def compensated_blocks(
         walk = layer_autocorrelations(
             model, windows, by_layer, "Compensated rounding", progress, stream, kept
         )
-        record.kept_statistics = kept is not None and kept.covers(by_layer)
         for layer, autocorrs, runner in walk:
+            record.kept_statistics = runner is None  # read from `kept`, not walked
             decoded = {}
             for projection, tensors in by_layer.get(layer, {}).items():
                 decoded |= _round_all(tensors, autocorrs[INPUT_OF[projection]], damping, blocks, record)
@@ -281,12 +281,7 @@ def compensated_errors(
     `kept`: where the walk keeps its statistics for the rounding after the allocation."""
     from compressor.quantize.byte_budget import SAMPLE_ROWS, evenly_spaced
 
-    where = layer_projections(model)
-    by_layer: dict[int, dict[str, list[tuple[str, np.ndarray]]]] = {}
-    for tensor_name, array, path in matrices:
-        if path in where and array.ndim == 2 and compensates(tensor_name):
-            layer, projection = where[path]
-            by_layer.setdefault(layer, {}).setdefault(projection, []).append((tensor_name, array))
+    by_layer = _compensated_by_layer(model, matrices)
     errors: dict[str, dict[str, float]] = {}
     for layer, autocorrs, _ in layer_autocorrelations(model, windows, by_layer, "Compensated rounding errors",
                                                       progress, kept=kept):  # fmt: skip
@@ -317,15 +312,26 @@ def _rounded(rows: np.ndarray, type_name: str, factor) -> np.ndarray:
 Rounder = Callable[[list[tuple[str, np.ndarray, str, str]]], dict[str, np.ndarray]]
 
 
-def autocorrelation_bytes(model: nn.Module, matrices) -> int:
-    """The bytes of the fp64 input autocorrelations (one per layer and input) that the compensated decoder-layer
-    matrices of `matrices` (GGUF name, array, module path, ...) read: what `KeptAutocorrelations` writes."""
+def _compensated_by_layer(model: nn.Module, matrices) -> dict[int, dict[str, list[tuple[str, np.ndarray]]]]:
+    """The decoder-layer matrices of `matrices` (GGUF name, array, module path, ...) that compensation prices, as
+    layer → projection → [(name, array)]."""
     where = layer_projections(model)
-    widths = {}
+    by_layer: dict[int, dict[str, list[tuple[str, np.ndarray]]]] = {}
     for tensor_name, array, path, *_ in matrices:
         if path in where and array.ndim == 2 and compensates(tensor_name):
             layer, projection = where[path]
-            widths[(layer, INPUT_OF[projection])] = array.shape[1]
+            by_layer.setdefault(layer, {}).setdefault(projection, []).append((tensor_name, array))
+    return by_layer
+
+
+def autocorrelation_bytes(model: nn.Module, matrices) -> int:
+    """The bytes of the fp64 input autocorrelations (one per layer and input) that `compensated_errors` reads for
+    `matrices` (GGUF name, array, module path, ...): what its walk keeps in `KeptAutocorrelations`."""
+    widths = {
+        (layer, INPUT_OF[projection]): tensors[0][1].shape[1]
+        for layer, projections in _compensated_by_layer(model, matrices).items()
+        for projection, tensors in projections.items()
+    }
     return sum(8 * width * width for width in widths.values())
 
 
@@ -352,9 +358,8 @@ class CompensatedRounder:
             self.kept = None
 
     def __call__(self, matrices):
-        kept = self.kept if self.stream == "original" else None
         blocks, self.record = compensated_blocks(
-            self.model, self.windows, matrices, self.progress, stream=self.stream, kept=kept
+            self.model, self.windows, matrices, self.progress, stream=self.stream, kept=self.kept
         )
         return blocks
 

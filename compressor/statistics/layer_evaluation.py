@@ -34,16 +34,15 @@ def final_hidden_states(
     progress: bool = True,
     description: str = "Perplexity (layer by layer)",
 ) -> list[torch.Tensor]:
-    """The last layer's output for every batch of `stream`, the layers' compressed tensors taken from
-    `replaced` where it holds them (the original weights elsewhere)."""
-    hidden = list(stream.hidden)
-    with torch.no_grad(), progress_bar(description, total=om.adapter.num_layers, enabled=progress) as bar:
+    """The last layer's output for every batch of `stream` (advanced through every layer: `stream.hidden` after),
+    the layers' compressed tensors taken from `replaced` where it holds them (the original weights elsewhere)."""
+    with progress_bar(description, total=om.adapter.num_layers, enabled=progress) as bar:
         for index in range(om.adapter.num_layers):
             with om.onloaded(index, replaced):
-                hidden = [stream.run(index, h) for h in hidden]
+                stream.advance(index)
             trim_heap()
             bar.advance()
-    return hidden
+    return stream.hidden
 
 
 def _chunks(windows: torch.Tensor, chunk_windows: int) -> list[tuple[int, torch.Tensor]]:
