@@ -84,9 +84,13 @@ def export_and_compare_tokenization(folder: Path, out: Path) -> tuple[list[int],
 #: its Qwen2Tokenizer, whose own pre-tokenizer splits SmolLM2's vocabulary differently, and llama.cpp's converter
 #: refuses that pairing by its hash, as this tool does.
 FAMILIES = sorted(set(UNIFORM_ARCHITECTURE) - {"qwen2"})
-#: What llama.cpp's architecture computes: qwen3moe renormalizes the chosen experts, gemma3 scales the queries by
+#: What llama.cpp's architecture computes: qwen3moe renormalizes the chosen experts, gemma2 and gemma3 scale the queries by
 #: the head's width.
-OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}, "gemma3_text": {"query_pre_attn_scalar": 16}}
+OVERRIDES = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    "gemma2": {"query_pre_attn_scalar": 16},
+    "gemma3_text": {"query_pre_attn_scalar": 16},
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

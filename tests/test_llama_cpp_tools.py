@@ -100,16 +100,36 @@ def test_llama_quantize_applies_the_recipe_to_the_same_types_and_blocks(tmp_path
 
 
 #: Keys one file has and the other not, each harmless: llama.cpp reads the rope's dimensions as the head's when
-#: absent and the vocabulary's size from the token list; the tool records its source, the converter's `general.*`
-#: extras are labels.
-OURS_ONLY = {"gemma3.rope.dimension_count", "gemma3.vocab_size", "masa_compress.source"}
+#: absent, the vocabulary's size from the token list, and Gemma's and Gemma 2's rope base as 10000 when absent
+#: (the tiny models' own: their converter does not write it); the tool records its source, the converter's
+#: `general.*` extras are labels.
+OURS_ONLY = {"rope.dimension_count", "vocab_size", "rope.freq_base"}  # Gemma 3's converter writes its base
 THEIRS_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
+#: The families' tiny models (test_gguf_export's shapes) and llama.cpp's name for each.
+GEMMA = {
+    "gemma": ({}, "gemma"),
+    "gemma2": ({"query_pre_attn_scalar": 16, "sliding_window": 8}, "gemma2"),
+    "gemma3_text": ({"query_pre_attn_scalar": 16}, "gemma3"),
+}
+#: llama.cpp's converter run as a script, except that Gemma's and Gemma 2's vocabulary step reads a SentencePiece
+#: `tokenizer.model`, which nothing here can make (no `sentencepiece`): theirs then takes the folder's BPE
+#: `tokenizer.json` the way Gemma 3's does (`_set_vocab_gpt2`). Tensors and hyperparameters are the converter's own.
+CONVERTER = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion.gemma as gemma
+gemma.GemmaModel.set_vocab = gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+script, sys.argv = sys.argv[1] + "/convert_hf_to_gguf.py", ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(script, run_name="__main__")
+"""
 
 
-def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources):
-    """A tiny Gemma 3 folder (the bundled model's tokenizer): the tool's f32 GGUF against the one llama.cpp's own
-    `convert_hf_to_gguf.py` writes from the same folder: the same tensors bit for bit, the same metadata but the
-    keys named above, the same log-probabilities in llama.cpp; and the gap to transformers, the engine's, bounded."""
+@pytest.mark.parametrize("family", list(GEMMA))
+def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources, family):
+    """A tiny Gemma folder of each family (the bundled model's tokenizer): the tool's f32 GGUF against the one
+    llama.cpp's own `convert_hf_to_gguf.py` writes from the same folder: the same tensors bit for bit, the same
+    metadata but the keys named above, the same log-probabilities in llama.cpp; and the gap to transformers, the
+    engine's (`ENGINE_GAP`; the f32 bound on weights far from their init: test_gguf_export), bounded."""
     pytest.importorskip("xllamacpp")
     import sys
 
@@ -121,12 +141,13 @@ def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources
 
     from compressor.api.export import export
 
-    folder = tmp_path / "gemma3"
-    model = tiny_model("gemma3_text", vocab_size=49152, query_pre_attn_scalar=16)
+    overrides, architecture = GEMMA[family]
+    folder = tmp_path / family
+    model = tiny_model(family, vocab_size=49152, **overrides)
     model.save_pretrained(folder)
     bundled_tokenizer_files(folder)
     theirs = tmp_path / "theirs.gguf"
-    subprocess.run([sys.executable, str(llama_cpp_sources / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+    subprocess.run([sys.executable, "-c", CONVERTER, str(llama_cpp_sources), str(folder), "--outtype", "f32",
                     "--outfile", str(theirs)], check=True, capture_output=True)  # fmt: skip
     ours = export(str(folder), tmp_path / "ours.gguf", tensor_type="f32", progress=False).path
     readers = [gguf.GGUFReader(str(p)) for p in (ours, theirs)]
@@ -135,10 +156,13 @@ def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources
     for name, array in tensors[0].items():
         np.testing.assert_array_equal(array, tensors[1][name], err_msg=name)
     fields = [{k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in readers]
-    assert (
-        fields[0].keys() - fields[1].keys() == OURS_ONLY
-        and fields[1].keys() - fields[0].keys() == THEIRS_ONLY
-    )
+    ours_only = {f"{architecture}.{key}" for key in OURS_ONLY} | {"masa_compress.source"}
+    if family == "gemma3_text":
+        ours_only.remove("gemma3.rope.freq_base")
+    assert fields[0].keys() - fields[1].keys() == ours_only
+    assert fields[1].keys() - fields[0].keys() == THEIRS_ONLY
+    if family != "gemma3_text":  # llama.cpp's default where theirs has no base: the same rope
+        assert fields[0][f"{architecture}.rope.freq_base"] == 10000.0
     differ = {k for k in fields[0].keys() & fields[1].keys() if fields[0][k] != fields[1][k]}
     assert differ == {"general.name"}
     ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -146,7 +170,7 @@ def test_gemma3_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources
     assert (ours_lp - theirs_lp).abs().max() < 1e-4
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
-    assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured)
+    assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured at most)
 
 
 def test_the_tool_s_mixes_are_llama_quantize_s(tmp_path, llama_cpp_tools, bundled_gguf):

@@ -37,8 +37,13 @@ from compressor.api.export import (
 from compressor.api.model_loading import check_window_fits, load_model, resolve_model
 from compressor.api.preview import model_parameter_count, read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
-from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE, check_gguf_output, planned_fixed_bytes
-from compressor.checkpoint.gguf_families import NOT_EXACT, per_layer_refusal
+from compressor.checkpoint.gguf_export import (
+    UNIFORM_ARCHITECTURE,
+    check_config_exports,
+    check_gguf_output,
+    planned_fixed_bytes,
+)
+from compressor.checkpoint.gguf_families import per_layer_refusal
 from compressor.checkpoint.imatrix_file import read_imatrix_file
 from compressor.methods.masa.byte_structure import (
     STRUCTURE_FLOOR,
@@ -248,18 +253,24 @@ def size_time(model: str, source, config, options: CompressOptions, structure_op
 GGUF_FIX = "pass the model as its .gguf file (its tokenizer is copied from it)"
 
 
+def check_size_family(config) -> None:
+    """A family with no llama.cpp architecture, or a configuration its architecture would compute differently,
+    refused from the config alone (`--size` writes a GGUF)."""
+    if config.model_type not in UNIFORM_ARCHITECTURE:
+        raise UserError(
+            f"model_type '{config.model_type}': llama.cpp has no architecture for it here: --size writes a GGUF "
+            f"(families with one: {', '.join(UNIFORM_ARCHITECTURE)})"
+        )
+    check_config_exports(config, budgeted=True)
+
+
 def check_source(model: str, options: CompressOptions, wanted):
     """(source, config, what the allocation may narrow, why), or a one-line error before any weight is read: a
     family llama.cpp does not run here, a tokenizer llama.cpp would not take, a budget below the matrices' least."""
     source = resolve_model(model)
     check_hub_model(source)
     config = read_model_config(source)[0]
-    model_type = config.model_type
-    if model_type in NOT_EXACT or model_type not in UNIFORM_ARCHITECTURE:
-        raise UserError(
-            f"model_type '{model_type}': {NOT_EXACT.get(model_type) or 'llama.cpp has no architecture for it here'}"
-            f": --size writes a GGUF (families with one: {', '.join(UNIFORM_ARCHITECTURE)})"
-        )
+    check_size_family(config)
     targets, structure_note = structure_targets(model, config, options)
     tokenizer_source(
         source, None, GGUF_FIX
@@ -371,11 +382,7 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
     wanted = parse_budget(options.size, options.bits_per_weight)
     source = resolve_model(model)
     config = read_model_config(source)[0]
-    model_type = config.model_type
-    if model_type in NOT_EXACT or model_type not in UNIFORM_ARCHITECTURE:
-        raise UserError(
-            f"model_type '{model_type}': --size writes a GGUF, and llama.cpp has no architecture for it here"
-        )
+    check_size_family(config)
     targets, note_ = structure_targets(model, config, options)
     structure_options = None
     allowed = parse_only_types(options.only_types)

@@ -123,9 +123,7 @@ def layer_shapes(model: nn.Module) -> tuple[list[int], list[int], list[int]]:
 
 
 def check_family_exports(model_type: str) -> None:
-    """A one-line error for a family llama.cpp does not compute as transformers does, or that has no mapping."""
-    if model_type in fam.NOT_EXACT:
-        raise UserError(f"model_type '{model_type}': GGUF export refused: {fam.NOT_EXACT[model_type]}")
+    """A one-line error for a family with no llama.cpp mapping."""
     if model_type not in UNIFORM_ARCHITECTURE:
         raise UserError(
             f"model_type '{model_type}': GGUF export is not implemented for it (it is for "

@@ -3,7 +3,8 @@ two faces the tool's evaluation reads: a causal LM whose forward returns logits,
 
 llama.cpp's server returns per-token hidden states (its embedding endpoint with pooling `none`: the output of
 the final norm); the logits are those states times the file's own output matrix (or its embedding when tied),
-read from the GGUF and dequantized. Every layer runs in llama.cpp; the last matrix product runs in torch.
+read from the GGUF and dequantized, then soft-capped where llama.cpp's graph caps them (`OutputHead`). Every
+layer runs in llama.cpp; the last matrix product and the capping run in torch.
 
 Exactness: by default flash attention is off and the KV cache is f32, so that an f32 file gives transformers'
 log-probabilities (within 1e-3 per token, tested): this scores the file, not llama.cpp's speed options.
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -161,8 +163,27 @@ class LlamaCppServer:
         self._server = None
 
 
-def read_output_matrix(gguf_path: str | os.PathLike) -> torch.Tensor:
-    """The GGUF's output matrix (its embedding where the output is tied), dequantized to fp32: (vocab, hidden)."""
+#: llama.cpp's graph caps the logits after the output matrix (`cap * tanh(logits / cap)`) by the file's
+#: `final_logit_softcapping`; where the file has no such key Gemma 2's caps at llama.cpp's default, 30
+#: (`llama-hparams.h`), and Gemma 3's (like every architecture the export writes) not at all.
+DEFAULT_FINAL_SOFTCAP = {"gemma2": 30.0}
+
+
+class OutputHead(NamedTuple):
+    """What llama.cpp's graph does after the final norm: the output matrix (its embedding where tied), dequantized
+    to fp32 (vocab, hidden), and the soft-capping of the logits (None: none)."""
+
+    matrix: torch.Tensor
+    softcap: float | None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.matrix.T
+        return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
+
+
+def read_output_head(gguf_path: str | os.PathLike) -> OutputHead:
+    """The GGUF's `OutputHead`; a file whose architecture scales its logits in a way not done here (a
+    `logit_scale` key: Granite, Command R, Grok) is refused in one line rather than scored wrong."""
     import gguf
     from gguf import quants
 
@@ -171,10 +192,20 @@ def read_output_matrix(gguf_path: str | os.PathLike) -> torch.Tensor:
     tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if tensor is None:
         raise UserError(f"{gguf_path}: has neither output.weight nor token_embd.weight: not a language model")
+    architecture = _field(reader.fields, "general.architecture")
+    if f"{architecture}.logit_scale" in reader.fields:
+        raise UserError(
+            f"{gguf_path}: llama.cpp's {architecture} scales its logits, which this evaluation does not: "
+            "score it with llama.cpp's own llama-perplexity"
+        )
+    softcap = _field(reader.fields, f"{architecture}.final_logit_softcapping")
+    if softcap is None:
+        softcap = DEFAULT_FINAL_SOFTCAP.get(architecture)
     values = quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(
+    matrix = torch.from_numpy(
         np.array(values, dtype=np.float32)
     )  # a copy: the reader's memory map is read-only
+    return OutputHead(matrix, float(softcap) if softcap else None)
 
 
 class LlamaCppCausalLM(nn.Module):
@@ -190,13 +221,15 @@ class LlamaCppCausalLM(nn.Module):
         super().__init__()
         self.flash_attention = flash_attention
         self.server = LlamaCppServer(gguf_path, context, threads, flash_attention=flash_attention)
-        self.output = nn.Parameter(read_output_matrix(gguf_path), requires_grad=False)
+        head = read_output_head(gguf_path)
+        self.output = nn.Parameter(head.matrix, requires_grad=False)
+        self.softcap = head.softcap
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, use_cache: bool = False, **_) -> SimpleNamespace:
         states = [torch.from_numpy(self.server.hidden_states(row.tolist())) for row in input_ids.cpu()]
         hidden = torch.stack(states).to(self.output.device)
-        return SimpleNamespace(logits=hidden @ self.output.T)
+        return SimpleNamespace(logits=OutputHead(self.output, self.softcap).logits(hidden))
 
 
 class LlamaCppTokenizer:

@@ -84,8 +84,15 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", "Mistral", "MistralConfig", "MistralForCausalLM", llama_cpp="llama", deci=True),
         Family("qwen2", "Qwen2", "Qwen2Config", "Qwen2ForCausalLM", llama_cpp="qwen2", qkv_bias=True),
         Family("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm="per_head", llama_cpp="qwen3"),
-        Family("gemma", "Gemma", "GemmaConfig", "GemmaForCausalLM"),
-        Family("gemma2", "Gemma 2", "Gemma2Config", "Gemma2ForCausalLM", block_output_norm=True),
+        Family("gemma", "Gemma", "GemmaConfig", "GemmaForCausalLM", llama_cpp="gemma"),
+        Family(
+            "gemma2",
+            "Gemma 2",
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
+            llama_cpp="gemma2",
+            block_output_norm=True,
+        ),
         Family(
             "gemma3_text",
             "Gemma 3",
