@@ -1,12 +1,24 @@
-"""llama.cpp's decode cost per type (`quantize/decode_cost.py`): measured with ggml's own kernels, cached per CPU,
-and summed over a file's matrices the way decode streams them."""
+"""llama.cpp's decode cost per type (`quantize/decode_cost.py`): measured in llama.cpp on probe files of the model's
+layer shape, cached per CPU, and summed over a file's matrices the way decode streams them."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from compressor.quantize import decode_cost
-from compressor.quantize.decode_cost import decode_costs, decode_seconds, file_matrices
+from compressor.quantize.decode_cost import (
+    LayerShape,
+    decode_costs,
+    decode_seconds,
+    file_layer_shape,
+    file_matrices,
+    measure_costs,
+    probe_depths,
+)
+
+#: A layer 64 wide, its MLP 256 wide: Q8_0's blocks of 32 fill every row, Q4_K's of 256 only `ffn_down`'s.
+TINY = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=256)
 
 
 def test_decode_time_sums_every_product_and_skips_the_embedding_lookup():
@@ -19,7 +31,43 @@ def test_decode_time_sums_every_product_and_skips_the_embedding_lookup():
     assert decode_seconds(matrices, costs) == pytest.approx((1000 * 0.2 + 400 * 0.05) * 1e-9)
 
 
-def test_a_tied_output_is_the_embedding_s_product(tmp_path):
+def test_costs_spread_the_layer_overhead_so_any_mix_of_types_sums_to_its_layer_time(monkeypatch):
+    """With a layer time of `overhead + Σ weights × true cost` (what the probe assumes), the measured costs give
+    back every layer's time whatever types its matrices hold, a type that fills only some rows included (Q4_K
+    here: `ffn_down` alone, the rest in F16)."""
+    true = {"F16": 0.3e-9, "Q8_0": 0.15e-9, "Q4_K": 0.08e-9}
+    overhead = 20e-6
+    fits_q4k = TINY.fits("Q4_K")
+    assert fits_q4k["ffn_down"] and not fits_q4k["attn_q"]
+
+    def layer_time(layout: dict[str, str]) -> float:
+        return overhead + sum(r * c * true[layout[n]] for n, (r, c) in TINY.matrices().items())
+
+    class Probe:  # a probe file decoding in a fixed part plus its layers' times
+        def __init__(self, work, shape, layer, depth, threads):
+            self.depth, self.layout = depth, {name: stored for name, (stored, _) in layer.items()}
+
+        def time(self) -> float:
+            return 1e-3 + self.depth * layer_time(self.layout)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(decode_cost, "_Probe", Probe)
+    costs = measure_costs(TINY, ["Q8_0", "Q4_K"])
+    mixed = {"attn_q": "Q8_0", "attn_k": "F16", "attn_v": "Q8_0", "attn_output": "F16", "ffn_gate": "Q8_0",
+             "ffn_up": "F16", "ffn_down": "Q4_K"}  # fmt: skip
+    matrices = {f"blk.0.{n}.weight": (mixed[n], r * c) for n, (r, c) in TINY.matrices().items()}
+    assert decode_seconds(matrices, costs) == pytest.approx(layer_time(mixed), rel=1e-9)
+
+
+def test_probe_depths_stream_from_memory():
+    layer = {"ffn_up": ("F16", np.zeros(3 << 20, np.uint8))}
+    shallow, deep = probe_depths(layer)
+    assert shallow * (3 << 20) >= decode_cost.PROBE_BYTES > (shallow - 1) * (3 << 20) and deep == 2 * shallow
+
+
+def test_a_tied_output_is_the_embedding_s_product_and_the_shape_is_the_file_s(tmp_path):
     pytest.importorskip("xllamacpp")
     from conftest import tiny_model
     from test_gguf_export import VOCAB, byte_tokenizer_gguf
@@ -33,16 +81,23 @@ def test_a_tied_output_is_the_embedding_s_product(tmp_path):
     matrices = file_matrices(written.path)
     assert matrices["output.weight"] == matrices["token_embd.weight"]
     assert len(matrices) == 2 + 7 * model.config.num_hidden_layers
+    config = model.config
+    assert file_layer_shape(written.path) == LayerShape(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads, config.intermediate_size,
+    )  # fmt: skip
 
 
-def test_costs_are_measured_once_per_cpu_then_read(tmp_path, monkeypatch):
+def test_costs_are_measured_in_llama_cpp_once_per_cpu_and_shape_then_read(tmp_path, monkeypatch):
+    """The real probe on a tiny shape (small probe files: the test checks the plumbing, not the figures): every
+    type priced, the cache written, and read again without measuring."""
     pytest.importorskip("xllamacpp")
     monkeypatch.setenv("MASA_CACHE", str(tmp_path))
-    monkeypatch.setattr(
-        decode_cost, "PROBE_WEIGHTS", 1 << 20
-    )  # a smaller probe: the test checks the plumbing
-    first = decode_costs(["Q8_0", "F16"], progress=False)
-    assert all(0 < v < 100 for v in first.values())
-    monkeypatch.setattr(decode_cost, "measure_cost", lambda *a, **k: pytest.fail("measured again"))
-    assert decode_costs(["F16", "Q8_0"], progress=False) == first
-    assert list((tmp_path / "decode-cost").glob("*.json"))
+    monkeypatch.setattr(decode_cost, "PROBE_BYTES", 1 << 20)
+    first = decode_costs(["Q8_0", "Q4_K"], TINY, progress=False)
+    assert set(first) == {"Q8_0", "Q4_K"} and all(0 < v < 100 for v in first.values())
+    monkeypatch.setattr(decode_cost, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert decode_costs(["Q4_K", "Q8_0"], TINY, progress=False) == first
+    assert len(list((tmp_path / "decode-cost").glob("*.json"))) == 1
+    with pytest.raises(pytest.fail.Exception):  # another shape is another cache entry
+        decode_costs(["Q8_0"], LayerShape(64, 4, 4, 16, 256), progress=False)

@@ -333,19 +333,27 @@ def only_types_sentence(choices: Path = CHOICES) -> str:
 
 
 def _decode_cost(choices: Path = CHOICES) -> list[str]:
-    """Decode time predicted from ggml's kernels (`quantize/decode_cost.py`) against llama.cpp's measured decode."""
+    """Decode time predicted from the costs measured in llama.cpp (`quantize/decode_cost.py`) against llama.cpp's
+    measured decode of whole files."""
     lines = []
     for path in sorted(choices.glob("decode-cost-*.json")):
         data = json.loads(path.read_text())
+        rows = data["rows"]
+        errors = sorted(abs(r["predicted_ratio"] / r["measured_ratio"] - 1) for r in rows)
+        wider = sum(abs(r["predicted_ratio"] - 1) > abs(r["measured_ratio"] - 1) for r in rows)
+        shape = data["layer_shape"]
+        costs = ", ".join(
+            f"{t} {v:.3f}" for t, v in sorted(data["ns_per_weight"].items(), key=lambda kv: kv[1])
+        )
         lines += [
-            f"**Decode cost from ggml's kernels** (`{data['command']}`, {data['model']}, llama.cpp, 1 thread, median "
-            f"of {data['repeats']}): each file's decode time predicted as Σ weights × its type's kernel cost on this "
-            "CPU, against the measured decode of llama.cpp's mix and `export --size` at its bytes. It named the faster "
-            f"file at {data['same_faster_file']} budgets; the largest error of the predicted ratio was "
-            f"{data['largest_ratio_error']:.0%}, always exaggerating the gap: not faithful enough for the "
-            "allocation to use yet. Likely causes (not proven): it times each type's single dot-product kernel on "
-            "16M weights, where llama.cpp's CPU backend repacks some types into interleaved layouts with kernels "
-            "of their own, and the rest of a decode step (attention, norms, sampling) is left out.",
+            f"**Decode cost measured in llama.cpp** (`{data['command']}`, {data['model']}, 1 thread, median of "
+            f"{data['repeats']}): each file's decode time predicted as Σ weights × its type's cost, measured by "
+            f"decoding probe files of the model's layer shape ({shape['hidden']} wide, MLP {shape['intermediate']}) "
+            "in llama.cpp on this CPU, the layer's overhead spread over its weights; against the measured decode of "
+            f"llama.cpp's mix and `export --size` at its bytes, timed in turns. It named the faster file at "
+            f"{data['same_faster_file']} budgets; the predicted ratio was off the measured one by {errors[len(errors) // 2]:.0%} "
+            f"at the median budget and {errors[-1]:.0%} at most, the gap predicted wider than measured at {wider} "
+            f"of {len(rows)}. Nanoseconds per weight, cheapest first: {costs}.",
             "",
             "| budget | ours, by type | the mix, by type | ours / mix decode, predicted | measured, 1 · 2 threads |",
             "|---|---|---|---|---|",

@@ -1,24 +1,33 @@
-"""What each GGML type costs llama.cpp to decode on this CPU, measured with ggml's own kernels, and the decode time
-a file's types predict.
+"""What each GGML type costs llama.cpp to decode on this CPU, measured in llama.cpp itself, and the decode time a
+file's types predict.
 
-Decoding one token multiplies every matrix (the embedding excepted: a row lookup) by one activation vector, so it
-streams each matrix's blocks once through its type's dot-product kernel. The probe times exactly that kernel:
-`ggml_get_type_traits_cpu(type)->vec_dot` of the installed llama.cpp (the xllamacpp library, through ctypes, one
-call over 2^24 weights, the activations quantized to the kernel's own `vec_dot_type` as llama.cpp does), one thread,
-the median of 7 calls. Nanoseconds per weight per type, measured in a few seconds and cached per CPU and llama.cpp
-build (`~/.cache/masa-compress/decode-cost/`). A file's predicted decode time per token is Σ weights × cost over
-its matrices; attention over the context and the rest of the graph are left out, so the prediction is for short
-contexts, and ratios between two files of one model are what it is for.
-"""
+Decoding one token multiplies every matrix (the embedding excepted: a row lookup) by one activation vector, so a
+step's time is a fixed part plus, per layer, the layer's own overhead (norms, attention over a short context, the
+graph's dispatch) and each matrix's weights times its type's cost. The probe measures that in the installed
+llama.cpp, through its whole CPU backend (repacked layouts, thread pool and all): llama-architecture GGUFs with the
+model's own layer shape (`LayerShape`, from its file) and random weights, deep enough to stream from memory as a
+model's matrices do (`probe_depths`). `BASE_TYPE` (F16) is timed at two depths, the slope its time per layer; every
+other type is timed against `BASE_TYPE` at one depth, the difference over the weights it fills its cost beyond
+F16's (a type that does not fill a matrix's rows, k-quants on 576-wide rows, leaves that matrix F16 in both). Each
+type's cost is thus its layer time per weight, the layer's overhead spread over its weights, so that Σ weights ×
+cost over a file's matrices is its per-layer time whatever mix of types its layers hold: what the ratio of two
+files of one model needs. The step's fixed part (sampling over the vocabulary, the embedding) is the same for two
+files of one model and left out.
+
+Timings on a shared machine drift by more than the differences between types, so every measurement is a difference
+between files timed in turns (`fastest_in_turns`), over `PROBE_ROUNDS` fresh loads of which the median is kept
+(`timed_in_turns`). Tens of seconds per type on the bundled model's shape at one thread, measured once and cached
+per CPU, llama.cpp build, layer shape and thread count (`~/.cache/masa-compress/decode-cost/`)."""
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
+import math
 import os
-import time
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,92 +36,209 @@ from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
 from compressor.runtime.device import cpu_name
 from compressor.runtime.errors import UserError
 
-#: The weights one timed call streams: far beyond the caches, as a model's matrices are.
-PROBE_WEIGHTS = 1 << 24
+COST_FORMAT = 4
+#: The bytes of matrices the shallower probe holds at least: beyond the CPU's caches, as a model's are.
+PROBE_BYTES = 64 << 20
+#: Tokens decoded per timed call, and the calls of which the fastest is kept.
+PROBE_TOKENS = 64
 PROBE_REPEATS = 7
-COST_FORMAT = 1
+#: Rounds of loading and timing each measurement's probes afresh, of which the median is kept.
+PROBE_ROUNDS = 3
+#: What the probes decode from (byte tokens).
+PROMPT = [65, 66, 67, 68]
+#: The type that fills every row (its block is one value): the probe's matrices another type cannot fill.
+BASE_TYPE = "F16"
 
 
-class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
-    _fields_ = [
-        ("from_float", ctypes.c_void_p),
-        ("vec_dot", ctypes.c_void_p),
-        ("vec_dot_type", ctypes.c_int),
-        ("nrows", ctypes.c_int64),
-    ]
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's matrices, as llama.cpp stores them (rows = outputs)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    def matrices(self) -> dict[str, tuple[int, int]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "attn_q": (q, self.hidden), "attn_k": (kv, self.hidden), "attn_v": (kv, self.hidden),
+            "attn_output": (self.hidden, q), "ffn_gate": (self.intermediate, self.hidden),
+            "ffn_up": (self.intermediate, self.hidden), "ffn_down": (self.hidden, self.intermediate),
+        }  # fmt: skip
+
+    @property
+    def weights(self) -> int:
+        return sum(rows * cols for rows, cols in self.matrices().values())
+
+    def fits(self, type_name: str) -> dict[str, bool]:
+        """Which matrices `type_name`'s blocks fill row by row."""
+        import gguf
+
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+        return {name: cols % block == 0 for name, (_, cols) in self.matrices().items()}
 
 
-_VEC_DOT = ctypes.CFUNCTYPE(
-    None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-)  # fmt: skip
-_FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int64)
-
-
-def _library():
+def _library_origin() -> str:
     spec = importlib.util.find_spec("xllamacpp.xllamacpp")
     if spec is None or spec.origin is None:
-        raise UserError(
-            "decode costs are measured with llama.cpp's kernels: pip install 'masa-compress[gguf]'"
-        )
-    library = ctypes.CDLL(spec.origin)
-    library.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
-    library.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    library.ggml_cpu_init()
-    return library, spec.origin
+        raise UserError("decode costs are measured in llama.cpp: pip install 'masa-compress[gguf]'")
+    return spec.origin
 
 
-def cost_key(origin: str) -> str:
-    """This CPU and llama.cpp build: what the measured costs belong to."""
+def cost_key(origin: str, shape: LayerShape, threads: int) -> str:
+    """This CPU, llama.cpp build, layer shape and thread count: what the measured costs belong to."""
     stat = os.stat(origin)
-    spec = f"{COST_FORMAT}:{cpu_name()}:{origin}:{stat.st_size}:{stat.st_mtime_ns}"
+    spec = f"{COST_FORMAT}:{cpu_name()}:{origin}:{stat.st_size}:{stat.st_mtime_ns}:{asdict(shape)}:{threads}"
     return hashlib.sha256(spec.encode()).hexdigest()[:32]
 
 
-def measure_cost(type_name: str, library=None) -> float:
-    """Nanoseconds per weight of llama.cpp's dot-product kernel for `type_name` (a GGML type name), one thread."""
-    import gguf
-
+def _blocks(shape: LayerShape, type_name: str) -> dict[str, tuple[str, np.ndarray]]:
+    """One layer's matrices, random, in `type_name` where its blocks fill the rows (else `BASE_TYPE`)."""
     from compressor.quantize.ggml_quantize import quantize_with_llama_cpp
 
-    library = library or _library()[0]
     rng = np.random.default_rng(0)
-    weights = rng.standard_normal((PROBE_WEIGHTS // 4096, 4096)).astype(np.float32)
-    activations = rng.standard_normal(PROBE_WEIGHTS).astype(np.float32)
-    if type_name == "F16":
-        blocks = weights.astype(np.float16)
-    elif type_name == "F32":
-        blocks = weights
-    elif type_name == "BF16":  # the upper half of each float32
-        blocks = (weights.view(np.uint32) >> 16).astype(np.uint16)
-    else:
-        blocks = quantize_with_llama_cpp(weights, type_name, np.ones(4096, np.float32))
-    blocks = np.ascontiguousarray(blocks).ravel().view(np.uint8)
-    traits = library.ggml_get_type_traits_cpu(int(gguf.GGMLQuantizationType[type_name])).contents
-    dot_type = gguf.GGMLQuantizationType(traits.vec_dot_type)
-    if dot_type == gguf.GGMLQuantizationType.F32:
-        quantized = activations.view(np.uint8)
-    else:
-        block, size = gguf.GGML_QUANT_SIZES[dot_type]
-        quantized = np.zeros(PROBE_WEIGHTS // block * size, np.uint8)
-        from_float = _FROM_FLOAT(library.ggml_get_type_traits_cpu(int(dot_type)).contents.from_float)
-        from_float(
-            activations.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), quantized.ctypes.data, PROBE_WEIGHTS
+    fits = shape.fits(type_name)
+    layer = {}
+    for name, (rows, cols) in shape.matrices().items():
+        array = (rng.standard_normal((rows, cols)) / math.sqrt(cols)).astype(np.float32)
+        stored = type_name if fits[name] else BASE_TYPE
+        if stored == "F32":
+            layer[name] = (stored, array)
+        elif stored == "F16":
+            layer[name] = (stored, array.astype(np.float16))
+        else:
+            layer[name] = (stored, quantize_with_llama_cpp(array, stored, np.ones(cols, np.float32)))
+    return layer
+
+
+def write_probe(path: Path, shape: LayerShape, layer: dict[str, tuple[str, np.ndarray]], depth: int) -> None:
+    """A llama GGUF of `depth` layers holding `layer`'s blocks each, a 256-token byte vocabulary, no output product
+    to speak of: what llama.cpp decodes for the probe."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(PROBE_TOKENS + 16)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(depth)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<0x{i:02X}>" for i in range(256)])
+    writer.add_token_types([6] * 256)  # byte tokens
+    writer.add_token_scores([0.0] * 256)
+    writer.add_add_bos_token(False)
+    rng = np.random.default_rng(1)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((256, shape.hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(shape.hidden, np.float32))
+    writer.add_tensor("output.weight", (rng.standard_normal((256, shape.hidden)) * 0.02).astype(np.float32))
+    for index in range(depth):
+        writer.add_tensor(f"blk.{index}.attn_norm.weight", np.ones(shape.hidden, np.float32))
+        writer.add_tensor(f"blk.{index}.ffn_norm.weight", np.ones(shape.hidden, np.float32))
+        for name, (stored, blocks) in layer.items():
+            raw = None if stored in ("F16", "F32") else gguf.GGMLQuantizationType[stored]
+            writer.add_tensor(f"blk.{index}.{name}.weight", blocks, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+class _Probe:
+    """A probe file loaded in llama.cpp, written into `work` and removed on close."""
+
+    def __init__(self, work: Path, shape: LayerShape, layer: dict, depth: int, threads: int):
+        from compressor.evaluation.llama_cpp import LlamaCppServer
+
+        self.depth, self.path = (
+            depth,
+            work / f"probe-{next(iter(layer.values()))[0]}-{id(layer)}-{depth}.gguf",
         )
-    vec_dot, out, times = _VEC_DOT(traits.vec_dot), ctypes.c_float(), []
+        write_probe(self.path, shape, layer, depth)
+        self.server = LlamaCppServer(self.path, PROBE_TOKENS + 16, threads=threads, embedding=False)
+        self.server.complete(PROMPT, 4)  # warm-up: the first call pages the weights in
+
+    def time(self) -> float:
+        """Seconds per decoded token of one greedy call of `PROBE_TOKENS`."""
+        return 1.0 / self.server.complete(PROMPT, PROBE_TOKENS)["timings"]["predicted_per_second"]
+
+    def close(self) -> None:
+        self.server.close()
+        self.path.unlink(missing_ok=True)
+
+
+def fastest_in_turns(probes: list[_Probe]) -> list[float]:
+    """Each probe's fastest of `PROBE_REPEATS` calls, the probes called in turns: a slow spell of the machine falls
+    on all of them alike, and the fastest call is the one it touched least."""
+    times = [[] for _ in probes]
     for _ in range(PROBE_REPEATS):
-        start = time.perf_counter()
-        vec_dot(PROBE_WEIGHTS, ctypes.byref(out), 0, blocks.ctypes.data, 0, quantized.ctypes.data, 0, 1)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e9 / PROBE_WEIGHTS
+        for index, probe in enumerate(probes):
+            times[index].append(probe.time())
+    return [min(t) for t in times]
 
 
-def decode_costs(type_names, progress: bool = True) -> dict[str, float]:
-    """Nanoseconds per weight for each of `type_names` on this CPU (measured once, then from the cache)."""
+def probe_depths(layer: dict[str, tuple[str, np.ndarray]]) -> tuple[int, int]:
+    """Two depths, the shallower holding at least `PROBE_BYTES` of matrices, the deeper twice as many layers."""
+    layer_bytes = sum(blocks.nbytes for _, blocks in layer.values())
+    shallow = max(2, math.ceil(PROBE_BYTES / layer_bytes))
+    return shallow, 2 * shallow
+
+
+def timed_in_turns(work: Path, shape: LayerShape, layers_and_depths: list[tuple[dict, int]], threads: int):
+    """Each probe's seconds per token: `PROBE_ROUNDS` rounds, each loading the probes afresh and keeping their
+    fastest calls in turns (`fastest_in_turns`), and the median round per probe: a file that loaded into slow
+    memory, or a minute the machine ran slow, moves one round, not the cost."""
+    rounds = []
+    for _ in range(PROBE_ROUNDS):
+        probes = []
+        try:
+            for layer, depth in layers_and_depths:
+                probes.append(_Probe(work, shape, layer, depth, threads))
+            rounds.append(fastest_in_turns(probes))
+        finally:
+            for probe in probes:
+                probe.close()
+    return [float(np.median(times)) for times in zip(*rounds, strict=True)]
+
+
+def measure_costs(shape: LayerShape, type_names, threads: int = 1) -> dict[str, float]:
+    """Nanoseconds per weight of each of `type_names` in a layer of `shape`, its overhead spread over its weights.
+
+    `BASE_TYPE`'s from the slope between two depths; every other type's from the difference between its probe and
+    `BASE_TYPE`'s at one depth, timed in turns (deep enough that both stream from memory), over the weights it
+    fills: the matrices it does not fill are `BASE_TYPE` in both, and cancel."""
+    types = [t for t in dict.fromkeys(type_names) if t != BASE_TYPE]
+    fitted = {t: sum(r * c for n, (r, c) in shape.matrices().items() if shape.fits(t)[n]) for t in types}
+    for type_name, weights in fitted.items():
+        if not weights:
+            raise UserError(f"{type_name} fills no matrix of this model's layers (rows of {shape.hidden})")
+    with tempfile.TemporaryDirectory(prefix="masa-decode-cost-") as folder:
+        work = Path(folder)
+        base = _blocks(shape, BASE_TYPE)
+        shallow, deep = probe_depths(base)
+        on_shallow, on_deep = timed_in_turns(work, shape, [(base, shallow), (base, deep)], threads)
+        base_cost = (on_deep - on_shallow) / (deep - shallow) / shape.weights
+        costs = {BASE_TYPE: base_cost * 1e9}
+        for type_name in types:
+            layer = _blocks(shape, type_name)
+            depth = probe_depths(layer)[0]
+            on_base, on_type = timed_in_turns(work, shape, [(base, depth), (layer, depth)], threads)
+            costs[type_name] = (base_cost + (on_type - on_base) / depth / fitted[type_name]) * 1e9
+    return costs
+
+
+def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool = True) -> dict[str, float]:
+    """Nanoseconds per weight for each of `type_names` in layers of `shape` on this CPU (measured once, then from
+    the cache)."""
     from compressor.runtime.progress import note
 
-    library, origin = _library()
-    path = cache_dir() / "decode-cost" / f"{cost_key(origin)}.json"
+    path = cache_dir() / "decode-cost" / f"{cost_key(_library_origin(), shape, threads)}.json"
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -120,14 +246,14 @@ def decode_costs(type_names, progress: bool = True) -> dict[str, float]:
     missing = sorted(set(type_names) - set(known))
     if missing:
         note(f"Measuring llama.cpp's decode cost of {', '.join(missing)} on this CPU (once)", progress)
-        known |= {name: measure_cost(name, library) for name in missing}
+        known |= measure_costs(shape, missing, threads)
         atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
     return {name: known[name] for name in type_names}
 
 
 def decode_seconds(matrices: dict[str, tuple[str, int]], costs: dict[str, float]) -> float:
-    """Predicted seconds per decoded token: Σ weights × cost over `matrices` (name → (type, weights)); the token
-    embedding is a row lookup in decode, not a product, and costs nothing here."""
+    """Predicted seconds per decoded token, the fixed part left out: Σ weights × cost over `matrices` (name →
+    (type, weights)); the token embedding is a row lookup in decode, not a product, and costs nothing here."""
     return sum(
         weights * costs[type_name] * 1e-9
         for name, (type_name, weights) in matrices.items()
@@ -151,6 +277,27 @@ def file_matrices(path: str | os.PathLike) -> dict[str, tuple[str, int]]:
     return matrices
 
 
-def predicted_decode_seconds(path: str | os.PathLike, progress: bool = False) -> float:
+def file_layer_shape(path: str | os.PathLike) -> LayerShape:
+    """The widest layer of a GGUF (per-layer widths and head counts: the largest), from its metadata."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents()
+
+    def widest(key: str, default=None) -> int:
+        if f"{arch}.{key}" not in fields:
+            return default
+        value = fields[f"{arch}.{key}"].contents()
+        return int(max(value) if isinstance(value, list) else value)
+
+    hidden, heads = widest("embedding_length"), widest("attention.head_count")
+    return LayerShape(
+        hidden=hidden, heads=heads, kv_heads=widest("attention.head_count_kv", heads),
+        head_dim=widest("attention.key_length", hidden // heads), intermediate=widest("feed_forward_length"),
+    )  # fmt: skip
+
+
+def predicted_decode_seconds(path: str | os.PathLike, threads: int = 1, progress: bool = False) -> float:
     matrices = file_matrices(Path(path))
-    return decode_seconds(matrices, decode_costs({t for t, _ in matrices.values()}, progress))
+    costs = decode_costs({t for t, _ in matrices.values()}, file_layer_shape(path), threads, progress)
+    return decode_seconds(matrices, costs)

@@ -1,8 +1,9 @@
-"""Does the decode cost of ggml's own kernels (`quantize/decode_cost.py`) predict which GGUF of the same bytes
-llama.cpp decodes faster? Against measured decode, at each of `--types` (a llama.cpp mix).
+"""Does the decode cost per type measured in llama.cpp (`quantize/decode_cost.py`: probe files of the model's layer
+shape) predict which GGUF of the same bytes llama.cpp decodes faster? Against measured decode, at each of `--types`
+(a llama.cpp mix).
 
 At each mix's bytes: the importance-weighted mix and `export --size` (types alone, every candidate type); each file's
-predicted seconds per token (Σ weights × the kernel's ns per weight on this CPU, 1 thread) and its measured decode
+predicted seconds per token (Σ weights × the type's ns per weight on this CPU, 1 thread) and its measured decode
 tokens/s (llama.cpp, 1 and 2 threads, the median of `--repeats`, the two files of one budget timed in turns). The
 verdict is the predicted ratio ours / mix against the measured one, budget by budget: how far apart, and whether
 it tells which file is faster. No quality is scored here (the bytes benchmark scores these files).
@@ -19,7 +20,12 @@ from pathlib import Path
 from benchmarks.experiments.only_types.run import time_files
 from benchmarks.suite.common import command_line, log, machine_info, write_json
 from compressor.api.export import export
-from compressor.quantize.decode_cost import predicted_decode_seconds
+from compressor.quantize.decode_cost import (
+    decode_costs,
+    file_layer_shape,
+    file_matrices,
+    predicted_decode_seconds,
+)
 
 MODEL = "smollm2-135m"
 TYPES = "q8_0,q6_k,q5_k_m,q4_k_m,q3_k_m,q2_k"
@@ -72,12 +78,17 @@ def main(argv: list[str] | None = None) -> None:
         files = write_files(args.model, types, Path(work))
         speeds = time_files(args.model, files, args.repeats)
         rows = compare(files, speeds)
+        first = next(iter(files.values()))["out"]
+        shape = file_layer_shape(first)
+        used = sorted({t for f in files.values() for t, _ in file_matrices(f["out"]).values()})
+        costs = decode_costs(used, shape, progress=False)  # what the predictions read, from the cache
     agree = sum((r["predicted_ratio"] > 1) == (r["measured_ratio"] > 1) for r in rows)
     write_json(args.out, {
         "command": command_line("benchmarks.experiments.decode_cost.run", argv), "model": args.model,
         "machine": machine_info(), "repeats": args.repeats, "rows": rows,
         "same_faster_file": f"{agree} of {len(rows)}",
         "largest_ratio_error": max(abs(r["predicted_ratio"] / r["measured_ratio"] - 1) for r in rows),
+        "layer_shape": shape.__dict__, "ns_per_weight": costs,
     })  # fmt: skip
     log(f"wrote {args.out}")
 
