@@ -108,6 +108,10 @@ def _blocks(shape: LayerShape, type_name: str) -> dict[str, tuple[str, np.ndarra
             layer[name] = (stored, array)
         elif stored == "F16":
             layer[name] = (stored, array.astype(np.float16))
+        elif stored == "BF16":  # an original's own type, which ggml's quantizer does not write
+            from gguf import GGMLQuantizationType, quants
+
+            layer[name] = (stored, quants.quantize(array, GGMLQuantizationType.BF16))
         else:
             layer[name] = (stored, quantize_with_llama_cpp(array, stored, np.ones(cols, np.float32)))
     return layer
