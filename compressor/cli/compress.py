@@ -70,16 +70,7 @@ def compress_command(
             "--allow-overlap", rich_help_panel=CALIBRATION, help="Evaluate on the calibration text (a leak)."
         ),
     ] = False,
-    out: Annotated[
-        o.Opt[str],
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="DIR",
-            rich_help_panel=OUTPUT,
-            help="Checkpoint directory (default: out/MODEL-METHOD-rRATIO).",
-        ),
-    ] = None,
+    out: o.out_dir("Checkpoint directory (default: out/MODEL-METHOD-rRATIO).") = None,
     overwrite: o.Overwrite = False,
     no_save: Annotated[
         bool, typer.Option("--no-save", rich_help_panel=OUTPUT, help="Write no checkpoint (measure only).")

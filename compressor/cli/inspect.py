@@ -21,7 +21,7 @@ from compressor.api.inspection import (
 )
 from compressor.api.preview import plan_compression
 from compressor.api.run_options import CompressOptions
-from compressor.cli.help import ATOMS, CALIBRATION, OUTPUT, HelpCommand
+from compressor.cli.help import ATOMS, HelpCommand
 from compressor.cli.size import refuse_without_budget, show_size_plan
 from compressor.report import energy_table, groupings_table, input_bases_table, kl_table, plan_tables
 from compressor.runtime.errors import UserError
@@ -51,30 +51,11 @@ def inspect_command(
     end_boundaries: sets.COMPRESSION_SETTINGS.annotation("end_boundaries") = None,
     logit_lens: sets.COMPRESSION_SETTINGS.annotation("logit_lens") = None,
     calib: o.Calib = None,
-    calib_samples: Annotated[
-        int,
-        typer.Option(
-            "--calib-samples",
-            "-n",
-            min=1,
-            metavar="N",
-            rich_help_panel=CALIBRATION,
-            help="Calibration windows (a run uses more)",
-        ),
-    ] = INSPECT_CALIB_SAMPLES,
+    calib_samples: o.calib_samples(int, "Calibration windows (a run uses more)") = INSPECT_CALIB_SAMPLES,
     seq_len: o.SeqLen = None,
     seed: o.Seed = None,
     recipe_file: o.RecipeFile = None,
-    out: Annotated[
-        o.Opt[str],
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="DIR",
-            rich_help_panel=OUTPUT,
-            help="Write inspect.json, grouping.png and energy.png here.",
-        ),
-    ] = None,
+    out: o.out_dir("Write inspect.json, grouping.png and energy.png here.") = None,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
     compute: sets.OptionSet = sets.COMPUTE,

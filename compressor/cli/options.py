@@ -161,17 +161,24 @@ Calib = Annotated[
         help="Calibration text (default: the recipe's).",
     ),
 ]
-CalibSamples = Annotated[
-    Opt[int],
-    typer.Option(
-        "--calib-samples",
-        "-n",
-        min=1,
-        metavar="N",
-        rich_help_panel=CALIBRATION,
-        help="Calibration windows (default: recipe's, by target).",
-    ),
-]
+
+
+def calib_samples(kind=Opt[int], help: str = "Calibration windows (default: recipe's, by target)."):
+    """`--calib-samples N` (`-n`) of type `kind`, with a command's own help."""
+    return Annotated[
+        kind,
+        typer.Option("--calib-samples", "-n", min=1, metavar="N", rich_help_panel=CALIBRATION, help=help),
+    ]
+
+
+CalibSamples = calib_samples()
+
+
+def out_dir(help: str):
+    """`--out DIR` (`-o`), with a command's own help."""
+    return Annotated[Opt[str], typer.Option("--out", "-o", metavar="DIR", rich_help_panel=OUTPUT, help=help)]
+
+
 SeqLen = Annotated[
     Opt[int],
     typer.Option(
