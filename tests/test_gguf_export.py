@@ -279,6 +279,16 @@ def test_llama_cpp_gives_transformers_log_probs(
     assert (llama_cpp_log_probs(result.path, ids) - expected).abs().max() < 1e-3
 
 
+#: The Gemma families as the tests build them: queries scaled by their heads' width, as llama.cpp scales them;
+#: Gemma 2 with a sliding window shorter than the windows scored and its soft-capping (transformers' defaults).
+GEMMA = {
+    "gemma": {},
+    "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8},
+    "gemma3_text": {"query_pre_attn_scalar": 16},
+}
+GEMMA_ARCHITECTURE = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
 class Float16GeluTable(nn.Module):
     """llama.cpp's CPU GELU: the input rounded to float16, looked up in a float16 table (ggml's `table_gelu_f16`),
     the input itself above 10 and 0 below -10."""
@@ -288,7 +298,7 @@ class Float16GeluTable(nn.Module):
         return torch.where(x > 10, x, torch.where(x < -10, torch.zeros_like(x), table))
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", list(GEMMA))
 def test_gemma_families_stand_from_transformers_by_the_engine_s_gelu_table(tmp_path, tokenizer_gguf, family):
     """The gap the export reports as the engine's (`ENGINE_GAP`), with weights far from their init so that it
     shows: the f32 file in llama.cpp within 2e-2 nats per token of transformers (measured 1.1e-2 Gemma, 5.4e-3
@@ -717,16 +727,6 @@ def test_export_refusals_come_from_the_config_before_any_weight_or_statistic(
     assert not (tmp_path / "c.gguf").exists()
 
 
-#: The Gemma families as the tests build them: queries scaled by their heads' width, as llama.cpp scales them;
-#: Gemma 2 with a sliding window shorter than the windows scored and its soft-capping (transformers' defaults).
-GEMMA = {
-    "gemma": {},
-    "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8},
-    "gemma3_text": {"query_pre_attn_scalar": 16},
-}
-GEMMA_ARCHITECTURE = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
-
-
 @pytest.mark.parametrize("family", list(GEMMA))
 @pytest.mark.parametrize("extra", [{"tensor_type": "q8_0"}, {"size": "1600KB", "calib_samples": 4}])
 def test_gemma_exports_and_llama_cpp_runs_it_near_transformers(tmp_path, family, extra):
@@ -752,9 +752,8 @@ def test_gemma_exports_and_llama_cpp_runs_it_near_transformers(tmp_path, family,
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     gap = (llama_cpp_log_probs(result.path, ids) - expected).abs().max()
-    assert (
-        gap < 0.1
-    )  # Gemma 3 measured 0.037 at q8_0 and 0.007 within the size: the rounding, the engine's GELU
+    # Gemma 3 measured 0.037 at q8_0 and 0.007 within the size: the rounding, and the engine's GELU
+    assert gap < 0.1
     from compressor.api.model_loading import check_context
 
     check_context(result.path, 128)

@@ -105,12 +105,6 @@ def test_llama_quantize_applies_the_recipe_to_the_same_types_and_blocks(tmp_path
 #: `general.*` extras are labels.
 OURS_ONLY = {"rope.dimension_count", "vocab_size", "rope.freq_base"}  # Gemma 3's converter writes its base
 THEIRS_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
-#: The families' tiny models (test_gguf_export's shapes) and llama.cpp's name for each.
-GEMMA = {
-    "gemma": ({}, "gemma"),
-    "gemma2": ({"query_pre_attn_scalar": 16, "sliding_window": 8}, "gemma2"),
-    "gemma3_text": ({"query_pre_attn_scalar": 16}, "gemma3"),
-}
 #: llama.cpp's converter run as a script, except that Gemma's and Gemma 2's vocabulary step reads a SentencePiece
 #: `tokenizer.model`, which nothing here can make (no `sentencepiece`): theirs then takes the folder's BPE
 #: `tokenizer.json` the way Gemma 3's does (`_set_vocab_gpt2`). Tensors and hyperparameters are the converter's own.
@@ -124,7 +118,7 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("family", list(GEMMA))
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text"])
 def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources, family):
     """A tiny Gemma folder of each family (the bundled model's tokenizer): the tool's f32 GGUF against the one
     llama.cpp's own `convert_hf_to_gguf.py` writes from the same folder: the same tensors bit for bit, the same
@@ -136,12 +130,12 @@ def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources,
     import gguf
     import torch
     from conftest import tiny_model
-    from test_gguf_export import llama_cpp_log_probs
+    from test_gguf_export import GEMMA, GEMMA_ARCHITECTURE, llama_cpp_log_probs
     from test_gguf_tokenizer import bundled_tokenizer_files
 
     from compressor.api.export import export
 
-    overrides, architecture = GEMMA[family]
+    overrides, architecture = GEMMA[family], GEMMA_ARCHITECTURE[family]
     folder = tmp_path / family
     model = tiny_model(family, vocab_size=49152, **overrides)
     model.save_pretrained(folder)
