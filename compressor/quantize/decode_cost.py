@@ -160,10 +160,8 @@ class _Probe:
     def __init__(self, work: Path, shape: LayerShape, layer: dict, depth: int, threads: int):
         from compressor.evaluation.llama_cpp import LlamaCppServer
 
-        self.depth, self.path = (
-            depth,
-            work / f"probe-{next(iter(layer.values()))[0]}-{id(layer)}-{depth}.gguf",
-        )
+        self.depth = depth
+        self.path = work / f"probe-{id(layer)}-{depth}.gguf"  # one file per layer's blocks and depth
         write_probe(self.path, shape, layer, depth)
         self.server = LlamaCppServer(self.path, PROBE_TOKENS + 16, threads=threads, embedding=False)
         self.server.complete(PROMPT, 4)  # warm-up: the first call pages the weights in
