@@ -3,6 +3,8 @@ layer shape, cached per CPU, and summed over a file's matrices the way decode st
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -43,9 +45,12 @@ def test_costs_spread_the_layer_overhead_so_any_mix_of_types_sums_to_its_layer_t
     def layer_time(layout: dict[str, str]) -> float:
         return overhead + sum(r * c * true[layout[n]] for n, (r, c) in TINY.matrices().items())
 
+    depths = []  # of every probe made
+
     class Probe:  # a probe file decoding in a fixed part plus its layers' times
         def __init__(self, work, shape, layer, depth, threads):
             self.depth, self.layout = depth, {name: stored for name, (stored, _) in layer.items()}
+            depths.append(depth)
 
         def time(self) -> float:
             return 1e-3 + self.depth * layer_time(self.layout)
@@ -59,6 +64,11 @@ def test_costs_spread_the_layer_overhead_so_any_mix_of_types_sums_to_its_layer_t
              "ffn_up": "F16", "ffn_down": "Q4_K"}  # fmt: skip
     matrices = {f"blk.0.{n}.weight": (mixed[n], r * c) for n, (r, c) in TINY.matrices().items()}
     assert decode_seconds(matrices, costs) == pytest.approx(layer_time(mixed), rel=1e-9)
+    # A type measured later stands on the base measured first: no second slope (every probe at one depth).
+    depths.clear()
+    later = measure_costs(TINY, ["Q4_K"], base_ns=costs["F16"])
+    assert later == pytest.approx({"F16": costs["F16"], "Q4_K": costs["Q4_K"]}, rel=1e-9)
+    assert len(set(depths)) == 1
 
 
 def test_probe_depths_stream_from_memory():
@@ -98,6 +108,12 @@ def test_costs_are_measured_in_llama_cpp_once_per_cpu_and_shape_then_read(tmp_pa
     assert set(first) == {"Q8_0", "Q4_K"} and all(0 < v < 100 for v in first.values())
     monkeypatch.setattr(decode_cost, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert decode_costs(["Q4_K", "Q8_0"], TINY, progress=False) == first
+    asked = []  # a type not measured yet: measured alone, on the cached base
+    monkeypatch.setattr(decode_cost, "measure_costs", lambda *a: asked.append(a) or {"Q5_0": 0.1})
+    decode_costs(["Q8_0", "Q5_0"], TINY, progress=False)
+    cached = json.loads(next((tmp_path / "decode-cost").glob("*.json")).read_text())
+    assert asked == [(TINY, ["Q5_0"], 1, cached["F16"])]
+    monkeypatch.setattr(decode_cost, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert len(list((tmp_path / "decode-cost").glob("*.json"))) == 1
     with pytest.raises(pytest.fail.Exception):  # another shape is another cache entry
         decode_costs(["Q8_0"], LayerShape(64, 4, 4, 16, 256), progress=False)

@@ -209,12 +209,15 @@ def timed_in_turns(work: Path, shape: LayerShape, layers_and_depths: list[tuple[
     return [float(np.median(times)) for times in zip(*rounds, strict=True)]
 
 
-def measure_costs(shape: LayerShape, type_names, threads: int = 1) -> dict[str, float]:
+def measure_costs(
+    shape: LayerShape, type_names, threads: int = 1, base_ns: float | None = None
+) -> dict[str, float]:
     """Nanoseconds per weight of each of `type_names` in a layer of `shape`, its overhead spread over its weights.
 
-    `BASE_TYPE`'s from the slope between two depths; every other type's from the difference between its probe and
-    `BASE_TYPE`'s at one depth, timed in turns (deep enough that both stream from memory), over the weights it
-    fills: the matrices it does not fill are `BASE_TYPE` in both, and cancel."""
+    `BASE_TYPE`'s from the slope between two depths (or `base_ns`, measured before: every type's cost then stands on
+    the same base); every other type's from the difference between its probe and `BASE_TYPE`'s at one depth, timed
+    in turns (deep enough that both stream from memory), over the weights it fills: the matrices it does not fill
+    are `BASE_TYPE` in both, and cancel."""
     types = [t for t in dict.fromkeys(type_names) if t != BASE_TYPE]
     fitted = {t: sum(r * c for n, (r, c) in shape.matrices().items() if shape.fits(t)[n]) for t in types}
     for type_name, weights in fitted.items():
@@ -223,10 +226,12 @@ def measure_costs(shape: LayerShape, type_names, threads: int = 1) -> dict[str, 
     with tempfile.TemporaryDirectory(prefix="masa-decode-cost-") as folder:
         work = Path(folder)
         base = _blocks(shape, BASE_TYPE)
-        shallow, deep = probe_depths(base)
-        on_shallow, on_deep = timed_in_turns(work, shape, [(base, shallow), (base, deep)], threads)
-        base_cost = (on_deep - on_shallow) / (deep - shallow) / shape.weights
-        costs = {BASE_TYPE: base_cost * 1e9}
+        if base_ns is None:
+            shallow, deep = probe_depths(base)
+            on_shallow, on_deep = timed_in_turns(work, shape, [(base, shallow), (base, deep)], threads)
+            base_ns = (on_deep - on_shallow) / (deep - shallow) / shape.weights * 1e9
+        base_cost = base_ns * 1e-9
+        costs = {BASE_TYPE: base_ns}
         for type_name in types:
             layer = _blocks(shape, type_name)
             depth = probe_depths(layer)[0]
@@ -248,7 +253,7 @@ def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool
     missing = sorted(set(type_names) - set(known))
     if missing:
         note(f"Measuring llama.cpp's decode cost of {', '.join(missing)} on this CPU (once)", progress)
-        known |= measure_costs(shape, missing, threads)
+        known |= measure_costs(shape, missing, threads, known.get(BASE_TYPE))  # on the cached base, if any
         atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
     return {name: known[name] for name in type_names}
 
