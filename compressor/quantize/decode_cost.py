@@ -36,7 +36,7 @@ from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
 from compressor.runtime.device import cpu_name
 from compressor.runtime.errors import UserError
 
-COST_FORMAT = 4
+COST_FORMAT = 5
 #: The bytes of matrices the shallower probe holds at least: beyond the CPU's caches, as a model's are.
 PROBE_BYTES = 64 << 20
 #: Tokens decoded per timed call, and the calls of which the fastest is kept.
