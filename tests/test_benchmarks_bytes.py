@@ -378,3 +378,44 @@ def test_the_frontier_pairs_the_mean_kl_per_window_and_the_readme_leads_with_it(
         del r["kl_diff"]
     plain = _bytes_rows(data, "smollm2-135m", "T").splitlines()
     assert "perplexity" in plain[0].split("|")[2] and "runs kept no per-window KL" in plain[-1]
+
+
+def test_the_speed_limit_run_renders_the_measured_ratio_its_interval_and_what_speed_cost(tmp_path):
+    """`--speed mix` rows (`benchmarks/report/speed_limit`): per `--size` file its paired readings against the mix
+    and (held) against `any`, its measured decode over the mix's with the interval over paired turns, and (held)
+    the predicted ratio; the count of budgets whose interval reaches 1; nothing where the run does not exist."""
+    from benchmarks.report.speed_limit import speed_limit_lines, speed_limit_sentence
+
+    assert speed_limit_lines(tmp_path) == [] and speed_limit_sentence(tmp_path) == ""
+    file = {
+        "type": "q2_k",
+        "bytes": 84 * 2**20,
+        "type_counts": {"Q4_1": 186, "Q4_K": 24},
+        "decode_vs_mix_2t": 0.8,
+    }
+    held_record = {"predicted_tokens_per_second": 104.0, "mix_tokens_per_second": 100.0, "mix": "q2_k"}
+    (tmp_path / "speed-limit-m-validation.json").write_text(json.dumps({
+        "command": "python -m x", "model": "m", "tokens": 8192, "original_ppl": 17.5, "repeats": 7,
+        "held_not_slower": "1 of 1", "rows": [
+            {**file, "kind": "mix", "ppl": 23.0},
+            {**file, "kind": "any", "ppl": 20.7, "minus_mix": -2.3, "minus_mix_ci95": [-3.0, -1.5],
+             "decode_ratio": 0.69, "decode_ratio_ci95": [0.65, 0.73], "speed": None},
+            {**file, "kind": "speed mix", "ppl": 21.5, "minus_mix": -1.5, "minus_mix_ci95": [-2.0, -1.0],
+             "minus_any": 0.8, "minus_any_ci95": [0.5, 1.1], "decode_ratio": 1.02, "decode_ratio_ci95": [0.98, 1.06],
+             "speed": held_record, "type_counts": {"IQ4_NL": 93, "Q4_1": 69}},
+        ]}))  # fmt: skip
+    lines = speed_limit_lines(tmp_path)
+    assert lines[0].startswith("**`--speed mix`** (`python -m x`, m, validation split, 8,192 tokens")
+    assert "reached 1 or above at 1 of 1 budgets (0 entirely at or above 1)" in lines[0]
+    assert (
+        "| q2_k | any | 84.00 | 20.700 | -2.300 [-3.000, -1.500] better |  | 0.69x [0.65, 0.73] · 0.80x |  | "
+        in ("".join(lines))
+    )
+    assert (
+        "| q2_k | speed mix | 84.00 | 21.500 | -1.500 [-2.000, -1.000] better | +0.800 [+0.500, +1.100] worse | "
+        "1.02x [0.98, 1.06] · 0.80x | 1.04x (to q2_k) | 93 IQ4_NL, 69 Q4_1 |"
+    ) in lines
+    assert speed_limit_sentence(tmp_path).endswith(
+        "On m: q2_k 1.02x [0.98, 1.06], perplexity +0.800 [+0.500, +1.100] worse against `any` and -1.500 "
+        "[-2.000, -1.000] better against the mix."
+    )

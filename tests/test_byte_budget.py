@@ -8,8 +8,8 @@ import torch
 from test_gguf_export import VOCAB, k_quant_model, llama_cpp_log_probs, tokenizer_gguf  # noqa: F401 - a fixture
 
 from compressor.checkpoint.gguf_export import write_gguf
+from compressor.quantize.budget_chooser import BudgetChooser
 from compressor.quantize.byte_budget import (
-    BudgetChooser,
     Option,
     allocate,
     parse_budget,
@@ -19,6 +19,7 @@ from compressor.quantize.byte_budget import (
     within,
 )
 from compressor.quantize.gguf_types import describe_gguf, type_counts
+from compressor.quantize.speed import REFERENCE_MIXES
 from compressor.runtime.errors import UserError
 
 
@@ -191,7 +192,7 @@ def test_only_types_restrict_each_matrix_to_them(tmp_path, tokenizer_gguf):  # n
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
+def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys, monkeypatch):
     """The real path: `export smollm2-135m --size` through the CLI writes a GGUF within the budget that llama.cpp
     runs, `show` says which type each matrix took, and its perplexity in llama.cpp on the first test windows is
     that of a 4-bit file (measured: see the docstring's bound), not a broken one."""
@@ -223,13 +224,41 @@ def test_bundled_budget_file_fits_and_scores_in_llama_cpp(tmp_path, capsys):
     assert only["predicted_loss_rise"] >= written["predicted_loss_rise"]
     main(["show", str(tmp_path / "only.gguf")])
     assert "Types chosen among (--only-types): f16,q4_0,q5_0,q8_0" in capsys.readouterr().out
+    # --speed mix, on decode costs (ns per weight) in which Q4_1, the type most matrices took above, is slow: the
+    # file is held to the mix of these bytes, as predicted, for a higher predicted rise; `show` says so
+    from compressor.quantize import budget_chooser
+
+    def costs(types, shape, threads, progress):
+        assert (shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate) == (
+            576,
+            9,
+            3,
+            64,
+            1536,
+        )
+        return {t: 0.3 if t == "Q4_1" else 0.1 for t in types}
+
+    monkeypatch.setattr(budget_chooser, "decode_costs", costs)
+    main(["export", "smollm2-135m", str(tmp_path / "speed.gguf"), "--size", "85MiB", "--calib-samples", "8",
+          "--speed", "mix", "--json"])  # fmt: skip
+    held = json.loads(capsys.readouterr().out)
+    speed = held["speed"]
+    assert speed["speed"] == "mix" and speed["mix"] in REFERENCE_MIXES and speed["penalty"] > 0
+    assert (
+        speed["unlimited_tokens_per_second"]
+        < speed["mix_tokens_per_second"]
+        <= speed["predicted_tokens_per_second"]
+    )
+    assert held["type_counts"].get("Q4_1", 0) < written["type_counts"]["Q4_1"] and held["bytes"] <= 85 * 2**20
+    assert held["predicted_loss_rise"] > written["predicted_loss_rise"]
+    main(["show", str(tmp_path / "speed.gguf")])
+    assert "Decode speed held to (--speed): mix" in capsys.readouterr().out
 
 
 def test_a_second_budget_reads_every_matrix_s_options_from_the_cache(tmp_path, monkeypatch):
     """Options measured once under an importance key are kept on disk: a later chooser (another process, another
     budget) rounds nothing and chooses as a fresh measurement would; another key or rounding measures again, and
     a damaged file is measured again, never trusted."""
-    from compressor.quantize import byte_budget
     from compressor.quantize.importance import measure_importance
     from compressor.quantize.options_cache import options_path
 
@@ -244,7 +273,7 @@ def test_a_second_budget_reads_every_matrix_s_options_from_the_cache(tmp_path, m
     first(matrices, 0)
     assert first.reused == 0 and options_path("k1", "nearest").is_file()
     calls = []
-    monkeypatch.setattr(byte_budget.BudgetChooser, "options", lambda *a, **k: calls.append(a) or [])
+    monkeypatch.setattr(BudgetChooser, "options", lambda *a, **k: calls.append(a) or [])
     second = BudgetChooser(model, importance, 700_000, progress=False)
     assert second(matrices, 0) == first.plan.types and second.reused == len(matrices) and not calls
     third = BudgetChooser(model, importance, 500_000, progress=False)  # another budget: still nothing rounded

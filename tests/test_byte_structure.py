@@ -23,7 +23,8 @@ from compressor.methods.masa.byte_structure import (
     trusted_targets,
 )
 from compressor.modeling.adapters import get_adapter
-from compressor.quantize.byte_budget import BudgetChooser, rows_bytes
+from compressor.quantize.budget_chooser import BudgetChooser
+from compressor.quantize.byte_budget import rows_bytes
 from compressor.recipes.schema import CompressionSettings
 from compressor.runtime.errors import UserError
 from compressor.statistics.capture import collect_statistics

@@ -359,6 +359,16 @@ CASES = [
         "--only-types restricts the types a --size file chooses from: add --size (or drop it)",
     ),
     (
+        "--speed without a byte budget",
+        lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--speed", "mix"],
+        "--speed mix: the decode speed of a --size file: add --size (or drop --speed)",
+    ),
+    (
+        "--speed that is not a speed",
+        lambda t, mp: ["plan", "smollm2-135m", "--size", "80MiB", "--speed", "fast"],
+        "--speed fast: not a speed: write any, mix (no slower than llama.cpp's mix of the same bytes), or tokens",
+    ),
+    (
         "llama.cpp's flash attention with the transformers engine",
         lambda t, mp: ["eval", "smollm2-135m", "--flash-attention"],
         "--flash-attention is llama.cpp's: add --engine llama.cpp (or drop it)",

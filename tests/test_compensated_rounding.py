@@ -295,7 +295,7 @@ def test_a_budget_priced_on_compensated_errors_fits_and_predicts_less(tmp_path):
     rounder's, and at the same bytes the predicted rise is below the plan that prices `nearest`'s errors (inputs
     correlated: compensation lowers every quantized type's error)."""
     from compressor.checkpoint.gguf_export import write_gguf
-    from compressor.quantize.byte_budget import BudgetChooser
+    from compressor.quantize.budget_chooser import BudgetChooser
     from compressor.quantize.importance import measure_importance
     from compressor.quantize.rounding import compensated_blocks, compensated_errors
 

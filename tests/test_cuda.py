@@ -195,7 +195,7 @@ def test_a_byte_budget_measured_on_cuda_chooses_the_cpu_types_and_llama_cpp_runs
     from test_gguf_export import byte_tokenizer_gguf, k_quant_model, llama_cpp_log_probs
 
     from compressor.checkpoint.gguf_export import write_gguf
-    from compressor.quantize.byte_budget import BudgetChooser
+    from compressor.quantize.budget_chooser import BudgetChooser
     from compressor.quantize.importance import measure_importance
 
     tokenizer = byte_tokenizer_gguf(tmp_path / "bytes.gguf")

@@ -119,6 +119,8 @@ def measure_speeds(paths: dict, prompt: list[int], repeats: int = REPEATS) -> di
                 speeds[key] |= {
                     f"decode_tokens_per_second{suffix}": decode,
                     f"prefill_tokens_per_second{suffix}": prefill,
+                    # each turn's, in order: the files of one type paired turn by turn (`decode_ratio`)
+                    f"decode_turns{suffix}": [t["predicted_per_second"] for t in timings[key]],
                 }
     return speeds
 

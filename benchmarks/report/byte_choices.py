@@ -11,6 +11,7 @@ from pathlib import Path
 
 from benchmarks.report.markdown import paired_reading, reading
 from benchmarks.report.plots import REPO
+from benchmarks.report.speed_limit import speed_limit_lines
 from compressor.methods.masa.byte_structure import LEAST_TOKENS_PER_INPUT
 
 CHOICES = REPO / "benchmarks" / "results" / "choices"
@@ -19,7 +20,7 @@ CHOICES = REPO / "benchmarks" / "results" / "choices"
 def byte_choice_lines() -> list[str]:
     return [
         *_llama_quantize_port(), *_structure_weight(), *_structure_error(), *_size_refit(), *_error_model(), *_only_types(),
-        *_compensated_rounding(), *_rounding_by_projection(), *_decode_cost(), *_ladder_cost(),
+        *_compensated_rounding(), *_rounding_by_projection(), *_decode_cost(), *speed_limit_lines(), *_ladder_cost(),
     ]  # fmt: skip
 
 

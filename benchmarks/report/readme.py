@@ -31,6 +31,7 @@ from benchmarks.report.bytes import CAVEATS, by_budget
 from benchmarks.report.eval_speed import llama_cpp_eval_limitation
 from benchmarks.report.markdown import reading
 from benchmarks.report.plots import MIN_TARGETS, REPO, WHOLE_MODEL_AIMS
+from benchmarks.report.speed_limit import speed_limit_sentence
 from benchmarks.report.support import support_matrix
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -392,9 +393,9 @@ def _size_decode(results_dir: Path) -> str:
     elsewhere = f"; at the other timed budgets {min(faster):.2f}-{max(faster):.2f}x" if faster else ""
     return (
         "- **A `--size` file can decode slower than llama.cpp's mix of the same bytes** (llama.cpp on the CPU, 1 "
-        f"thread, ours / the mix's tokens/s): {'; '.join(slower)}{elsewhere}. The allocation prices bytes and the "
-        "predicted loss, not speed: which types llama.cpp's CPU kernels decode fastest it does not know (the bytes "
-        f"table, BENCHMARKS.md section 7).{only_types_sentence(results_dir / 'choices')}"
+        f"thread, ours / the mix's tokens/s): {'; '.join(slower)}{elsewhere}. The default allocation prices bytes "
+        "and the predicted loss, not speed (the bytes table, BENCHMARKS.md section 7)."
+        f"{only_types_sentence(results_dir / 'choices')}{speed_limit_sentence(results_dir / 'choices')}"
     )
 
 

@@ -23,6 +23,7 @@ from compressor.quantize.byte_budget import ByteBudget, parse_budget, parse_only
 from compressor.quantize.gguf_types import check_gguf_type, check_imatrix, is_imatrix_path
 from compressor.quantize.importance import Importance
 from compressor.quantize.rounding import check_rounding
+from compressor.quantize.speed import parse_speed
 from compressor.quantize.tensor_types import check_recipe_output, write_recipe
 from compressor.recipes.schema import CalibrationSettings
 from compressor.runtime.errors import UserError
@@ -30,6 +31,7 @@ from compressor.runtime.hub import check_hub_model
 
 FORMATS = ("gguf", "hf")
 SOURCE_KEY = "masa_compress.source"  # the spec of the original model, in every GGUF this tool writes
+SPEED_KEY = "masa_compress.speed"  # the decode speed a --size file was held to (`--speed`)
 ONLY_TYPES_KEY = "masa_compress.only_types"  # the types a --size file was restricted to (`--only-types`)
 ROUNDING_KEY = "masa_compress.rounding"  # `--rounding compensated` (absent: llama.cpp's own, nearest)
 
@@ -65,9 +67,9 @@ def export(
     rounding_stream: str = "original",
     tensor_types_out: str | os.PathLike | None = None,
     name: str | None = None,
+    speed: str | None = None,
 ) -> ExportResult:
-    """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine; everything the user named is
-    checked before any weight is read.
+    """Write `model` (a checkpoint, an alias, a folder, a .gguf) for an engine, all it names checked first.
 
     `imatrix`: `calibration` weighs each quantized matrix's rounding by its inputs' mean squares over the
     calibration text (the checkpoint's own, else the recipe's, `calib_samples` windows; cached), `none` does not,
@@ -80,11 +82,11 @@ def export(
 
     `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (`quantize/rounding.py`), from the
     `rounding_stream` statistics; `tensor_types_out`: the types as `llama-quantize`'s `--tensor-type-file`.
-    `name`: the file's `general.name` (by default what `model` is: `ModelSource.describe`)."""
+    `speed` (`any`, `mix`, tokens/s): the least decode speed (`quantize/speed.py`); `name`: the `general.name`."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
-    allowed = parse_only_types(only_types, budget_given=wanted is not None)
+    allowed, target = parse_only_types(only_types, wanted is not None), parse_speed(speed, wanted is not None)
     source = resolve_model(model)
     check_types_fit(source, allowed)
     if format == "hf":
@@ -110,13 +112,13 @@ def export(
     rounder = (compensated_rounder(loaded, calibration, calib_text, progress, rounding_stream, out)
                if rounding == "compensated" else None)  # fmt: skip
     with rounder or contextlib.nullcontext():
-        chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder)
+        chooser = budget and budget_chooser(loaded.model, measured, budget, progress, allowed, rounder, target)  # fmt: skip
         written: GgufExport = write_gguf(
             loaded.model, tokenizer, out, tensor_type=tensor_type, name=name or source.describe(), overwrite=overwrite,
-            extra_fields=recorded_fields(original, record, allowed, rounding), choose_types=chooser, rounding=rounder,
+            extra_fields=recorded_fields(original, record, allowed, rounding, target), choose_types=chooser, rounding=rounder,
             importance=measured.weights if use_importance else None, imatrix_note=imatrix_note if use_importance else "",
         )  # fmt: skip
-    details = export_details(written, rounder, chooser and (budget, chooser.plan.predicted), loaded.model)
+    details = export_details(written, rounder, chooser and (budget, chooser), loaded.model)
     if imatrix_out is not None:
         details["imatrix_file"] = write_imatrix_of(loaded.model, measured, imatrix_note, imatrix_out)
     if tensor_types_out is not None:
@@ -128,10 +130,13 @@ def export(
 
 def export_details(written: GgufExport, rounder, budgeted: tuple | None, model) -> dict:
     """What `export` reports of a GGUF it wrote: the file, the compensated rounding's record, a byte budget's
-    (bytes, predicted loss rise), and what the engine computes differently for this family (`ENGINE_GAP`)."""
+    (bytes, its chooser: the predicted loss rise, the speed limit's record), and what the engine computes
+    differently for this family (`ENGINE_GAP`)."""
     details = written.as_dict() | ({"rounding": rounder.record.to_dict()} if rounder else {})
     if budgeted:
-        details |= {"type": "size", "budget": budgeted[0], "predicted_loss_rise": budgeted[1]}
+        budget, chooser = budgeted
+        details |= {"type": "size", "budget": budget, "predicted_loss_rise": chooser.plan.predicted}
+        details |= {"speed": chooser.speed_plan.to_dict()} if chooser.speed_plan else {}
     model_type = model.config.model_type
     return details | ({"engine_note": ENGINE_GAP[model_type]} if model_type in ENGINE_GAP else {})
 
@@ -176,13 +181,13 @@ def export_importance(loaded, given, calibration: tuple | None, progress: bool, 
     return replace(measured, weights=from_file.weights, key=key), given.describe()
 
 
-def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounder=None):
+def budget_chooser(model, measured, budget: int, progress: bool, allowed, rounder=None, target=None):
     """`write_gguf`'s `choose_types` for a byte budget (`quantize/byte_budget.py`), pricing the errors of the
-    compensated rounding where the `rounder` is one."""
-    from compressor.quantize.byte_budget import BudgetChooser
+    compensated rounding where the `rounder` is one, within the decode speed `target` (None: any)."""
+    from compressor.quantize.budget_chooser import BudgetChooser
 
     compensated = None if rounder is None else rounder.errors
-    return BudgetChooser(model, measured, budget, progress, allowed, compensated)
+    return BudgetChooser(model, measured, budget, progress, allowed, compensated, target)
 
 
 def compensated_rounder(
@@ -205,12 +210,13 @@ def importance_text(source: ModelSource, original: ModelSource, calib_samples: i
 
 
 def recorded_fields(
-    original: ModelSource, record: dict[str, str] | None, allowed, rounding: str = "nearest"
+    original: ModelSource, record: dict[str, str] | None, allowed, rounding: str = "nearest", target=None
 ) -> dict[str, str]:
-    """The tool's own fields in a GGUF it writes: the original's spec, `record`, `--only-types`'s set, and
-    `--rounding` where it is not llama.cpp's own."""
+    """The tool's own fields in a GGUF it writes: the original's spec, `record`, `--only-types`'s set,
+    `--rounding` where it is not llama.cpp's own, and `--speed` where one was asked."""
     fields = {SOURCE_KEY: original.spec if original.kind != "compressed" else "", **(record or {})}
     fields |= {ROUNDING_KEY: rounding} if rounding != "nearest" else {}
+    fields |= {SPEED_KEY: target.describe()} if target is not None else {}
     return fields | ({ONLY_TYPES_KEY: ",".join(sorted(allowed)).lower()} if allowed else {})
 
 

@@ -83,6 +83,8 @@ class CompressOptions(_CompressionSettingOptions):
     bits_per_weight: float | None = None
     # The types the byte budget's matrices may take (`q4_k,q3_k,q6_k`; None: every candidate type)
     only_types: str | None = None
+    # How fast llama.cpp decodes the byte budget's GGUF at least: `any` (None), `mix` or tokens/s (quantize/speed)
+    speed: str | None = None
     # How the byte budget's GGUF is rounded: `nearest` (llama.cpp's own; None) or `compensated` (quantize/rounding)
     rounding: str | None = None
     # The byte budget's importance weights from llama.cpp's importance file (None: measured on the calibration)

@@ -54,6 +54,7 @@ from compressor.methods.masa.byte_structure import (
 )
 from compressor.quantize.byte_budget import check_fits, parse_budget, parse_only_types
 from compressor.quantize.gguf_types import is_imatrix_path
+from compressor.quantize.speed import describe_speed, parse_speed
 from compressor.runtime.errors import UserError
 from compressor.runtime.hub import check_hub_model
 from compressor.runtime.progress import note
@@ -83,6 +84,7 @@ def check_size_options(options: CompressOptions, ratio_given: bool) -> None:
     if options.ratio_of != "targets":
         raise UserError(f"{flag} counts bytes, not a share of the parameters: drop --ratio-of")
     parse_only_types(options.only_types)
+    parse_speed(options.speed)
     if options.imatrix is not None and not is_imatrix_path(options.imatrix):
         raise UserError(
             f"--imatrix {options.imatrix}: {flag} weighs each type's rounding by the calibration (the default) or "
@@ -200,7 +202,7 @@ def compress_to_size(
         written = export(
             exported_from, out, size=prepared.budget, calib_samples=prepared.calibration.samples, imatrix=options.imatrix,
             only_types=options.only_types, rounding=options.rounding, overwrite=options.overwrite, progress=progress,
-            record={"masa_compress.structure": _record(structure)},
+            record={"masa_compress.structure": _record(structure)}, speed=options.speed,
             name=source.describe(),  # not the structure's temporary folder: the same command, the same bytes
         ).details  # fmt: skip
         seconds["export"] = time.perf_counter() - t
@@ -213,6 +215,7 @@ def compress_to_size(
         "bits_per_weight": 8 * written["bytes"] / written["parameters"], "architecture": written["architecture"],
         "type_counts": written["type_counts"], "predicted_loss_rise": written.get("predicted_loss_rise"),
         "structure": structure, "mlp_widths": written["mlp_widths"], "heads": written["heads"],
+        "speed": written.get("speed"),
         "importance": {"windows": prepared.calibration.samples, "text": prepared.calib_text.name,
                        **({"file": written["imatrix"]} if options.imatrix else {})},
     }  # fmt: skip
@@ -393,6 +396,7 @@ def plan_size(model: str, options: CompressOptions, ratio_given: bool = False) -
         "bits_per_weight": 8 * budget / parameters, "f16_bytes": 2 * parameters, "structure": note_,
         "candidates": {}, "memory": None,
         "smallest_matrices": smallest_from_config(config, targets, allowed), "only_types": sorted(allowed or []),
+        "speed": describe_speed(options.speed),
         "after_calibration": {"attn": "each attention's heads and every matrix's type",
                               "mlp": "each MLP's width and every matrix's type", None: "every matrix's type"}.get(
             targets, "each MLP's width, each attention's heads and every matrix's type"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -159,7 +160,7 @@ def write_gguf(
     on_tensor: Callable[[str], None] | None = None,
     importance: Mapping[str, torch.Tensor] | None = None,
     imatrix_note: str = "",
-    choose_types: Callable[[list[tuple[str, np.ndarray, str]], int], dict[str, str]] | None = None,
+    choose_types: Callable[[list[tuple[str, np.ndarray, str]], int, Callable], dict[str, str]] | None = None,
     rounding: Rounder | None = None,
 ) -> GgufExport:
     """Write `model` (plain projections, any per-layer widths and head counts) as a GGUF file at `out`,
@@ -168,13 +169,12 @@ def write_gguf(
     `extra_fields` (e.g. the source model's name).
 
     `importance`: per module path (`model.layers.3.mlp.down_proj`), the mean square of each input column over
-    calibration text (`quantize.importance`); every quantized matrix that has one is quantized by llama.cpp
-    with it, and `imatrix_note` (the text and windows it came from) is recorded in the file, as
-    `llama-quantize --imatrix` records its dataset.
+    calibration text (`quantize.importance`); every quantized matrix that has one is quantized by llama.cpp with
+    it, and `imatrix_note` (the text and windows it came from) is recorded as `llama-quantize --imatrix` does.
 
     `choose_types`: given the matrices (GGUF name, fp32 array, module path) and the bytes of everything else
     (metadata, tokenizer, 1-D tensors, as written, padded), each matrix's GGML type (`byte_budget`): the file is
-    then exactly those bytes plus the matrices' padded blocks.
+    then exactly those bytes plus the matrices' padded blocks; its third argument, a mix's type (`--speed mix`).
 
     `rounding`: given every matrix (GGUF name, fp32 array, module path, GGML type), the blocks of those it rounds
     itself (`quantize/rounding.py`, `--rounding compensated`); the others are rounded here."""
@@ -206,9 +206,9 @@ def write_gguf(
     tensors = list(_gguf_tensors(model, architecture, heads, kv_heads, rope_factors))
     chosen: dict[str, str] = {}
     if choose_types is not None:  # the budget's types replace the --type mix (`export` passes f16)
-        chosen = choose_types(
-            [t for t in tensors if t[1].ndim == 2], fixed_bytes(field_writer(), architecture, tensors)
-        )
+        mix_type_of = partial(mix_stored_type, len(widths), has_output, mix_context)
+        matrices = [t for t in tensors if t[1].ndim == 2]
+        chosen = choose_types(matrices, fixed_bytes(field_writer(), architecture, tensors), mix_type_of)
         file_type = dominant_file_type(chosen, tensors)
         by_llama_cpp = True
     add_fields = field_writer()
@@ -227,6 +227,13 @@ def write_gguf(
         imatrix=(imatrix_note or "calibration") if importance is not None else "none",
         mlp_widths=widths, heads=heads, kv_heads=kv_heads,
     )  # fmt: skip
+
+
+def mix_stored_type(
+    num_layers: int, has_output: bool, context: dict, tensor_name: str, array: np.ndarray, mix: str
+) -> str:
+    """The GGML type llama.cpp's `mix` stores this matrix in, quantized with importance weights."""
+    return matrix_types(tensor_name, array, mix, num_layers, has_output, context | {"has_imatrix": True})[1]
 
 
 def _field_writer(

@@ -114,6 +114,7 @@ def export_command(
         ),
     ] = None,
     rounding: o.Rounding = None,
+    speed: o.Speed = None,
     tensor_types_out: Annotated[
         str | None,
         typer.Option(
@@ -158,7 +159,7 @@ def export_command(
         model, out, format=format, tensor_type=tensor_type, tokenizer_from=tokenizer_from, layout=layout,
         imatrix=imatrix, calib_samples=calib_samples, size=size, bits_per_weight=bits_per_weight,
         only_types=only_types, overwrite=overwrite, progress=not as_json, imatrix_out=imatrix_out,
-        rounding=rounding, tensor_types_out=tensor_types_out,
+        rounding=rounding, tensor_types_out=tensor_types_out, speed=speed,
     )  # fmt: skip
     if as_json:
         print(json.dumps(result.to_dict()))

@@ -26,6 +26,8 @@ def print_export_summary(path, info: dict) -> None:
             f"({8 * info['bytes'] / info['parameters']:.2f} bits per weight); predicted rise of the "
             f"calibration loss {info['predicted_loss_rise']:.4f} nats per token."
         )
+    if info.get("speed"):
+        console.print(speed_line(info["speed"]))
     counts = info.get("type_counts") or {}
     if len(counts) > 1 or info.get("imatrix", "none") != "none":
         mix = ", ".join(f"{n} {t}" for t, n in counts.items())
@@ -94,6 +96,8 @@ def show_gguf(path: str, as_json: bool) -> None:
     console.print(f"Matrices: {mix}; " + ", ".join(f"{k} {v}" for k, v in info["other_matrices"].items()))
     if info.get("only_types"):
         console.print(f"Types chosen among (--only-types): {info['only_types']}")
+    if info.get("speed"):
+        console.print(f"Decode speed held to (--speed): {info['speed']}")
     if info.get("rounding", "nearest") != "nearest":
         console.print(f"Rounding: {info['rounding']} (the decoder layers' matrices; see docs/options.md)")
     structure = info.get("structure")
@@ -115,3 +119,19 @@ def show_gguf(path: str, as_json: bool) -> None:
     for row in info["layers"]:
         table.add_row(str(row["layer"]), *(str(row.get(role, "")) for role in roles))
     console.print(table)
+
+
+def speed_line(speed: dict) -> str:
+    """What `--speed` decided, as predicted on this CPU (`quantize/speed.SpeedPlan.to_dict`)."""
+    limit = f"{speed['limit_tokens_per_second']:.1f} tokens/s"
+    limit = f"llama.cpp's {speed['mix']} mix of these bytes, {limit}" if speed["mix"] else limit
+    held = (
+        "the allocation was already within it"
+        if speed["penalty"] == 0
+        else f"{speed['unlimited_tokens_per_second']:.1f} tokens/s without the limit"
+    )
+    return (
+        f"Decode predicted on this CPU ({speed['threads']} thread): {speed['predicted_tokens_per_second']:.1f} "
+        f"tokens/s, held to {limit}; {held}. The matrices' time alone: llama.cpp measures fewer tokens/s for "
+        "every file alike."
+    )

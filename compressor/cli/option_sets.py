@@ -124,6 +124,7 @@ BYTE_BUDGET = OptionSet(
         ("size", o.Size, None),
         ("bits_per_weight", o.BitsPerWeight, None),
         ("only_types", o.OnlyTypes, None),
+        ("speed", o.Speed, None),
     )
 )
 

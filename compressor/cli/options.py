@@ -100,6 +100,15 @@ Rounding = Annotated[
         help="--size: nearest (default) or compensated rounding.",
     ),
 ]
+Speed = Annotated[
+    Opt[str],
+    typer.Option(
+        "--speed",
+        metavar="SPEED",
+        rich_help_panel=RUN,
+        help="--size: any (default), mix (its pace) or N tokens/s.",
+    ),
+]
 ImatrixFile = Annotated[
     Opt[str],
     typer.Option(

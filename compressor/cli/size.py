@@ -34,13 +34,16 @@ def compress_to_size_command(model, options, ratio_given, dry_run, as_json, devi
 
 
 def refuse_without_budget(
-    only_types: str | None, rounding: str | None = None, imatrix: str | None = None
+    only_types: str | None, rounding: str | None = None, imatrix: str | None = None, speed: str | None = None
 ) -> None:
     """The options of a byte budget given without one (`--size` / `--bits-per-weight`), refused in one line."""
     if only_types is not None:
         from compressor.quantize.byte_budget import parse_only_types
 
         parse_only_types(only_types, budget_given=False)
+    from compressor.quantize.speed import parse_speed
+
+    parse_speed(speed, budget_given=False)
     if rounding is not None:
         raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
     if imatrix is not None:
@@ -68,6 +71,11 @@ def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_j
     if plan["only_types"]:
         console.print(
             f"  the types a matrix may take (--only-types): {', '.join(plan['only_types']).lower()}"
+        )
+    if plan.get("speed", "any") != "any":
+        console.print(
+            f"  decode held to (--speed): {plan['speed']}, as predicted from llama.cpp's decode cost per type on "
+            "this CPU (measured once, tens of seconds per type)"
         )
     for name, values in plan["candidates"].items():
         if values:
@@ -113,4 +121,8 @@ def print_size_summary(summary: dict) -> None:
         console.print(
             f"[dim]{quality['tokens']:,} predicted tokens ({quality['split']} split), the file run by llama.cpp[/]"
         )
+    if summary.get("speed"):
+        from compressor.cli.gguf_report import speed_line
+
+        console.print(speed_line(summary["speed"]))
     console.print(stage_times_table(summary))

@@ -304,6 +304,21 @@ def file_layer_shape(path: str | os.PathLike) -> LayerShape:
     )  # fmt: skip
 
 
+def matrices_layer_shape(matrices: list[tuple], head_dim: int) -> LayerShape:
+    """The widest layer of a file about to be written (`write_gguf`'s matrices: GGUF name, array, ...; rows =
+    outputs), its heads of `head_dim`: what its decode costs are measured on."""
+    rows: dict[str, int] = {}
+    for name, array, *_ in matrices:
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if role in ("attn_q", "attn_k", "ffn_up"):
+            rows[role] = max(rows.get(role, 0), array.shape[0])
+            rows["hidden"] = array.shape[1] if role == "attn_q" else rows.get("hidden", 0)
+    return LayerShape(
+        hidden=rows["hidden"], heads=rows["attn_q"] // head_dim, kv_heads=rows["attn_k"] // head_dim,
+        head_dim=head_dim, intermediate=rows["ffn_up"],
+    )  # fmt: skip
+
+
 def predicted_decode_seconds(path: str | os.PathLike, threads: int = 1, progress: bool = False) -> float:
     matrices = file_matrices(Path(path))
     costs = decode_costs({t for t, _ in matrices.values()}, file_layer_shape(path), threads, progress)

@@ -202,6 +202,7 @@ def describe_gguf(path) -> dict:
         "imatrix": field("quantize.imatrix.dataset") or "none",
         "structure": json.loads(field("masa_compress.structure") or "null"),
         "only_types": field("masa_compress.only_types"),
+        "speed": field("masa_compress.speed"),
         "rounding": field("masa_compress.rounding") or "nearest",
         "type_counts": type_counts(types),
         "other_matrices": {k: v for k, v in types.items() if not k.startswith("blk.")},

@@ -32,10 +32,10 @@ from compressor.api.model_loading import load_model, resolve_model
 from compressor.api.session import calibration_token_windows, evaluation_token_windows
 from compressor.calibration.sources import load_documents
 from compressor.evaluation.intervals import resample_indices
+from compressor.quantize.budget_chooser import BudgetChooser
 from compressor.quantize.byte_budget import (
     GRADIENT_WINDOWS,
     SAMPLE_ROWS,
-    BudgetChooser,
     allocate,
     evenly_spaced,
     parse_size,

@@ -66,7 +66,7 @@ def time_files(model: str, files: dict, repeats: int) -> dict:
     return measure_speeds({(kind, t): f["out"] for (t, kind), f in files.items()}, prompt, repeats)
 
 
-def compare(files: dict, reference, scored: dict, speeds: dict) -> list[dict]:
+def compare(files: dict, reference, scored: dict, speeds: dict, paired: dict = PAIRED) -> list[dict]:
     """One row per file; the `--size` files carry their difference to the mix and `only types` to `every type`,
     paired on the same windows, and decode tokens/s as a multiple of the mix's."""
     rows = []
@@ -79,7 +79,7 @@ def compare(files: dict, reference, scored: dict, speeds: dict) -> list[dict]:
                "top1": faith.top1_agreement, "speeds": speed,
                "decode_vs_mix": speed["decode_tokens_per_second"] / mix_speed["decode_tokens_per_second"],
                "decode_vs_mix_2t": speed["decode_tokens_per_second_2t"] / mix_speed["decode_tokens_per_second_2t"]}  # fmt: skip
-        for other in PAIRED.get(kind, ()):
+        for other in paired.get(kind, ()):
             base, _ = scored[f"{tensor_type}|{other}"]
             difference = paired_difference(result.window_nll, base.window_nll, result.window_tokens)
             key = f"minus_{other.replace(' ', '_')}"
