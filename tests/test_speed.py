@@ -86,6 +86,15 @@ def test_the_limit_is_met_at_the_least_loss(fast_ones):
     assert {n for n, t in plan.types.items() if t == "FAST"} == {f"m{i}" for i in rises[:fast_ones]}
 
 
+def test_a_limit_of_exactly_the_fastest_time_is_met_by_the_fastest_plan():
+    options = _options(LOSSES)
+    fastest = {f"m{i}": "FAST" for i in range(5)}
+    for limit in (plan_seconds(fastest, SECONDS), sum([1e-3] * 5), 5e-3):
+        plan, _ = allocate_within_time(options, SECONDS, 0, 10_000, limit)
+        assert plan.types == fastest
+        assert plan.predicted == pytest.approx(sum(fast for _, fast in LOSSES))
+
+
 def test_the_bytes_still_bind_under_a_time_limit():
     """A fast type of more bytes than the budget allows is not taken, however fast."""
     options = {"m0": [Option("SMALL", 1024, 0.01), Option("BIG", 4096, 0.0)]}

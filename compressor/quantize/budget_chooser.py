@@ -41,7 +41,7 @@ class BudgetChooser:
             raise ValueError("a byte budget needs the output sensitivities: measure with gradient_windows")
         self.importance, self.budget, self.progress, self.allowed = importance, budget, progress, allowed
         self.compensated, self.speed, self.costs = compensated, speed, costs
-        self.head_dim = geometry_from_config(model.config).head_dim
+        self.config = model.config  # its heads' width: the layer shape decode costs are measured on (`speed`)
         self.speed_plan: SpeedPlan | None = None
         names = {id(m): n for n, m in model.named_modules()}
         output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
@@ -111,7 +111,7 @@ class BudgetChooser:
         else:
             if mix_type_of is None and self.speed.mix:
                 raise ValueError("--speed mix prices llama.cpp's mix: pass mix_type_of (write_gguf does)")
-            shape = matrices_layer_shape(matrices, self.head_dim)
+            shape = matrices_layer_shape(matrices, geometry_from_config(self.config).head_dim)
             costs = self.costs or partial(decode_costs, threads=SPEED_THREADS, progress=self.progress)
             self.plan, self.speed_plan = speed_plan(
                 self.speed, options, matrices, lambda types: costs(types, shape), fixed_bytes, self.budget,
