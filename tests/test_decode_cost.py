@@ -105,7 +105,9 @@ def test_costs_are_measured_in_llama_cpp_once_per_cpu_and_shape_then_read(tmp_pa
     monkeypatch.setenv("MASA_CACHE", str(tmp_path))
     monkeypatch.setattr(decode_cost, "PROBE_BYTES", 1 << 20)
     first = decode_costs(["Q8_0", "Q4_K"], TINY, progress=False)
-    assert set(first) == {"Q8_0", "Q4_K"} and all(0 < v < 100 for v in first.values())
+    # the plumbing, not the figures: a tiny probe's difference to F16 can come out at or below zero on a loaded
+    # machine (`speed.speed_plan` refuses such a cost), so only its being a number of the right order is checked
+    assert set(first) == {"Q8_0", "Q4_K"} and all(abs(v) < 100 for v in first.values())
     monkeypatch.setattr(decode_cost, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert decode_costs(["Q4_K", "Q8_0"], TINY, progress=False) == first
     asked = []  # a type not measured yet: measured alone, on the cached base
@@ -117,3 +119,24 @@ def test_costs_are_measured_in_llama_cpp_once_per_cpu_and_shape_then_read(tmp_pa
     assert len(list((tmp_path / "decode-cost").glob("*.json"))) == 1
     with pytest.raises(pytest.fail.Exception):  # another shape is another cache entry
         decode_costs(["Q8_0"], LayerShape(64, 4, 4, 16, 256), progress=False)
+
+
+def test_each_type_is_kept_as_it_is_measured_so_an_interruption_loses_only_the_type_it_was_on(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("xllamacpp")
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path))
+    calls = []
+
+    def measure(shape, types, threads, base_ns):
+        calls.append((types, base_ns))
+        if types == ["Q8_0"]:
+            raise KeyboardInterrupt
+        return {"F16": 0.2 if base_ns is None else base_ns, types[0]: 0.1}
+
+    monkeypatch.setattr(decode_cost, "measure_costs", measure)
+    with pytest.raises(KeyboardInterrupt):
+        decode_costs(["Q8_0", "Q4_K"], TINY, progress=False)
+    assert calls == [(["Q4_K"], None), (["Q8_0"], 0.2)]  # one type at a time, the second on the first's base
+    cached = json.loads(next((tmp_path / "decode-cost").glob("*.json")).read_text())
+    assert cached == {"F16": 0.2, "Q4_K": 0.1}

@@ -243,7 +243,7 @@ def measure_costs(
 def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool = True) -> dict[str, float]:
     """Nanoseconds per weight for each of `type_names` in layers of `shape` on this CPU (measured once, then from
     the cache)."""
-    from compressor.runtime.progress import note
+    from compressor.runtime.progress import note, progress_bar
 
     path = cache_dir() / "decode-cost" / f"{cost_key(_library_origin(), shape, threads)}.json"
     try:
@@ -253,8 +253,11 @@ def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool
     missing = sorted(set(type_names) - set(known))
     if missing:
         note(f"Measuring llama.cpp's decode cost of {', '.join(missing)} on this CPU (once)", progress)
-        known |= measure_costs(shape, missing, threads, known.get(BASE_TYPE))  # on the cached base, if any
-        atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
+    with progress_bar("Decode cost per type", total=len(missing), enabled=progress and bool(missing)) as bar:
+        for type_name in missing:  # each kept as measured: an interrupted run loses only the type it was on
+            known |= measure_costs(shape, [type_name], threads, known.get(BASE_TYPE))  # on the cached base
+            atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
+            bar.advance(1)
     return {name: known[name] for name in type_names}
 
 
