@@ -140,3 +140,23 @@ def test_each_type_is_kept_as_it_is_measured_so_an_interruption_loses_only_the_t
     assert calls == [(["Q4_K"], None), (["Q8_0"], 0.2)]  # one type at a time, the second on the first's base
     cached = json.loads(next((tmp_path / "decode-cost").glob("*.json")).read_text())
     assert cached == {"F16": 0.2, "Q4_K": 0.1}
+
+
+def test_the_layer_shape_of_a_file_about_to_be_written_is_its_widest_layer():
+    """Per-layer widths (a narrowed file): the widest layer's; Phi-3's fused attention: the config's heads; a
+    mixture of experts (no 2-D MLP matrix): refused in one line."""
+    from compressor.modeling.adapters import ProjectionGeometry
+    from compressor.quantize.decode_cost import matrices_layer_shape
+    from compressor.runtime.errors import UserError
+
+    geometry = ProjectionGeometry(64, 4, 2, 16, 256)
+    narrowed = [("token_embd.weight", np.zeros((100, 64)))]
+    for layer, (heads, width) in enumerate([(4, 96), (3, 192), (2, 32)]):
+        narrowed += [(f"blk.{layer}.attn_q.weight", np.zeros((heads * 16, 64))),
+                     (f"blk.{layer}.attn_k.weight", np.zeros((32, 64))),
+                     (f"blk.{layer}.ffn_down.weight", np.zeros((64, width)))]  # fmt: skip
+    assert matrices_layer_shape(narrowed, geometry) == LayerShape(64, 4, 2, 16, 192)
+    fused = [("blk.0.attn_qkv.weight", np.zeros((128, 64))), ("blk.0.ffn_down.weight", np.zeros((64, 256)))]
+    assert matrices_layer_shape(fused, geometry) == LayerShape(64, 4, 2, 16, 256)
+    with pytest.raises(UserError, match="a mixture of experts' decode cost is not measured: drop --speed"):
+        matrices_layer_shape(fused[:1], ProjectionGeometry(64, 4, 2, 16, 0))

@@ -111,7 +111,7 @@ class BudgetChooser:
         else:
             if mix_type_of is None and self.speed.mix:
                 raise ValueError("--speed mix prices llama.cpp's mix: pass mix_type_of (write_gguf does)")
-            shape = matrices_layer_shape(matrices, geometry_from_config(self.config).head_dim)
+            shape = matrices_layer_shape(matrices, geometry_from_config(self.config))
             costs = self.costs or partial(decode_costs, threads=SPEED_THREADS, progress=self.progress)
             self.plan, self.speed_plan = speed_plan(
                 self.speed, options, matrices, lambda types: costs(types, shape), fixed_bytes, self.budget,

@@ -307,19 +307,25 @@ def file_layer_shape(path: str | os.PathLike) -> LayerShape:
     )  # fmt: skip
 
 
-def matrices_layer_shape(matrices: list[tuple], head_dim: int) -> LayerShape:
+def matrices_layer_shape(matrices: list[tuple], geometry) -> LayerShape:
     """The widest layer of a file about to be written (`write_gguf`'s matrices: GGUF name, array, ...; rows =
-    outputs), its heads of `head_dim`: what its decode costs are measured on."""
-    rows: dict[str, int] = {}
+    outputs): its query and KV rows and MLP width read from its matrices where they stand apart, else from the
+    config's `geometry` (`adapters.ProjectionGeometry`; Phi-3's fused `attn_qkv`): what its decode costs are
+    measured on, in the probe's llama architecture."""
+    widest = {"attn_q": 0, "attn_k": 0, "ffn_down": 0}
     for name, array, *_ in matrices:
         role = name.split(".")[2] if name.startswith("blk.") else None
-        if role in ("attn_q", "attn_k", "ffn_up"):
-            rows[role] = max(rows.get(role, 0), array.shape[0])
-            rows["hidden"] = array.shape[1] if role == "attn_q" else rows.get("hidden", 0)
-    return LayerShape(
-        hidden=rows["hidden"], heads=rows["attn_q"] // head_dim, kv_heads=rows["attn_k"] // head_dim,
-        head_dim=head_dim, intermediate=rows["ffn_up"],
+        if role in widest:  # rows for the attention's, the row length (its input width) for the MLP's
+            widest[role] = max(widest[role], array.shape[1] if role == "ffn_down" else array.shape[0])
+    head_dim = geometry.head_dim
+    shape = LayerShape(
+        hidden=geometry.hidden_size, heads=widest["attn_q"] // head_dim or geometry.num_heads,
+        kv_heads=widest["attn_k"] // head_dim or geometry.num_kv_heads, head_dim=head_dim,
+        intermediate=widest["ffn_down"] or geometry.intermediate_size,
     )  # fmt: skip
+    if not shape.intermediate:
+        raise UserError("--speed: a mixture of experts' decode cost is not measured: drop --speed")
+    return shape
 
 
 def predicted_decode_seconds(path: str | os.PathLike, threads: int = 1, progress: bool = False) -> float:
