@@ -44,9 +44,9 @@ class SpeedTarget:
 
 def parse_speed(text: str | None, budget_given: bool = True) -> SpeedTarget | None:
     """`--speed any|mix|N` → the target (None: `any`, no limit), or a one-line error."""
-    if text is None or text.strip().lower() == "any":
+    value = None if text is None else text.strip().lower()
+    if value is None or value == "any":
         return None
-    value = text.strip().lower()
     if not budget_given:
         raise UserError(f"--speed {text}: the decode speed of a --size file: add --size (or drop --speed)")
     if value == "mix":
@@ -135,7 +135,11 @@ def _penalized(options: dict[str, list[Option]], seconds, penalty: float) -> dic
 
 def _allocate_at(options, seconds, fixed_bytes: int, budget: int, penalty: float) -> BytePlan:
     """The allocation minimizing loss + `penalty` × time, its `predicted` the loss alone."""
-    plan = allocate(_penalized(options, seconds, penalty), fixed_bytes, budget)
+    return _with_loss(allocate(_penalized(options, seconds, penalty), fixed_bytes, budget), options)
+
+
+def _with_loss(plan: BytePlan, options: dict[str, list[Option]]) -> BytePlan:
+    """`plan` (allocated on other prices), its `predicted` set to the loss rise of its types."""
     loss = {name: {o.type_name: o.predicted for o in opts} for name, opts in options.items()}
     plan.predicted = sum(loss[name][t] for name, t in plan.types.items())
     return plan
@@ -174,9 +178,7 @@ def allocate_within_time(
             break
         high *= 4
     else:  # a limit of exactly the fastest time, kept just out of reach by rounding in the sums: the fastest
-        loss = {name: {o.type_name: o.predicted for o in opts} for name, opts in options.items()}
-        fastest.predicted = sum(loss[name][t] for name, t in fastest.types.items())
-        return fastest, float("inf")
+        return _with_loss(fastest, options), float("inf")
     low = 0.0
     for _ in range(BISECTION_STEPS):
         middle = (low + high) / 2

@@ -32,26 +32,25 @@ K_QUANTS = "q2_k,q3_k,q4_k,q5_k,q6_k,q8_0,f16"
 PAIRED = {"every type": ("mix",), "only types": ("mix", "every type")}
 
 
-def write_files(model: str, types: list[str], only_types: str, work: Path) -> dict:
-    """(mix name, kind) → what was written: its file, bytes and matrices by type."""
+def write_files(model: str, types: list[str], variants: dict[str, dict], work: Path) -> dict:
+    """(mix name, kind) → what was written: its file, bytes, matrices by type, predicted rise and speed record. At
+    each mix's bytes: the mix itself (importance weights below 8 bits), then `export --size` with each of
+    `variants` (kind → the export's options, e.g. `{"only_types": "q4_k"}`)."""
     files = {}
     for tensor_type in types:
-        log(f"export {model} --type {tensor_type} --imatrix calibration")
-        mix = export(model, work / f"{tensor_type}-mix.gguf", tensor_type=tensor_type, imatrix="calibration",
-                     overwrite=True, progress=False)  # fmt: skip
-        budget = mix.details["bytes"]
-        written = {"mix": mix}
-        for kind, only in (("every type", None), ("only types", only_types)):
-            log(
-                f"export {model} --size {budget:,} ({tensor_type}'s bytes) --only-types {only or 'every candidate'}"
-            )
+        log(f"export {model} --type {tensor_type} (importance weights below 8 bits)")
+        written = {"mix": export(model, work / f"{tensor_type}-mix.gguf", tensor_type=tensor_type, overwrite=True,
+                                 progress=False)}  # fmt: skip
+        budget = written["mix"].details["bytes"]
+        for kind, options in variants.items():
+            log(f"export {model} --size {budget:,} ({tensor_type}'s bytes) {options}")
             written[kind] = export(model, work / f"{tensor_type}-{kind.replace(' ', '-')}.gguf", size=budget,
-                                   only_types=only, overwrite=True, progress=False)  # fmt: skip
+                                   overwrite=True, progress=False, **options)  # fmt: skip
         for kind, result in written.items():
             files[(tensor_type, kind)] = {
                 "out": str(result.path), "bytes": result.details["bytes"],
                 "type_counts": result.details["type_counts"],
-                "predicted_loss_rise": result.details.get("predicted_loss_rise"),
+                "predicted_loss_rise": result.details.get("predicted_loss_rise"), "speed": result.details.get("speed"),
             }  # fmt: skip
     return files
 
@@ -99,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     with tempfile.TemporaryDirectory(prefix="masa-only-types-") as work:
-        files = write_files(args.model, types, args.only_types, Path(work))
+        variants = {"every type": {}, "only types": {"only_types": args.only_types}}
+        files = write_files(args.model, types, variants, Path(work))
         paths = {f"{t}|{kind}": f["out"] for (t, kind), f in files.items()}
         reference, scored = score_files(args.model, paths, args.max_tokens, per_pass=3, split="validation")
         speeds = time_files(args.model, files, args.repeats)

@@ -23,36 +23,14 @@ import numpy as np
 from scipy import stats
 
 from benchmarks.engines.bytes_frontier import score_files
-from benchmarks.experiments.only_types.run import compare, time_files
+from benchmarks.experiments.only_types.run import compare, time_files, write_files
 from benchmarks.suite.common import command_line, log, machine_info, write_json
-from compressor.api.export import export
 
 MODEL = "smollm2-135m"
 TYPES = "q8_0,q6_k,q5_k_m,q4_k_m,q3_k_m,q2_k"
 #: Each `--size` file's `--speed`, and what it is compared with, paired on the same windows.
-SPEEDS = {"any": "any", "speed mix": "mix"}
+SPEEDS = {"any": {"speed": "any"}, "speed mix": {"speed": "mix"}}
 PAIRED = {"any": ("mix",), "speed mix": ("mix", "any")}
-
-
-def write_files(model: str, types: list[str], work: Path) -> dict:
-    """(mix name, kind) → what was written: its file, bytes, matrices by type and, held to a speed, its record."""
-    files = {}
-    for tensor_type in types:
-        log(f"export {model} --type {tensor_type} (importance weights below 8 bits)")
-        written = {"mix": export(model, work / f"{tensor_type}-mix.gguf", tensor_type=tensor_type, overwrite=True,
-                                 progress=False)}  # fmt: skip
-        budget = written["mix"].details["bytes"]
-        for kind, speed in SPEEDS.items():
-            log(f"export {model} --size {budget:,} ({tensor_type}'s bytes) --speed {speed}")
-            written[kind] = export(model, work / f"{tensor_type}-{kind.replace(' ', '-')}.gguf", size=budget,
-                                   speed=speed, overwrite=True, progress=False)  # fmt: skip
-        for kind, result in written.items():
-            files[(tensor_type, kind)] = {
-                "out": str(result.path), "bytes": result.details["bytes"],
-                "type_counts": result.details["type_counts"],
-                "predicted_loss_rise": result.details.get("predicted_loss_rise"), "speed": result.details.get("speed"),
-            }  # fmt: skip
-    return files
 
 
 def decode_ratio(ours: list[float], mix: list[float]) -> tuple[float, list[float]]:
@@ -82,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     with tempfile.TemporaryDirectory(prefix="masa-speed-limit-") as work:
-        files = write_files(args.model, types, Path(work))
+        files = write_files(args.model, types, SPEEDS, Path(work))
         paths = {f"{t}|{kind}": f["out"] for (t, kind), f in files.items()}
         reference, scored = score_files(args.model, paths, args.max_tokens, per_pass=3, split="validation")
         speeds = time_files(args.model, files, args.repeats)
