@@ -3,6 +3,8 @@ writes, checked against the bundled model's own GGUF and by llama.cpp tokenizing
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -13,7 +15,7 @@ from conftest import byte_tokenizer, tiny_model, tiny_model_dir
 
 from compressor.api.export import export
 from compressor.checkpoint.gguf_export import UNIFORM_ARCHITECTURE
-from compressor.checkpoint.gguf_tokenizer import fields_from_gguf, fields_from_hf
+from compressor.checkpoint.gguf_tokenizer import NO_SPACE_PREFIX, fields_from_gguf, fields_from_hf
 from compressor.runtime.errors import UserError
 
 #: Fields the bundled GGUF holds that a folder saved by transformers does not say (its tokenizer_config has no
@@ -115,11 +117,125 @@ def test_a_pre_tokenizer_llama_cpp_does_not_know_is_refused_before_any_weight_is
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_a_sentencepiece_model_file_is_refused_in_one_line(tmp_path):
+#: The vocabulary of the SentencePiece tokenizers trained below (the tiny models' embedding rows).
+SENTENCEPIECE_VOCAB = 2000
+#: Gemma numbers its special pieces its own way; Llama's are SentencePiece's defaults.
+SPECIAL_PIECES = {
+    True: {"pad": (0, "<pad>"), "eos": (1, "<eos>"), "bos": (2, "<bos>"), "unk": (3, "<unk>")},
+    False: {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (-1, "<pad>")},
+}
+
+
+@functools.cache
+def sentencepiece_model(gemma: bool) -> bytes:
+    """A real SentencePiece BPE trained by the `sentencepiece` package on the calibration text, with Llama's and
+    Gemma's settings (byte fallback, digits split, no normalization); Gemma's starts no text with a space."""
+    import io
+
+    import sentencepiece
+
+    from calibration.sources import load_documents
+
+    lines = "\n".join(load_documents("wikipedia", "calibration").documents[1:200]).split("\n")
+    pieces = {}
+    for name, (i, piece) in SPECIAL_PIECES[gemma].items():
+        pieces[f"{name}_id"], pieces[f"{name}_piece"] = i, piece
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=out, model_type="bpe", vocab_size=SENTENCEPIECE_VOCAB,
+        byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=not gemma, allow_whitespace_only_pieces=True, minloglevel=2, num_threads=1, **pieces,
+    )  # fmt: skip
+    return out.getvalue()
+
+
+def sentencepiece_tokenizer_files(folder: Path, family: str) -> Path:
+    """A SentencePiece tokenizer written into a model folder as the hub holds one: `tokenizer.model`, with the
+    `tokenizer.json` and `tokenizer_config.json` transformers converts from it."""
+    from transformers import AutoTokenizer
+
+    gemma = family in NO_SPACE_PREFIX
+    (folder / "tokenizer.model").write_bytes(sentencepiece_model(gemma))
+    config = {f"{name}_token": piece for name, (i, piece) in SPECIAL_PIECES[gemma].items() if i >= 0}
+    config["tokenizer_class"] = "GemmaTokenizer" if gemma else "LlamaTokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
+    return folder
+
+
+#: Families whose converter reads a `tokenizer.model` first, each through a different path: Llama's, Qwen2's
+#: Phi-3's own variant, Gemma's (with its fill-in-the-middle tokens), Gemma 2's and Gemma 3's. Qwen2's converter
+#: reads one too, but transformers reads a Qwen2 folder's tokenizer as its own BPE (the long converter test
+#: checks its fields).
+SENTENCEPIECE_FAMILIES = ["llama", "phi3", "gemma", "gemma2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("family", SENTENCEPIECE_FAMILIES)
+def test_a_sentencepiece_folder_exports_and_llama_cpp_tokenizes_as_sentencepiece(tmp_path, family):
+    """A folder whose tokenizer is a SentencePiece `tokenizer.model` exports with no --tokenizer-from: llama.cpp
+    tokenizes a page as the SentencePiece model itself and transformers do, and the file holds every piece's
+    score and type as the model has them."""
+    import gguf
+    from sentencepiece import SentencePieceProcessor
+
+    from calibration.sources import load_documents
+
+    folder = tmp_path / "model"
+    tiny_model(family, vocab_size=SENTENCEPIECE_VOCAB, **OVERRIDES.get(family, {})).save_pretrained(folder)
+    sentencepiece_tokenizer_files(folder, family)
+    llama_ids, hf_ids = export_and_compare_tokenization(folder, tmp_path / "m.gguf")
+    page = load_documents("wikipedia", "calibration").documents[0][:3000]
+    processor = SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    assert len(hf_ids) > 500 and llama_ids == hf_ids == processor.encode(page)
+    fields = as_dict(fields_from_gguf(tmp_path / "m.gguf"))
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.pre"] == "default"
+    types, scores = fields["tokenizer.ggml.token_type"], fields["tokenizer.ggml.scores"]
+    pieces = [i for i, t in enumerate(types) if t in (gguf.TokenType.NORMAL, gguf.TokenType.BYTE)]
+    special = [i for i, _ in SPECIAL_PIECES[family in NO_SPACE_PREFIX].values() if i >= 0]
+    assert len(pieces) == SENTENCEPIECE_VOCAB - len(
+        special
+    )  # those scored -1000 where added tokens name them
+    assert [scores[i] for i in pieces] == pytest.approx([processor.GetScore(i) for i in pieces])
+    unknown = (
+        gguf.TokenType.CONTROL if family == "phi3" else gguf.TokenType.UNKNOWN
+    )  # Phi-3's: special = control
+    assert types.count(gguf.TokenType.BYTE) == 256 and types[processor.unk_id()] == unknown
+    assert types[processor.bos_id()] == types[processor.eos_id()] == gguf.TokenType.CONTROL
+    assert fields["tokenizer.ggml.bos_token_id"] == processor.bos_id()
+    assert fields.get("tokenizer.ggml.add_space_prefix", True) is (family not in NO_SPACE_PREFIX)
+    assert ("tokenizer.ggml.eot_token_id" in fields) is (family == "gemma")
+
+
+def test_a_file_that_is_no_sentencepiece_model_is_refused_in_one_line(tmp_path):
     folder = tiny_model_dir(tmp_path / "spm")
     (folder / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(UserError, match=r"SentencePiece tokenizer.model: .*--tokenizer-from"):
+    with pytest.raises(UserError, match=r"tokenizer.model: not a SentencePiece model .*--tokenizer-from"):
         export(str(folder), tmp_path / "m.gguf", tensor_type="f16", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_sentencepiece_folder_without_the_package_is_refused_in_one_line(tmp_path, monkeypatch):
+    import sys
+
+    folder = tiny_model_dir(tmp_path / "spm", vocab_size=SENTENCEPIECE_VOCAB)
+    (folder / "tokenizer.model").write_bytes(sentencepiece_model(False))
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    with pytest.raises(UserError, match=r"needs the sentencepiece package \(pip install sentencepiece\)"):
+        fields_from_hf(folder)
+
+
+def test_a_family_whose_converter_ignores_tokenizer_model_reads_tokenizer_json(
+    bundled_tokenizer_folder, tmp_path
+):
+    """OLMo 2's converter reads `tokenizer.json` alone: a `tokenizer.model` beside it changes nothing."""
+    folder = tmp_path / "olmo2"
+    folder.mkdir()
+    for name in bundled_tokenizer_folder.iterdir():
+        (folder / name.name).write_bytes(name.read_bytes())
+    (folder / "config.json").write_text(json.dumps({"model_type": "olmo2", "vocab_size": 49152}))
+    without = as_dict(fields_from_hf(folder))
+    (folder / "tokenizer.model").write_bytes(sentencepiece_model(False))
+    assert as_dict(fields_from_hf(folder)) == without and without["tokenizer.ggml.model"] == "gpt2"
 
 
 def test_tokenizer_from_still_wins(tmp_path):

@@ -105,44 +105,40 @@ def test_llama_quantize_applies_the_recipe_to_the_same_types_and_blocks(tmp_path
 #: `general.*` extras are labels.
 OURS_ONLY = {"rope.dimension_count", "vocab_size", "rope.freq_base"}  # Gemma 3's converter writes its base
 THEIRS_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
-#: llama.cpp's converter run as a script, except that Gemma's and Gemma 2's vocabulary step reads a SentencePiece
-#: `tokenizer.model`, which nothing here can make (no `sentencepiece`): theirs then takes the folder's BPE
-#: `tokenizer.json` the way Gemma 3's does (`_set_vocab_gpt2`). Tensors and hyperparameters are the converter's own.
-CONVERTER = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-import conversion.gemma as gemma
-gemma.GemmaModel.set_vocab = gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
-script, sys.argv = sys.argv[1] + "/convert_hf_to_gguf.py", ["convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(script, run_name="__main__")
-"""
+
+
+def run_converter(sources, folder, *options) -> None:
+    """llama.cpp's own `convert_hf_to_gguf.py` of the vendored sources, as a user runs it."""
+    import sys
+
+    script = sources / "convert_hf_to_gguf.py"
+    subprocess.run(
+        [sys.executable, str(script), str(folder), *map(str, options)], check=True, capture_output=True
+    )
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text"])
 def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources, family):
-    """A tiny Gemma folder of each family (the bundled model's tokenizer): the tool's f32 GGUF against the one
+    """A tiny Gemma folder of each family (a SentencePiece tokenizer, as Gemma's): the tool's f32 GGUF against the one
     llama.cpp's own `convert_hf_to_gguf.py` writes from the same folder: the same tensors bit for bit, the same
     metadata but the keys named above, the same log-probabilities in llama.cpp; and the gap to transformers, the
     engine's (`ENGINE_GAP`; the f32 bound on weights far from their init: test_gguf_export), bounded."""
     pytest.importorskip("xllamacpp")
-    import sys
-
     import gguf
     import torch
     from conftest import tiny_model
     from test_gguf_export import GEMMA, GEMMA_ARCHITECTURE, llama_cpp_log_probs
-    from test_gguf_tokenizer import bundled_tokenizer_files
+    from test_gguf_tokenizer import SENTENCEPIECE_VOCAB, sentencepiece_tokenizer_files
 
     from compressor.api.export import export
 
     overrides, architecture = GEMMA[family], GEMMA_ARCHITECTURE[family]
     folder = tmp_path / family
-    model = tiny_model(family, vocab_size=49152, **overrides)
+    model = tiny_model(family, vocab_size=SENTENCEPIECE_VOCAB, **overrides)
     model.save_pretrained(folder)
-    bundled_tokenizer_files(folder)
+    sentencepiece_tokenizer_files(folder, family)
     theirs = tmp_path / "theirs.gguf"
-    subprocess.run([sys.executable, "-c", CONVERTER, str(llama_cpp_sources), str(folder), "--outtype", "f32",
-                    "--outfile", str(theirs)], check=True, capture_output=True)  # fmt: skip
+    run_converter(llama_cpp_sources, folder, "--outtype", "f32", "--outfile", theirs)
     ours = export(str(folder), tmp_path / "ours.gguf", tensor_type="f32", progress=False).path
     readers = [gguf.GGUFReader(str(p)) for p in (ours, theirs)]
     tensors = [{t.name: np.asarray(t.data) for t in r.tensors} for r in readers]
@@ -159,12 +155,38 @@ def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources,
         assert fields[0][f"{architecture}.rope.freq_base"] == 10000.0
     differ = {k for k in fields[0].keys() & fields[1].keys() if fields[0][k] != fields[1][k]}
     assert differ == {"general.name"}
-    ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, SENTENCEPIECE_VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
     ours_lp, theirs_lp = llama_cpp_log_probs(ours, ids), llama_cpp_log_probs(theirs, ids)
     assert (ours_lp - theirs_lp).abs().max() < 1e-4
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits.float(), dim=-1)
     assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured at most)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_sentencepiece_tokenizer_fields_are_llama_cpp_s_converter_s(tmp_path, llama_cpp_sources, family):
+    """A folder with a SentencePiece `tokenizer.model`, converted by the tool and by llama.cpp's own converter
+    (`--vocab-only`) for each path the converter reads it by (Llama's, Qwen2's, Phi-3's own): the same
+    `tokenizer.*` fields, value for value (Gemma's: the test above, whole files)."""
+    from conftest import tiny_model
+    from test_gguf_tokenizer import SENTENCEPIECE_VOCAB, as_dict, sentencepiece_tokenizer_files
+
+    from compressor.checkpoint.gguf_tokenizer import fields_from_gguf, fields_from_hf
+
+    folder = tmp_path / family
+    tiny_model(family, vocab_size=SENTENCEPIECE_VOCAB).save_pretrained(folder)
+    sentencepiece_tokenizer_files(folder, family)
+    theirs = tmp_path / "theirs.gguf"
+    run_converter(llama_cpp_sources, folder, "--vocab-only", "--outfile", theirs)
+    ours = as_dict(fields_from_hf(folder))
+    tokens = ours.pop("tokenizer.ggml.tokens")  # bytes as written, as the converter's; read back, text
+    theirs_fields = as_dict(fields_from_gguf(theirs))
+    assert [t.decode() for t in tokens] == theirs_fields.pop("tokenizer.ggml.tokens")
+    assert (
+        ours == theirs_fields
+        and ours["tokenizer.ggml.model"] == "llama"
+        and len(tokens) == SENTENCEPIECE_VOCAB
+    )
 
 
 def test_the_tool_s_mixes_are_llama_quantize_s(tmp_path, llama_cpp_tools, bundled_gguf):
