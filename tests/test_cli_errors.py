@@ -86,6 +86,13 @@ def _no_network(monkeypatch) -> None:
     monkeypatch.setattr(hub, "cached_config", lambda repo, revision: False)
 
 
+def _decode_costs_known(monkeypatch) -> None:
+    """Every type's decode cost as if measured on this CPU before (1 ns per weight; measuring them takes minutes)."""
+    from compressor.quantize import decode_cost
+
+    monkeypatch.setattr(decode_cost, "decode_costs", lambda types, **_: dict.fromkeys(types, 1.0))
+
+
 def _damaged_checkpoint(tmp: Path, damage: str) -> str:
     """A real (tiny) compressed checkpoint, then damaged as a disk, a download or a hand edit would."""
     import json
@@ -362,6 +369,14 @@ CASES = [
         "--speed without a byte budget",
         lambda t, mp: ["export", "smollm2-135m", str(t / "m.gguf"), "--speed", "mix"],
         "--speed mix: the decode speed of a --size file: add --size (or drop --speed)",
+    ),
+    (
+        "a --speed no file of those bytes reaches (refused before the calibration)",
+        lambda t, mp: (
+            _decode_costs_known(mp)
+            or ["export", "smollm2-135m", str(t / "m.gguf"), "--size", "80MiB", "--speed", "1000"]
+        ),
+        "--speed: the fastest file of these bytes is predicted at 7.4 tokens/s on this CPU (1 thread), short of the",
     ),
     (
         "--speed that is not a speed",

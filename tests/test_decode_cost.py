@@ -15,8 +15,11 @@ from compressor.quantize.decode_cost import (
     decode_seconds,
     file_layer_shape,
     file_matrices,
+    layer_bytes,
     measure_costs,
+    measurement_seconds,
     probe_depths,
+    unmeasured_types,
 )
 
 #: A layer 64 wide, its MLP 256 wide: Q8_0's blocks of 32 fill every row, Q4_K's of 256 only `ffn_down`'s.
@@ -72,8 +75,7 @@ def test_costs_spread_the_layer_overhead_so_any_mix_of_types_sums_to_its_layer_t
 
 
 def test_probe_depths_stream_from_memory():
-    layer = {"ffn_up": ("F16", np.zeros(3 << 20, np.uint8))}
-    shallow, deep = probe_depths(layer)
+    shallow, deep = probe_depths(3 << 20)
     assert shallow * (3 << 20) >= decode_cost.PROBE_BYTES > (shallow - 1) * (3 << 20) and deep == 2 * shallow
 
 
@@ -160,3 +162,34 @@ def test_the_layer_shape_of_a_file_about_to_be_written_is_its_widest_layer():
     assert matrices_layer_shape(fused, geometry) == LayerShape(64, 4, 2, 16, 256)
     with pytest.raises(UserError, match="a mixture of experts' decode cost is not measured: drop --speed"):
         matrices_layer_shape(fused[:1], ProjectionGeometry(64, 4, 2, 16, 0))
+
+
+def test_the_measurement_is_priced_by_its_probes_layers_and_bytes_and_nothing_once_measured(
+    tmp_path, monkeypatch
+):
+    """`measurement_seconds`: every missing type's two probes, `PROBE_ROUNDS` loads (priced by their bytes) and
+    `PROBE_REPEATS` calls each (by their layers), against the timed probe; the base's slope (two depths) where it
+    is not cached; one layer quantized at the rate given; nothing where every type is cached."""
+    pytest.importorskip("xllamacpp")
+    monkeypatch.setenv("MASA_CACHE", str(tmp_path))
+    timing = decode_cost.ProbeTiming(layers=4, bytes=1 << 20, load=0.5, token=1e-3)
+    monkeypatch.setattr(decode_cost, "probe_timing", lambda shape, threads: timing)
+    per_layer = decode_cost.PROBE_REPEATS * decode_cost.PROBE_TOKENS * 1e-3 / 4
+    per_byte = 0.5 / (1 << 20)
+    base, q8 = layer_bytes(TINY, "F16"), layer_bytes(TINY, "Q8_0")
+    assert base == 2 * TINY.weights and q8 == TINY.weights // 32 * 34  # Q8_0: 34 bytes a block of 32
+    assert layer_bytes(TINY, "Q4_K") == base - 64 * 256 * 2 + 64 * 144  # ffn_down alone holds Q4_K's blocks
+    shallow, deep = probe_depths(base)
+    q8_depth = probe_depths(q8)[0]
+    f16_probes = (shallow + deep) * (per_layer + base * per_byte)
+    q8_probes = q8_depth * (2 * per_layer + (base + q8) * per_byte)
+    expected = decode_cost.PROBE_ROUNDS * (f16_probes + q8_probes) + 2 * TINY.weights / 1e6
+    assert unmeasured_types(["Q8_0"], TINY) == ["F16", "Q8_0"]  # the base first: every cost stands on it
+    assert measurement_seconds(["Q8_0"], TINY, quantize_rate=lambda t: 1e6) == pytest.approx(expected)
+    monkeypatch.setattr(decode_cost, "measure_costs", lambda *a: {"F16": 0.2, "Q8_0": 0.1})
+    decode_costs(["Q8_0"], TINY, progress=False)
+    assert measurement_seconds(["Q8_0", "F16"], TINY) == 0.0
+    q5 = layer_bytes(TINY, "Q5_0")  # measured later, on the cached base: its own two probes alone
+    q5_depth = probe_depths(q5)[0]
+    only_q5 = decode_cost.PROBE_ROUNDS * q5_depth * (2 * per_layer + (base + q5) * per_byte)
+    assert measurement_seconds(["Q8_0", "Q5_0"], TINY) == pytest.approx(only_q5)

@@ -142,6 +142,6 @@ def test_the_sensitivity_against_none_docs_options_quotes_are_the_results_file()
 
 def test_the_busy_share_docs_options_quotes_is_the_codes():
     """The CPU share below which plan's rates are not kept, as docs/options.md says it."""
-    from compressor.api.time_estimate import BUSY_SHARE
+    from compressor.runtime.cache_root import BUSY_SHARE
 
     assert f"under {BUSY_SHARE:.0%} of its time ours" in " ".join(OPTIONS.split())

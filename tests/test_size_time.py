@@ -123,3 +123,45 @@ def test_plan_size_prints_the_time_of_each_stage_a_byte_budget_runs(tmp_path, mo
     assert planned["total"] == pytest.approx(sum(stages.values()), abs=0.1 * len(stages))
     main(["plan", str(folder), "--size", "5800KiB"])
     assert "time: about" in capsys.readouterr().out
+
+
+def test_plan_size_with_speed_prices_the_decode_costs_not_yet_measured_into_the_export(
+    tmp_path, monkeypatch, capsys
+):
+    """`--speed mix`: the export's time grows by `decode_cost.measurement_seconds` of every candidate type of the
+    model's row lengths and every type of the mix nearest the budget (here faked; its arithmetic:
+    test_decode_cost), and `plan` says so; `any` adds nothing."""
+    pytest.importorskip("xllamacpp")
+    from conftest import tiny_model
+    from test_gguf_tokenizer import bundled_tokenizer_files
+
+    from compressor.cli import main
+
+    monkeypatch.setattr(size_time, "rounding_rates", lambda: ROUNDING)
+    asked = []
+    monkeypatch.setattr(
+        size_time, "measurement_seconds", lambda types, *a, **k: asked.append(set(types)) or 123.0
+    )
+    folder = tmp_path / "tiny"
+    model = tiny_model("llama", vocab_size=49152)
+    model.save_pretrained(folder)
+    bundled_tokenizer_files(folder)
+    plans = {}
+    for speed in ("any", "mix"):
+        main(["plan", str(folder), "--size", "5800KiB", "--speed", speed, "--json"])
+        plans[speed] = json.loads(capsys.readouterr().out)["time"]
+    assert plans["any"]["decode_cost"] == 0 and plans["mix"]["decode_cost"] == 123.0
+    assert plans["mix"]["stages"]["export"] == pytest.approx(
+        plans["any"]["stages"]["export"] + 123.0, abs=0.2
+    )
+    assert (
+        len(asked) == 1 and {"F16", "Q8_0", "Q4_0"} <= asked[0]
+    )  # the tiny model's 64-wide rows: no k-quant
+    c = model.config
+    layer, types = size_time.speed_types(c, 5800 << 10, mix=True)
+    assert types == asked[0] and layer.hidden == c.hidden_size and layer.intermediate == c.intermediate_size
+    mix = size_time._mix_types(c, layer, 5800 << 10)
+    assert set(mix.values()) <= types and size_time.speed_types(c, 5800 << 10, False)[1] <= types
+    assert len(mix) == 7 * c.num_hidden_layers + 1 + (not c.tie_word_embeddings)  # each matrix, the embedding
+    main(["plan", str(folder), "--size", "5800KiB", "--speed", "mix"])
+    assert "about 123 s to measure the ones not yet measured" in capsys.readouterr().out.replace("\n", " ")

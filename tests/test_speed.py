@@ -217,3 +217,69 @@ def test_the_summary_line_says_the_limit_the_prediction_and_what_it_cost():
     within = SpeedPlan(SpeedTarget(tokens_per_second=40), 1 / 40, None, None, 1 / 50, 1 / 50, 0.0).to_dict()
     assert "50.0 tokens/s, held to 40.0 tokens/s; the allocation was already within it" in speed_line(within)
     assert within["mix_tokens_per_second"] is None and within["threads"] == 1
+
+
+@pytest.mark.parametrize("command", ["export", "compress"])
+def test_a_limit_out_of_reach_is_refused_before_any_weight_or_statistic(tmp_path, monkeypatch, command):
+    """`export --size S --speed N` on a folder, and `compress --size S --speed N` where it chooses types alone
+    (Gemma 3: one MLP width for all layers): a limit faster than the fastest file of those bytes (the config's
+    every candidate type priced at `COSTS`, measured on the config's layer shape) is refused in one line before the
+    weights are read; a limit within reach goes on to them."""
+    pytest.importorskip("xllamacpp")
+    from conftest import tiny_model
+    from test_gguf_tokenizer import OVERRIDES, bundled_tokenizer_files
+
+    import compressor.api.export as export_module
+    import compressor.api.size as size_module
+    from compressor.api import size_time
+    from compressor.api.export import export
+    from compressor.api.run_options import CompressOptions
+    from compressor.api.size import compress_to_size
+    from compressor.quantize import decode_cost
+    from compressor.quantize.speed import check_reachable, config_layer_shape
+
+    family = "llama" if command == "export" else "gemma3_text"
+    model = tiny_model(family, vocab_size=49152, **OVERRIDES.get(family, {}))
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    bundled_tokenizer_files(folder)
+    shapes = []
+
+    def costs(type_names, shape, threads, progress):
+        shapes.append(shape)
+        return {t: COSTS[t] for t in type_names}
+
+    monkeypatch.setattr(decode_cost, "decode_costs", costs)
+    monkeypatch.setattr(
+        size_time, "measurement_seconds", lambda *a, **k: 0.0
+    )  # `plan`'s price: test_size_time
+    layer, budget = config_layer_shape(model.config), 6 << 20
+    with pytest.raises(UserError, match=r"predicted at ([0-9.]+) tokens/s") as refused:
+        check_reachable(model.config, layer, budget, SpeedTarget(tokens_per_second=1e9), None, lambda t: costs(
+            t, layer, 1, False))  # fmt: skip
+    fastest = float(refused.value.args[0].split("predicted at ")[1].split(" ")[0])
+
+    class WeightsRead(Exception):
+        pass
+
+    def read(*args, **kwargs):
+        raise WeightsRead
+
+    for module in (export_module, size_module):
+        monkeypatch.setattr(module, "load_model", read)
+    monkeypatch.setattr(size_module, "measure_original", read)
+
+    def run(speed: str):
+        if command == "export":
+            return export(str(folder), tmp_path / "m.gguf", size="6MiB", speed=speed, progress=False)
+        return compress_to_size(str(folder), CompressOptions(size="6MiB", speed=speed, out=str(tmp_path / "m.gguf"),
+                                                             evaluate=False), progress=False)  # fmt: skip
+
+    with pytest.raises(
+        UserError, match=rf"the fastest file of these bytes is predicted at {fastest:.1f} tokens/s"
+    ):
+        run(f"{2 * fastest:.1f}")
+    assert shapes[-1] == layer == LayerShape(64, 4, 2, 16, model.config.intermediate_size)
+    with pytest.raises(WeightsRead):  # within reach: on to the weights
+        run(f"{fastest / 2:.1f}")
+    assert not (tmp_path / "m.gguf").exists()

@@ -59,4 +59,15 @@ def plan_time_section() -> list[str]:
             f"{orders['order_s']:.1f} s ({orders['greedy-block']:.2f}x its arithmetic), its errors' Cholesky "
             f"{orders['tail_s']:.1f} s ({orders['tail']:.2f}x).",
         ]
+    decode = data.get("decode_cost")
+    if decode:
+        ratio = decode["ratio"]
+        verdict = "within" if 1 / WITHIN <= ratio <= WITHIN else "**not within**"
+        lines += [
+            "",
+            f"`--speed mix`'s first measurement of llama.cpp's decode costs ({decode['model']}, `--size "
+            f"{decode['size']}`: {len(decode['types'])} types on a cache of its own) took {decode['measured_s']:.0f} s; "
+            f"`plan` priced it at {decode['planned_s']:.0f} s ({ratio:.2f}x, {verdict} {WITHIN:g}x), from one probe "
+            "it times once on this CPU (a few seconds).",
+        ]
     return [*lines, ""]

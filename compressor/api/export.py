@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compressor.api.model_loading import ModelSource, gguf_path, load_model, resolve_model
+from compressor.api.size_time import check_speed_early
 from compressor.checkpoint import export_dense, read_masa_config
 from compressor.checkpoint.gguf_export import GgufExport, check_config_exports, check_gguf_output, write_gguf
 from compressor.checkpoint.gguf_families import ENGINE_GAP
@@ -78,11 +79,10 @@ def export(
 
     `size` (bytes, or `850MiB`, `1.2GB`): the GGUF is at most that many bytes, each matrix's type chosen by the
     loss-aware allocation of `quantize/byte_budget.py`; `bits_per_weight` (B): B × the parameters / 8 bytes;
-    `only_types` (`q4_k,q3_k,q6_k`): the types it may choose from. `record`: more string fields for the file.
-
-    `rounding`: `nearest` (llama.cpp's own, the default) or `compensated` (`quantize/rounding.py`), from the
-    `rounding_stream` statistics; `tensor_types_out`: the types as `llama-quantize`'s `--tensor-type-file`.
-    `speed` (`any`, `mix`, tokens/s): the least decode speed (`quantize/speed.py`); `name`: the `general.name`."""
+    `only_types` (`q4_k,q3_k,q6_k`): the types it may choose from; `speed` (`any`, `mix`, tokens/s): the least
+    decode speed (`quantize/speed.py`). `rounding`: `nearest` (llama.cpp's own, the default) or `compensated`
+    (`quantize/rounding.py`), from the `rounding_stream` statistics; `tensor_types_out`: the types as
+    `llama-quantize`'s `--tensor-type-file`; `record`: more string fields for the file; `name`: `general.name`."""
     if format not in FORMATS:
         raise UserError(f"--format {format}: unknown format: choose one of {', '.join(FORMATS)}")
     wanted = check_export_options(format, layout, parse_budget(size, bits_per_weight), imatrix_out)
@@ -94,6 +94,7 @@ def export(
     check_hub_model(source)
     if (config := source_config(source)) is not None:  # before any weight or statistic
         check_config_exports(config, budgeted=wanted is not None)
+        check_speed_early(config, None if source.kind == "compressed" else wanted, target, allowed, progress)
     tensor_type, use_importance = check_quantization(tensor_type, imatrix, wanted, calib_samples, imatrix_out)
     rounding = check_rounding(rounding, None if wanted is not None else tensor_type, imatrix)
     out, imatrix_out, tensor_types_out = check_outputs(out, imatrix_out, tensor_types_out, overwrite, imatrix)

@@ -37,6 +37,7 @@ from compressor.api.export import (
 from compressor.api.model_loading import check_window_fits, load_model, resolve_model
 from compressor.api.preview import model_parameter_count, read_model_config
 from compressor.api.run_options import CompressOptions, EvalSettings, resolve_eval_settings
+from compressor.api.size_time import check_speed_early
 from compressor.checkpoint.gguf_export import (
     UNIFORM_ARCHITECTURE,
     check_config_exports,
@@ -164,7 +165,7 @@ def compress_to_size(
         raise ValueError("compress_to_size needs options.size or options.bits_per_weight")
     label = str(options.size or f"{options.bits_per_weight:g}bpw").replace(" ", "")
     out = check_gguf_output(options.out or default_out(model, label), options.overwrite)
-    source, config, targets, structure_note = check_source(model, options, wanted)
+    source, config, targets, structure_note = check_source(model, options, wanted, progress)
     # The file is scored in llama.cpp, whose context is the config's: a window too long is known before any work.
     if options.evaluate:
         window = resolve_eval_settings(EvalSettings(seq_len=options.eval_seq_len), None).seq_len
@@ -248,8 +249,8 @@ def size_time(model: str, source, config, options: CompressOptions, structure_op
     importance = importance_calibration(source, source, options.calib_samples)
     gpu = resolve_device("auto").type == "cuda"
     return size_time_estimate(
-        config, importance, evaluation, budget, structure, gpu, options.rounding == "compensated"
-    )
+        config, importance, evaluation, budget, structure, gpu, options.rounding == "compensated", options.speed
+    )  # fmt: skip
 
 
 #: What to do when a folder's tokenizer cannot be converted (compress has no --tokenizer-from).
@@ -267,9 +268,10 @@ def check_size_family(config) -> None:
     check_config_exports(config, budgeted=True)
 
 
-def check_source(model: str, options: CompressOptions, wanted):
+def check_source(model: str, options: CompressOptions, wanted, progress: bool = True):
     """(source, config, what the allocation may narrow, why), or a one-line error before any weight is read: a
-    family llama.cpp does not run here, a tokenizer llama.cpp would not take, a budget below the matrices' least."""
+    family llama.cpp does not run here, a tokenizer llama.cpp would not take, a budget below the matrices' least,
+    a `--speed` of tokens per second no file of the types alone reaches (a structure may make one faster)."""
     source = resolve_model(model)
     check_hub_model(source)
     config = read_model_config(source)[0]
@@ -278,7 +280,10 @@ def check_source(model: str, options: CompressOptions, wanted):
     tokenizer_source(
         source, None, GGUF_FIX
     )  # a tokenizer llama.cpp would not take: refused before any weight
-    check_least_bytes(config, targets, wanted, parse_only_types(options.only_types))
+    allowed = parse_only_types(options.only_types)
+    check_least_bytes(config, targets, wanted, allowed)
+    if targets is None:  # a structure may make a file faster: then refused once the calibration priced it
+        check_speed_early(config, wanted, parse_speed(options.speed), allowed, progress)
     if options.imatrix is not None:
         read_imatrix_file(options.imatrix)  # unreadable: one line before any weight (names: once loaded)
     return source, config, targets, structure_note

@@ -9,7 +9,9 @@ arithmetic, one factor per stage for what the arithmetic leaves out), with the s
   (its matrices are new; none is needed where the allocation removes nothing, which only the calibration tells);
   each matrix's rounding error in every candidate type on its sampled rows at ggml's rate for that type
   (`quantize/rounding_rates.py`); every matrix quantized in the candidate type nearest the budget's bits per
-  weight; the file written. Priced at the original's widths (a narrowed model's are fewer);
+  weight; the file written; with `--speed`, llama.cpp's decode cost of each type the chooser asks for that this
+  CPU has not measured for the model's layer shape (`decode_cost.measurement_seconds`, priced by one probe timed
+  here once). Priced at the original's widths (a narrowed model's are fewer);
 - `eval`: the file scored in llama.cpp and the original in transformers, over the evaluation's tokens.
 The factors (`SIZE_FACTORS`) were fitted on the bundled model's run (`benchmarks/experiments/plan_time`).
 """
@@ -28,8 +30,17 @@ from compressor.api.time_estimate import (
     time_estimate,
 )
 from compressor.quantize.byte_budget import GRADIENT_WINDOWS, LOOKUP_ROWS, SAMPLE_ROWS, candidate_types
+from compressor.quantize.decode_cost import LayerShape, measurement_seconds
 from compressor.quantize.ggml_quantize import row_bytes
 from compressor.quantize.rounding_rates import RoundingRates, rounding_rates
+from compressor.quantize.speed import (
+    SPEED_THREADS,
+    check_reachable,
+    config_layer_shape,
+    config_matrices,
+    mix_of_budget,
+    parse_speed,
+)
 from compressor.runtime.memory import Shape
 
 #: Seconds per stage = SIZE_FACTORS[stage] × its arithmetic at its rate (see the module's docstring); fitted on the
@@ -78,6 +89,58 @@ def nearest_type(bits: float, row_length: int) -> str:
     )
 
 
+def decode_cost_seconds(config, budget: int, speed: str | None, rounding: RoundingRates) -> float:
+    """Measuring what `--speed` needs of llama.cpp's decode costs and this CPU has not measured for the model's
+    layer shape (`speed_types`; 0: no speed asked, or all measured). A type ggml's quantizer rate was not measured
+    for (a mix's i-quant) is priced at the slowest rate measured."""
+    target = parse_speed(speed)
+    if target is None:
+        return 0.0
+    layer, types = speed_types(config, budget, target.mix)
+    slowest = min(rounding.quantize.values())
+    return measurement_seconds(types, layer, SPEED_THREADS, lambda t: rounding.quantize.get(t, slowest))
+
+
+def check_speed_early(config, wanted, target, allowed, progress: bool) -> None:
+    """`speed.check_reachable` at the budget `wanted` (`ByteBudget`) asks of the model `config` describes, on its
+    layer shape, its decode costs measured now where this CPU has not (they serve the allocation later): a
+    tokens-per-second limit out of reach is refused before the calibration. Nothing to check with no `target`,
+    or no `wanted` (none asked, or a checkpoint's: its narrower widths are checked once it is loaded)."""
+    from functools import partial
+
+    from compressor.api.preview import model_parameter_count
+    from compressor.quantize.decode_cost import decode_costs
+
+    if target is None or wanted is None:
+        return
+    layer = config_layer_shape(config)
+    costs_of = partial(decode_costs, shape=layer, threads=SPEED_THREADS, progress=progress)
+    check_reachable(config, layer, wanted.bytes_for(model_parameter_count(config)), target, allowed, costs_of)
+
+
+def speed_types(config, budget: int, mix: bool) -> tuple[LayerShape, set[str]]:
+    """The layer shape `--speed` measures decode costs on (the original's widths) and the types it asks for: every
+    candidate type of its row lengths and, for `mix`, the types of the mix nearest the budget."""
+    layer = config_layer_shape(config)
+    types = {t for _, cols in layer.matrices().values() for t in candidate_types(cols, True)}
+    if mix:
+        types |= set(_mix_types(config, layer, budget).values())
+    return layer, types
+
+
+def _mix_types(config, layer: LayerShape, budget: int) -> dict[str, str]:
+    """The stored type of each matrix in the llama.cpp mix `--speed mix` holds a file of `budget` bytes to, from
+    the config's shapes (`speed.mix_of_budget` on weightless arrays; the file's metadata left out)."""
+    from functools import partial
+
+    from compressor.checkpoint.gguf_export import mix_stored_type
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    context = {"gqa": layer.heads // max(layer.kv_heads, 1), "has_imatrix": True, "n_expert": 1}
+    mix_type_of = partial(mix_stored_type, config.num_hidden_layers, not tied, context)
+    return mix_of_budget(config_matrices(config, layer), 0, budget, mix_type_of)[1]
+
+
 def size_stage_seconds(
     shape: Shape, work: SizeWork, rates: Rates, rounding: RoundingRates
 ) -> dict[str, float]:
@@ -103,13 +166,21 @@ def size_stage_seconds(
 
 
 def size_time_estimate(
-    config, importance, evaluation, budget: int, structure=None, gpu: bool = False, compensated: bool = False
+    config,
+    importance,
+    evaluation,
+    budget: int,
+    structure=None,
+    gpu: bool = False,
+    compensated: bool = False,
+    speed: str | None = None,
 ) -> dict:
     """`plan --size`'s time: each stage's seconds on this machine, their total and the rates they were priced at.
     `importance`: the importance pass's calibration (`CalibrationSettings`); `evaluation`: the scoring's settings
     (`EvaluationSettings`; None: no evaluation); `structure`: (its resolved run, its options) where a structure is
-    built; `compensated`: `--rounding compensated` (its passes are not priced: said). Cached importance weights
-    and rounding errors make a run shorter (the estimate counts them in full)."""
+    built; `compensated`: `--rounding compensated` (its passes are not priced: said); `speed`: `--speed`, whose
+    decode costs not yet measured on this CPU join the export's time (`decode_cost` says how many seconds). Cached
+    importance weights and rounding errors make a run shorter (the estimate counts them in full)."""
     from compressor.runtime.device import resolve_device
 
     shape = Shape.from_config(config)
@@ -125,6 +196,8 @@ def size_time_estimate(
         unpriced.append("--rounding compensated's passes not counted (nearest's priced)")
     rounding = rounding_rates()
     added = size_stage_seconds(shape, work, rates, rounding)
+    decode_cost = decode_cost_seconds(config, budget, speed, rounding)
+    added["export"] += decode_cost
     stages = {"importance": added.pop("importance")}  # the stages in the order the run takes them
     if structure is not None:
         planned = time_estimate(config, structure[0], structure[1], gpu=gpu)
@@ -135,5 +208,5 @@ def size_time_estimate(
     stages = {stage: round(seconds, 1) for stage, seconds in (stages | added).items()}
     return {"stages": stages, "total": round(sum(stages.values()), 1), "unpriced": unpriced,
             "rates": asdict(rates) | {"cpu_share": min(rates.cpu_share, rounding.cpu_share)},
-            "busy": rates.busy or rounding.busy, "file_type": work.file_type,
+            "busy": rates.busy or rounding.busy, "file_type": work.file_type, "decode_cost": round(decode_cost, 1),
             "cached": "less the importance weights, statistics and rounding errors found in the cache"}  # fmt: skip

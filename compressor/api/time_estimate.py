@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from compressor.runtime.cache_root import BUSY_SHARE, measured_once
+from compressor.runtime.cache_root import CpuShared, measured_once
 from compressor.runtime.device import cpu_name
 from compressor.runtime.memory import Shape, Workload
 
@@ -56,7 +56,7 @@ OFFLINE_TEXTS = ("wikipedia", "shakespeare")
 
 
 @dataclass(frozen=True)
-class Rates:
+class Rates(CpuShared):
     """Multiply-adds a second of the three kinds of work (see the module's docstring) on this machine."""
 
     gemm: float
@@ -65,11 +65,6 @@ class Rates:
     device: str
     #: the CPU's share the measurement had (see `BUSY_SHARE`); 1 on a GPU
     cpu_share: float = 1.0
-
-    @property
-    def busy(self) -> bool:
-        """Measured while other work held the CPU: prices one estimate, never cached."""
-        return self.cpu_share < BUSY_SHARE
 
 
 def _best_rate(work: float, run, repeats: int = 3) -> float:

@@ -75,8 +75,9 @@ def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_j
     if plan.get("speed", "any") != "any":
         console.print(
             f"  decode held to (--speed): {plan['speed']}, as predicted from llama.cpp's decode cost per type on "
-            "this CPU (measured once, tens of seconds per type)"
-        )
+            "this CPU: " + (f"about {plan['time']['decode_cost']:.0f} s to measure the ones not yet measured (in "
+                            "the export's time)" if plan["time"].get("decode_cost") else "all measured before")
+        )  # fmt: skip
     for name, values in plan["candidates"].items():
         if values:
             console.print(f"  {name.replace('_', ' ')} offered per layer: {', '.join(map(str, values))}")

@@ -27,12 +27,13 @@ import json
 import math
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from compressor.runtime.cache_root import atomic_write_bytes, cache_dir
+from compressor.runtime.cache_root import CpuShared, atomic_write_bytes, cache_dir, measured_once
 from compressor.runtime.device import cpu_name
 from compressor.runtime.errors import UserError
 
@@ -185,11 +186,22 @@ def fastest_in_turns(probes: list[_Probe]) -> list[float]:
     return [min(t) for t in times]
 
 
-def probe_depths(layer: dict[str, tuple[str, np.ndarray]]) -> tuple[int, int]:
+def probe_depths(layer_bytes: int) -> tuple[int, int]:
     """Two depths, the shallower holding at least `PROBE_BYTES` of matrices, the deeper twice as many layers."""
-    layer_bytes = sum(blocks.nbytes for _, blocks in layer.values())
     shallow = max(2, math.ceil(PROBE_BYTES / layer_bytes))
     return shallow, 2 * shallow
+
+
+def layer_bytes(shape: LayerShape, type_name: str) -> int:
+    """The bytes of one probe layer's matrices in `type_name` (`BASE_TYPE` where its blocks do not fill the rows):
+    what `_blocks` holds, known without quantizing."""
+    from compressor.quantize.ggml_quantize import row_bytes
+
+    fits = shape.fits(type_name)
+    return sum(
+        rows * row_bytes(type_name if fits[name] else BASE_TYPE, cols)
+        for name, (rows, cols) in shape.matrices().items()
+    )
 
 
 def timed_in_turns(work: Path, shape: LayerShape, layers_and_depths: list[tuple[dict, int]], threads: int):
@@ -227,14 +239,14 @@ def measure_costs(
         work = Path(folder)
         base = _blocks(shape, BASE_TYPE)
         if base_ns is None:
-            shallow, deep = probe_depths(base)
+            shallow, deep = probe_depths(layer_bytes(shape, BASE_TYPE))
             on_shallow, on_deep = timed_in_turns(work, shape, [(base, shallow), (base, deep)], threads)
             base_ns = (on_deep - on_shallow) / (deep - shallow) / shape.weights * 1e9
         base_cost = base_ns * 1e-9
         costs = {BASE_TYPE: base_ns}
         for type_name in types:
             layer = _blocks(shape, type_name)
-            depth = probe_depths(layer)[0]
+            depth = probe_depths(layer_bytes(shape, type_name))[0]
             on_base, on_type = timed_in_turns(work, shape, [(base, depth), (layer, depth)], threads)
             costs[type_name] = (base_cost + (on_type - on_base) / depth / fitted[type_name]) * 1e9
     return costs
@@ -245,11 +257,8 @@ def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool
     the cache)."""
     from compressor.runtime.progress import note, progress_bar
 
-    path = cache_dir() / "decode-cost" / f"{cost_key(_library_origin(), shape, threads)}.json"
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
+    path = _cost_path(shape, threads)
+    known = _read_json(path)
     missing = sorted(set(type_names) - set(known))
     if missing:
         note(f"Measuring llama.cpp's decode cost of {', '.join(missing)} on this CPU (once)", progress)
@@ -259,6 +268,91 @@ def decode_costs(type_names, shape: LayerShape, threads: int = 1, progress: bool
             atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
             bar.advance(1)
     return {name: known[name] for name in type_names}
+
+
+def _cost_path(shape: LayerShape, threads: int) -> Path:
+    return cache_dir() / "decode-cost" / f"{cost_key(_library_origin(), shape, threads)}.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def unmeasured_types(type_names, shape: LayerShape, threads: int = 1) -> list[str]:
+    """Those of `type_names` whose cost this CPU has not measured for `shape` (what `decode_costs` would measure),
+    `BASE_TYPE` first where it is among them or the others need it."""
+    known = _read_json(_cost_path(shape, threads))
+    missing = set(type_names) - set(known)
+    if missing and BASE_TYPE not in known:
+        missing.add(BASE_TYPE)  # every other type's cost stands on the base's slope
+    return sorted(missing, key=lambda t: (t != BASE_TYPE, t))
+
+
+@dataclass(frozen=True)
+class ProbeTiming(CpuShared):
+    """One `BASE_TYPE` probe at its shallower depth: its layers and bytes of matrices, the seconds it took to write,
+    load and warm up, its seconds per decoded token (the faster of two calls), and the CPU's share the calls had."""
+
+    layers: int
+    bytes: int
+    load: float
+    token: float
+    cpu_share: float = 1.0
+
+
+def probe_timing(shape: LayerShape, threads: int = 1) -> ProbeTiming:
+    """What `measurement_seconds` prices a measurement by: a few seconds, once per CPU, llama.cpp build and shape
+    (`cache_root.measured_once`: not kept when other work held the CPU)."""
+    return measured_once(
+        "decode-probe-",
+        cost_key(_library_origin(), shape, threads),
+        lambda: _time_probe(shape, threads),
+        ProbeTiming,
+    )
+
+
+def _time_probe(shape: LayerShape, threads: int) -> ProbeTiming:
+    nbytes = layer_bytes(shape, BASE_TYPE)
+    depth = probe_depths(nbytes)[0]
+    with tempfile.TemporaryDirectory(prefix="masa-decode-cost-") as folder:
+        start = time.perf_counter()
+        probe = _Probe(Path(folder), shape, _blocks(shape, BASE_TYPE), depth, threads)
+        try:
+            load = time.perf_counter() - start
+            cpu, wall = time.process_time(), time.perf_counter()
+            token = min(probe.time(), probe.time())
+            share = min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall) / threads)
+        finally:
+            probe.close()
+    return ProbeTiming(depth, depth * nbytes, load, token, share)
+
+
+def measurement_seconds(type_names, shape: LayerShape, threads: int = 1, quantize_rate=None) -> float:
+    """How long `decode_costs(type_names, ...)` will take to measure the types it has not (0: all cached). Each
+    measurement loads its two probes `PROBE_ROUNDS` times and decodes `PROBE_REPEATS` calls of `PROBE_TOKENS` from
+    each (`BASE_TYPE`'s two depths, every other type's probe beside `BASE_TYPE`'s at its depth), priced by
+    `probe_timing`: a probe's loading by its bytes, its decoding by its layers (a type's decode cost per weight
+    stands within 2x of `BASE_TYPE`'s at one thread, where bytes would price a 4-bit type 4x cheaper); and
+    quantizes one layer in the type at `quantize_rate(type)` weights a second (None: not priced)."""
+    missing = unmeasured_types(type_names, shape, threads)
+    if not missing:
+        return 0.0
+    timing, base = probe_timing(shape, threads), layer_bytes(shape, BASE_TYPE)
+    per_layer = PROBE_REPEATS * PROBE_TOKENS * timing.token / timing.layers
+    seconds = 0.0
+    for type_name in missing:
+        if type_name == BASE_TYPE:
+            probes = [(depth, depth * base) for depth in probe_depths(base)]
+        else:
+            depth = probe_depths(layer_bytes(shape, type_name))[0]
+            probes = [(depth, depth * base), (depth, depth * layer_bytes(shape, type_name))]
+        seconds += PROBE_ROUNDS * sum(d * per_layer + b * timing.load / timing.bytes for d, b in probes)
+        if quantize_rate is not None:
+            seconds += shape.weights / quantize_rate(type_name)
+    return seconds
 
 
 def decode_seconds(matrices: dict[str, tuple[str, int]], costs: dict[str, float]) -> float:

@@ -19,23 +19,19 @@ import torch
 
 from compressor.quantize.byte_budget import CANDIDATE_TYPES, squared_rounding
 from compressor.quantize.ggml_quantize import quantize_with_llama_cpp
-from compressor.runtime.cache_root import BUSY_SHARE, measured_once
+from compressor.runtime.cache_root import CpuShared, measured_once
 from compressor.runtime.device import cpu_name
 
 ROUNDING_RATES_FORMAT = 1
 
 
 @dataclass(frozen=True)
-class RoundingRates:
+class RoundingRates(CpuShared):
     """Weights a second per type: measuring its rounding error (`errors`) and quantizing alone (`quantize`)."""
 
     errors: dict[str, float]
     quantize: dict[str, float]
     cpu_share: float = 1.0
-
-    @property
-    def busy(self) -> bool:
-        return self.cpu_share < BUSY_SHARE
 
 
 def _weights_per_second(weights: int, run, least_seconds: float = 0.05) -> float:

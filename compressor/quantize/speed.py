@@ -145,6 +145,70 @@ def _with_loss(plan: BytePlan, options: dict[str, list[Option]]) -> BytePlan:
     return plan
 
 
+def fastest_within(options, seconds, fixed_bytes: int, budget: int, limit_seconds: float) -> BytePlan:
+    """The fastest file of these bytes (each option priced by its time alone), or a one-line error where even it is
+    predicted slower than `limit_seconds`, naming the speed it reaches."""
+    timed = {n: [replace(o, predicted=seconds[n][o.type_name]) for o in opts] for n, opts in options.items()}
+    fastest = allocate(timed, fixed_bytes, budget)
+    if fastest.predicted > limit_seconds:
+        raise UserError(
+            f"--speed: the fastest file of these bytes is predicted at {1 / fastest.predicted:.1f} tokens/s on "
+            f"this CPU ({SPEED_THREADS} thread), short of the {1 / limit_seconds:.1f} asked: ask for at most that, "
+            "or for more bytes"
+        )
+    return fastest
+
+
+def config_layer_shape(config):
+    """The layer shape of the model `config` describes (`decode_cost.LayerShape`, its widths before any
+    structure): what its decode costs are measured on."""
+    from compressor.modeling.adapters import geometry_from_config
+    from compressor.quantize.decode_cost import LayerShape
+
+    g = geometry_from_config(config)
+    return LayerShape(g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size)
+
+
+def config_matrices(config, layer) -> list[tuple]:
+    """(GGUF name, a weightless array of its shape, None) for every matrix of the model `config` describes, its
+    layers all like `layer` (`decode_cost.LayerShape`): what a file's types are chosen over, known before any
+    weight is read."""
+    import numpy as np
+
+    shapes = {
+        f"blk.{i}.{n}.weight": rc
+        for i in range(config.num_hidden_layers)
+        for n, rc in layer.matrices().items()
+    }
+    shapes["token_embd.weight"] = (config.vocab_size, layer.hidden)
+    if not getattr(config, "tie_word_embeddings", False):
+        shapes["output.weight"] = (config.vocab_size, layer.hidden)
+    return [(name, np.broadcast_to(np.float32(0), rows_cols), None) for name, rows_cols in shapes.items()]
+
+
+def check_reachable(
+    config, layer, budget: int, target: SpeedTarget | None, allowed, costs_of: Callable
+) -> None:
+    """A tokens-per-second limit no file of `budget` bytes reaches, refused from the config before any statistic
+    is measured: the fastest plan over every candidate type of each matrix (within `allowed`), the file's metadata
+    left out, so what is refused here the allocation would refuse too (`mix`'s limit is a file of those bytes)."""
+    from compressor.quantize.byte_budget import candidate_types, within
+
+    if target is None or target.mix:
+        return
+    matrices = config_matrices(config, layer)
+    options = {
+        name: [Option(t, padded(array.shape[0] * row_bytes(t, array.shape[1])), 0.0)
+               for t in within(name, candidate_types(array.shape[1], True), allowed)]
+        for name, array, _ in matrices
+    }  # fmt: skip
+    types = sorted({o.type_name for opts in options.values() for o in opts})
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    fastest_within(
+        options, matrix_seconds(matrices, costs_of(types), tied), 0, budget, 1 / target.tokens_per_second
+    )
+
+
 def allocate_within_time(
     options: dict[str, list[Option]],
     seconds: dict[str, dict[str, float]],
@@ -159,15 +223,7 @@ def allocate_within_time(
     plan = plan or allocate(options, fixed_bytes, budget)
     if plan_seconds(plan.types, seconds) <= limit_seconds:
         return plan, 0.0
-    # the fastest file of these bytes: each option priced by its time alone
-    timed = {n: [replace(o, predicted=seconds[n][o.type_name]) for o in opts] for n, opts in options.items()}
-    fastest = allocate(timed, fixed_bytes, budget)
-    if fastest.predicted > limit_seconds:
-        raise UserError(
-            f"--speed: the fastest file of these bytes is predicted at {1 / fastest.predicted:.1f} tokens/s on "
-            f"this CPU ({SPEED_THREADS} thread), short of the {1 / limit_seconds:.1f} asked: ask for at most that, "
-            "or for more bytes"
-        )
+    fastest = fastest_within(options, seconds, fixed_bytes, budget, limit_seconds)
     span = max(max(o.predicted for o in opts) for opts in options.values()) or 1.0
     quickest = min(s for by_type in seconds.values() for s in by_type.values() if s > 0)
     high = span / quickest  # the loss of a whole matrix's worst type against its quickest time

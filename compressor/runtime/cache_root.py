@@ -68,6 +68,18 @@ def sha256_of(path: Path) -> str:
 BUSY_SHARE = 0.75
 
 
+class CpuShared:
+    """A timing's dataclass that records the share of the CPU it had (its `cpu_share` field): `measured_once`
+    keeps it only where other work did not hold the cores (`busy`)."""
+
+    cpu_share: float
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other work held the CPU: prices one estimate, never cached."""
+        return self.cpu_share < BUSY_SHARE
+
+
 def measured_once(name: str, identity: str, measure, kind):
     """A timing measured once per machine: `kind(**fields)` of the JSON cached under `rates/<name><identity's
     hash>.json` where it reads, else `measure()`, kept there unless it was taken while other work held the CPU

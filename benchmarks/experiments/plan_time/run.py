@@ -17,6 +17,12 @@ factors of the stages a byte budget adds (`SIZE_FACTORS`): see README.md for the
 
 `--orders` times one MLP of the 1.5B model's widths (the block greedy's order and its errors) beside their
 arithmetic: the factors `ORDER_FACTORS` takes for them (the bundled model's run orders its neurons greedily).
+
+`--decode-cost SIZE` times what `--speed mix` measures the first time on this CPU (llama.cpp's decode cost of
+every type the chooser asks for at that budget, on a cache of its own) beside what `plan --size SIZE --speed mix`
+prices it at (`size_time.decode_cost_seconds`):
+
+    python -m benchmarks.experiments.plan_time.run --decode-cost 80MiB --out benchmarks/results/choices/plan-time.json
 """
 
 from __future__ import annotations
@@ -89,6 +95,40 @@ def time_orders(width: int = 8960, hidden: int = 1536, tokens: int = 12000) -> d
             "greedy-block": round((middle - start) / block, 2), "tail": round((end - middle) / tail, 2)}  # fmt: skip
 
 
+def time_decode_costs(model: str, size: str) -> dict:
+    """`plan --size SIZE --speed mix`'s price of the decode-cost measurement, and the measurement's own time, on a
+    cache of its own (no type measured; the probe `plan` times counted in the plan's seconds)."""
+    import time
+
+    from compressor.api.model_loading import resolve_model
+    from compressor.api.preview import model_parameter_count, read_model_config
+    from compressor.api.size_time import decode_cost_seconds, speed_types
+    from compressor.quantize.byte_budget import parse_budget
+    from compressor.quantize.decode_cost import decode_costs, unmeasured_types
+    from compressor.quantize.rounding_rates import rounding_rates
+    from compressor.quantize.speed import SPEED_THREADS
+
+    config = read_model_config(resolve_model(model))[0]
+    budget = parse_budget(size, None).bytes_for(model_parameter_count(config))
+    layer, types = speed_types(config, budget, mix=True)
+    before = os.environ.get("MASA_CACHE")
+    with tempfile.TemporaryDirectory(prefix="masa-plan-time-") as work:
+        os.environ["MASA_CACHE"] = str(cache_of_its_own(Path(work) / "cache", ("models", "text", "rates")))
+        try:
+            start = time.perf_counter()
+            planned = decode_cost_seconds(config, budget, "mix", rounding_rates())
+            plan_seconds = time.perf_counter() - start
+            missing = unmeasured_types(types, layer, SPEED_THREADS)
+            start = time.perf_counter()
+            decode_costs(sorted(types), layer, SPEED_THREADS, progress=False)
+            measured = time.perf_counter() - start
+        finally:
+            os.environ.pop("MASA_CACHE") if before is None else os.environ.update(MASA_CACHE=before)
+    return {"model": model, "size": size, "types": missing, "measured_s": round(measured, 1),
+            "planned_s": round(planned, 1), "plan_s": round(plan_seconds, 1),
+            "ratio": round(measured / planned, 3)}  # fmt: skip
+
+
 def stage_factors(size: bool) -> dict[str, float]:
     """Each stage's factor this run was planned with: a `compress` run's `STAGE_FACTORS`; a `--size` run's
     `SIZE_FACTORS` for the stages a byte budget adds, its structure's `structure_*` at the compress run's."""
@@ -109,17 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit", action="store_true", help="print the factors that fit this run")
     parser.add_argument("--merge", action="store_true", help="add the run to --out's runs")
     parser.add_argument("--orders", action="store_true", help="time one 1.5B-wide MLP's neuron order only")
+    parser.add_argument(
+        "--decode-cost", metavar="SIZE", help="time --speed mix's first decode-cost measurement"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if args.orders:
+    if args.orders or args.decode_cost:
         data = (
             json.loads(args.out.read_text())
             if args.out.is_file()
             else {"machine": machine_info(), "runs": []}
         )
-        data["neuron_orders"] = time_orders()
+        key = "neuron_orders" if args.orders else "decode_cost"
+        data[key] = time_orders() if args.orders else time_decode_costs(args.model, args.decode_cost)
         write_json(args.out, data)
-        log(f"neuron orders: {data['neuron_orders']}")
+        log(f"{key}: {data[key]}")
         return
     log(f"masa-compress {args.model} {args.args} --json (a fresh cache)")
     summary = measured_run(args.model, shlex.split(args.args))
