@@ -283,3 +283,13 @@ def test_a_limit_out_of_reach_is_refused_before_any_weight_or_statistic(tmp_path
     with pytest.raises(WeightsRead):  # within reach: on to the weights
         run(f"{fastest / 2:.1f}")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_mixture_of_experts_is_refused_from_its_config():
+    from conftest import tiny_config
+
+    from compressor.quantize.speed import config_layer_shape
+
+    with pytest.raises(UserError, match=r"--speed: a mixture of experts' decode cost is not measured"):
+        config_layer_shape(tiny_config("mixtral"))
+    assert config_layer_shape(tiny_config("llama")).intermediate == tiny_config("llama").intermediate_size

@@ -163,8 +163,12 @@ def config_layer_shape(config):
     """The layer shape of the model `config` describes (`decode_cost.LayerShape`, its widths before any
     structure): what its decode costs are measured on."""
     from compressor.modeling.adapters import geometry_from_config
+    from compressor.modeling.families import family_of
     from compressor.quantize.decode_cost import LayerShape
 
+    family = family_of(config.model_type)
+    if family is not None and family.experts:  # as `decode_cost.matrices_layer_shape` refuses a file's
+        raise UserError("--speed: a mixture of experts' decode cost is not measured: drop --speed")
     g = geometry_from_config(config)
     return LayerShape(g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size)
 
