@@ -106,7 +106,7 @@ def compress_command(
     if given["size"] is not None or given["bits_per_weight"] is not None:
         compress_to_size_command(model, options, ratio_given, dry_run, as_json, device, dtype, quiet)
         return
-    refuse_without_budget(given["only_types"], rounding, imatrix, given["speed"])
+    refuse_without_budget({**given, "rounding": rounding, "imatrix": imatrix})
     if dry_run:
         show_plan(model, options, layout=None, as_json=as_json)
         return

@@ -152,7 +152,7 @@ def plan_command(
     if given["size"] is not None or given["bits_per_weight"] is not None:
         show_size_plan(model, options, given["ratio"] is not None, as_json)
         return
-    refuse_without_budget(given["only_types"], speed=given["speed"])
+    refuse_without_budget(given)
     show_plan(model, options, _parse_layout(layout), as_json)
 
 

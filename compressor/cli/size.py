@@ -33,21 +33,40 @@ def compress_to_size_command(model, options, ratio_given, dry_run, as_json, devi
     print_size_summary(run.summary)
 
 
-def refuse_without_budget(
-    only_types: str | None, rounding: str | None = None, imatrix: str | None = None, speed: str | None = None
-) -> None:
-    """The options of a byte budget given without one (`--size` / `--bits-per-weight`), refused in one line."""
-    if only_types is not None:
-        from compressor.quantize.byte_budget import parse_only_types
+def _only_types(value: str) -> None:
+    from compressor.quantize.byte_budget import parse_only_types
 
-        parse_only_types(only_types, budget_given=False)
+    parse_only_types(value, budget_given=False)
+
+
+def _speed(value: str) -> None:
     from compressor.quantize.speed import parse_speed
 
-    parse_speed(speed, budget_given=False)
-    if rounding is not None:
-        raise UserError(f"--rounding {rounding} rounds a GGUF's types: add --size (or use export --rounding)")
-    if imatrix is not None:
-        raise UserError(f"--imatrix {imatrix} weighs a GGUF's rounding: add --size (or use export --imatrix)")
+    parse_speed(value, budget_given=False)
+
+
+def _refuse(message: str):
+    def refuse(value: str) -> None:
+        raise UserError(message.format(value))
+
+    return refuse
+
+
+#: The options that mean something only under a byte budget (`--size` / `--bits-per-weight`), each with what
+#: refuses it, in one line, given without one: a new such option is one entry here.
+NEEDS_BUDGET = {
+    "only_types": _only_types,
+    "speed": _speed,
+    "rounding": _refuse("--rounding {} rounds a GGUF's types: add --size (or use export --rounding)"),
+    "imatrix": _refuse("--imatrix {} weighs a GGUF's rounding: add --size (or use export --imatrix)"),
+}
+
+
+def refuse_without_budget(given: dict) -> None:
+    """The options of a byte budget `given` (name → value) without one, refused in one line."""
+    for name, refuse in NEEDS_BUDGET.items():
+        if given.get(name) is not None:
+            refuse(given[name])
 
 
 def show_size_plan(model: str, options: CompressOptions, ratio_given: bool, as_json: bool) -> None:
