@@ -172,11 +172,11 @@ def test_the_measurement_is_priced_by_its_probes_layers_and_bytes_and_nothing_on
     is not cached; one layer quantized at the rate given; nothing where every type is cached."""
     pytest.importorskip("xllamacpp")
     monkeypatch.setenv("MASA_CACHE", str(tmp_path))
-    timing = decode_cost.ProbeTiming(layers=4, bytes=1 << 20, load=0.5, token=1e-3)
+    timing = decode_cost.ProbeTiming(layers=4, load=0.5, token=1e-3)
     monkeypatch.setattr(decode_cost, "probe_timing", lambda shape, threads: timing)
-    per_layer = decode_cost.PROBE_REPEATS * decode_cost.PROBE_TOKENS * 1e-3 / 4
-    per_byte = 0.5 / (1 << 20)
     base, q8 = layer_bytes(TINY, "F16"), layer_bytes(TINY, "Q8_0")
+    per_layer = decode_cost.PROBE_REPEATS * decode_cost.PROBE_TOKENS * 1e-3 / 4
+    per_byte = 0.5 / (4 * base)  # the timed probe: 4 layers of F16
     assert base == 2 * TINY.weights and q8 == TINY.weights // 32 * 34  # Q8_0: 34 bytes a block of 32
     assert layer_bytes(TINY, "Q4_K") == base - 64 * 256 * 2 + 64 * 144  # ffn_down alone holds Q4_K's blocks
     shallow, deep = probe_depths(base)

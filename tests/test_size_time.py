@@ -165,3 +165,5 @@ def test_plan_size_with_speed_prices_the_decode_costs_not_yet_measured_into_the_
     assert len(mix) == 7 * c.num_hidden_layers + 1 + (not c.tie_word_embeddings)  # each matrix, the embedding
     main(["plan", str(folder), "--size", "5800KiB", "--speed", "mix"])
     assert "about 123 s to measure the ones not yet measured" in capsys.readouterr().out.replace("\n", " ")
+    main(["plan", str(folder), "--size", "5800KiB", "--speed", "30", "--only-types", "q8_0,q4_0", "--json"])
+    assert asked[-1] == {"Q8_0", "Q4_0"}  # a tokens/s limit: the candidates --only-types keeps, no mix's

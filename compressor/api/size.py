@@ -249,7 +249,8 @@ def size_time(model: str, source, config, options: CompressOptions, structure_op
     importance = importance_calibration(source, source, options.calib_samples)
     gpu = resolve_device("auto").type == "cuda"
     return size_time_estimate(
-        config, importance, evaluation, budget, structure, gpu, options.rounding == "compensated", options.speed
+        config, importance, evaluation, budget, structure, gpu, options.rounding == "compensated", options.speed,
+        parse_only_types(options.only_types),
     )  # fmt: skip
 
 

@@ -89,14 +89,16 @@ def nearest_type(bits: float, row_length: int) -> str:
     )
 
 
-def decode_cost_seconds(config, budget: int, speed: str | None, rounding: RoundingRates) -> float:
+def decode_cost_seconds(
+    config, budget: int, speed: str | None, rounding: RoundingRates, allowed=None
+) -> float:
     """Measuring what `--speed` needs of llama.cpp's decode costs and this CPU has not measured for the model's
-    layer shape (`speed_types`; 0: no speed asked, or all measured). A type ggml's quantizer rate was not measured
+    layer shape (`speed_types`, within the `allowed` types; 0: no speed asked, or all measured). A type ggml's quantizer rate was not measured
     for (a mix's i-quant) is priced at the slowest rate measured."""
     target = parse_speed(speed)
     if target is None:
         return 0.0
-    layer, types = speed_types(config, budget, target.mix)
+    layer, types = speed_types(config, budget, target.mix, allowed)
     slowest = min(rounding.quantize.values())
     return measurement_seconds(types, layer, SPEED_THREADS, lambda t: rounding.quantize.get(t, slowest))
 
@@ -118,11 +120,13 @@ def check_speed_early(config, wanted, target, allowed, progress: bool) -> None:
     check_reachable(config, layer, wanted.bytes_for(model_parameter_count(config)), target, allowed, costs_of)
 
 
-def speed_types(config, budget: int, mix: bool) -> tuple[LayerShape, set[str]]:
+def speed_types(config, budget: int, mix: bool, allowed=None) -> tuple[LayerShape, set[str]]:
     """The layer shape `--speed` measures decode costs on (the original's widths) and the types it asks for: every
-    candidate type of its row lengths and, for `mix`, the types of the mix nearest the budget."""
+    candidate type of its row lengths (within `allowed`, `--only-types`; None: all) and, for `mix`, the types of
+    the mix nearest the budget."""
     layer = config_layer_shape(config)
     types = {t for _, cols in layer.matrices().values() for t in candidate_types(cols, True)}
+    types = types if allowed is None else types & set(allowed)
     if mix:
         types |= set(_mix_types(config, layer, budget).values())
     return layer, types
@@ -174,12 +178,14 @@ def size_time_estimate(
     gpu: bool = False,
     compensated: bool = False,
     speed: str | None = None,
+    allowed: frozenset[str] | None = None,
 ) -> dict:
     """`plan --size`'s time: each stage's seconds on this machine, their total and the rates they were priced at.
     `importance`: the importance pass's calibration (`CalibrationSettings`); `evaluation`: the scoring's settings
     (`EvaluationSettings`; None: no evaluation); `structure`: (its resolved run, its options) where a structure is
     built; `compensated`: `--rounding compensated` (its passes are not priced: said); `speed`: `--speed`, whose
-    decode costs not yet measured on this CPU join the export's time (`decode_cost` says how many seconds). Cached
+    decode costs not yet measured on this CPU (of the `allowed` types, `--only-types`) join the export's time
+    (`decode_cost` says how many seconds). Cached
     importance weights and rounding errors make a run shorter (the estimate counts them in full)."""
     from compressor.runtime.device import resolve_device
 
@@ -196,7 +202,7 @@ def size_time_estimate(
         unpriced.append("--rounding compensated's passes not counted (nearest's priced)")
     rounding = rounding_rates()
     added = size_stage_seconds(shape, work, rates, rounding)
-    decode_cost = decode_cost_seconds(config, budget, speed, rounding)
+    decode_cost = decode_cost_seconds(config, budget, speed, rounding, allowed)
     added["export"] += decode_cost
     stages = {"importance": added.pop("importance")}  # the stages in the order the run takes them
     if structure is not None:

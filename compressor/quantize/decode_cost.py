@@ -293,11 +293,10 @@ def unmeasured_types(type_names, shape: LayerShape, threads: int = 1) -> list[st
 
 @dataclass(frozen=True)
 class ProbeTiming(CpuShared):
-    """One `BASE_TYPE` probe at its shallower depth: its layers and bytes of matrices, the seconds it took to write,
-    load and warm up, its seconds per decoded token (the faster of two calls), and the CPU's share the calls had."""
+    """One `BASE_TYPE` probe at its shallower depth: its layers, the seconds it took to write, load and warm up, its
+    seconds per decoded token (the faster of two calls), and the CPU's share the calls had."""
 
     layers: int
-    bytes: int
     load: float
     token: float
     cpu_share: float = 1.0
@@ -315,8 +314,7 @@ def probe_timing(shape: LayerShape, threads: int = 1) -> ProbeTiming:
 
 
 def _time_probe(shape: LayerShape, threads: int) -> ProbeTiming:
-    nbytes = layer_bytes(shape, BASE_TYPE)
-    depth = probe_depths(nbytes)[0]
+    depth = probe_depths(layer_bytes(shape, BASE_TYPE))[0]
     with tempfile.TemporaryDirectory(prefix="masa-decode-cost-") as folder:
         start = time.perf_counter()
         probe = _Probe(Path(folder), shape, _blocks(shape, BASE_TYPE), depth, threads)
@@ -327,7 +325,7 @@ def _time_probe(shape: LayerShape, threads: int) -> ProbeTiming:
             share = min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall) / threads)
         finally:
             probe.close()
-    return ProbeTiming(depth, depth * nbytes, load, token, share)
+    return ProbeTiming(depth, load, token, share)
 
 
 def measurement_seconds(type_names, shape: LayerShape, threads: int = 1, quantize_rate=None) -> float:
@@ -342,6 +340,7 @@ def measurement_seconds(type_names, shape: LayerShape, threads: int = 1, quantiz
         return 0.0
     timing, base = probe_timing(shape, threads), layer_bytes(shape, BASE_TYPE)
     per_layer = PROBE_REPEATS * PROBE_TOKENS * timing.token / timing.layers
+    per_byte = timing.load / (timing.layers * base)  # the timed probe's bytes
     seconds = 0.0
     for type_name in missing:
         if type_name == BASE_TYPE:
@@ -349,7 +348,7 @@ def measurement_seconds(type_names, shape: LayerShape, threads: int = 1, quantiz
         else:
             depth = probe_depths(layer_bytes(shape, type_name))[0]
             probes = [(depth, depth * base), (depth, depth * layer_bytes(shape, type_name))]
-        seconds += PROBE_ROUNDS * sum(d * per_layer + b * timing.load / timing.bytes for d, b in probes)
+        seconds += PROBE_ROUNDS * sum(d * per_layer + b * per_byte for d, b in probes)
         if quantize_rate is not None:
             seconds += shape.weights / quantize_rate(type_name)
     return seconds
