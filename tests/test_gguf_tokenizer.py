@@ -163,11 +163,11 @@ def sentencepiece_tokenizer_files(folder: Path, family: str) -> Path:
     return folder
 
 
-#: Families whose converter reads a `tokenizer.model` first, each through a different path: Llama's, Qwen2's
-#: Phi-3's own variant, Gemma's (with its fill-in-the-middle tokens), Gemma 2's and Gemma 3's. Qwen2's converter
-#: reads one too, but transformers reads a Qwen2 folder's tokenizer as its own BPE (the long converter test
-#: checks its fields).
-SENTENCEPIECE_FAMILIES = ["llama", "phi3", "gemma", "gemma2", "gemma3_text"]
+#: The families whose converter reads a `tokenizer.model` first and transformers reads it too: Llama's path (and
+#: Mistral, Mixtral, SmolLM3 through it), Phi-3's own variant, Gemma's (with its fill-in-the-middle tokens), Gemma
+#: 2's and Gemma 3's. Qwen2's and Qwen3's converters read one too, but transformers reads those folders' tokenizers
+#: as its own BPE: the long converter test checks their fields.
+SENTENCEPIECE_FAMILIES = ["llama", "mistral", "mixtral", "smollm3", "phi3", "gemma", "gemma2", "gemma3_text"]
 
 
 @pytest.mark.parametrize("family", SENTENCEPIECE_FAMILIES)

@@ -163,10 +163,10 @@ def test_gemma_export_is_llama_cpp_s_own_conversion(tmp_path, llama_cpp_sources,
     assert (ours_lp - expected).abs().max() < 2e-3  # the engine's float16 GELU table (4e-4 measured at most)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
 def test_sentencepiece_tokenizer_fields_are_llama_cpp_s_converter_s(tmp_path, llama_cpp_sources, family):
     """A folder with a SentencePiece `tokenizer.model`, converted by the tool and by llama.cpp's own converter
-    (`--vocab-only`) for each path the converter reads it by (Llama's, Qwen2's, Phi-3's own): the same
+    (`--vocab-only`) for each path the converter reads it by (Llama's, Qwen2's and Qwen3's, Phi-3's own): the same
     `tokenizer.*` fields, value for value (Gemma's: the test above, whole files)."""
     from conftest import tiny_model
     from test_gguf_tokenizer import SENTENCEPIECE_VOCAB, as_dict, sentencepiece_tokenizer_files
